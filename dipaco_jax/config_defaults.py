@@ -91,6 +91,7 @@ def base() -> ml_collections.ConfigDict:
   c.routing.kmeans_restarts = 4  # k-means++ restarts (best inertia kept).
   c.routing.kmeans_iters = 100  # Lloyd iterations per restart.
   c.routing.seed = 0  # Seed of k-means and of the logistic regressions.
+  c.routing.replica_shards = "hash"  # Replicas of a path: "hash" (i.i.d.) | "router" (one cluster per worker: DiLoCo non-i.i.d.).
   c.routing.router_max_docs = 0  # Router-split documents scored per discriminative phase (0 = all).
   c.routing.discriminative_at_outer_step = -1  # Re-shard after this outer step (1..T-1); -1 = never.
   c.routing.discriminative_phases = 1  # Number of discriminative re-shards (paper: 1).

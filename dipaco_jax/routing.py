@@ -8,7 +8,9 @@ Routers live in `<workdir>/router/phase_<k>/` (router.npz + router.json).
 Path ids follow `topology.Topology.paths` (row-major over the levels). A
 router's grid is the run's K_l of the levels with K_l > 1 (levels shared by
 every path do not route), or (P,) for an explicit path subset. With replicas,
-a path's documents are spread over its workers by a hash of the doc id.
+a path's documents are spread over its workers by a hash of the doc id, or,
+with `routing.replica_shards="router"` (DiLoCo's non-i.i.d. shards), the
+phase-0 router has one cluster per worker: grid (W,).
 """
 
 import dataclasses
@@ -27,11 +29,14 @@ from dipaco_jax import data as data_lib
 from dipaco_jax.data import corpus
 
 PHASE0_ROUTERS = ("random", "kmeans", "product_kmeans")
+REPLICA_SHARDS = ("hash", "router")
 ROUTER_DIR = "router"
 
 
-def router_grid(topo: topo_lib.Topology) -> tuple[int, ...]:
+def router_grid(topo: topo_lib.Topology, by_worker: bool = False) -> tuple[int, ...]:
   """The grid a router of this topology must have (see module doc)."""
+  if by_worker:
+    return (topo.num_workers,)
   full = int(np.prod(topo.modules_per_level))
   if topo.num_paths == full:
     return tuple(k for k in topo.modules_per_level if k > 1) or (1,)
@@ -65,10 +70,11 @@ class PathRouter:
   router: router_lib.Router | None  # None: random (hash of the doc id, as the shards).
   seed: int = 0  # config.data.seed (random only).
   feature_id: str = ""  # Which θ̄ and prefix the router reads (FeatureExtractor.fingerprint).
+  by_worker: bool = False  # The router picks workers, not paths (replica_shards="router").
 
   def __post_init__(self):
     if self.router is not None:
-      self.router.check_matches(grid=router_grid(self.topo), source=f"the {self.router.kind} "
+      self.router.check_matches(grid=router_grid(self.topo, self.by_worker), source=f"the {self.router.kind} "
                                 "router")
 
   @property
@@ -102,6 +108,8 @@ class PathRouter:
       raise ValueError(f"a {self.kind} router needs features; compute them with "
                        "FeatureExtractor.prefix_features.")
     paths_NxK = self.router.route(feats_NxD, top_k).astype(np.int64)
+    if self.by_worker:
+      return paths_NxK
     replica = (hash_ids(doc_ids) % np.uint64(R)).astype(np.int64)
     return paths_NxK * R + replica[:, None]
 
@@ -199,18 +207,36 @@ def collect(extractor: features_lib.FeatureExtractor | None, documents) -> dict[
   return out
 
 
+def replicas_by_router(config, topo: topo_lib.Topology) -> bool:
+  """Whether phase 0 routes documents to workers (config.routing.replica_shards="router")."""
+  how = config.routing.get("replica_shards", "hash")
+  if how not in REPLICA_SHARDS:
+    raise ValueError(f"config.routing.replica_shards={how!r}: choose one of {REPLICA_SHARDS}.")
+  if how == "hash" or topo.replicas == 1:
+    return False
+  if discriminative_steps(config):
+    raise ValueError("config.routing.replica_shards='router' clusters documents per worker in "
+                     "phase 0 only; discriminative re-shards route paths. Set "
+                     "discriminative_at_outer_step=-1 or replica_shards='hash'.")
+  return True
+
+
 def fit_phase0(config, topo: topo_lib.Topology, feats_NxD: np.ndarray) -> router_lib.Router:
-  """k-means or product k-means with one cluster per path, on router-split features."""
+  """k-means or product k-means with one cluster per path (or worker), on router features."""
   r = config.routing
   kw = dict(restarts=r.get("kmeans_restarts", 4), iters=r.get("kmeans_iters", 100),
             seed=r.get("seed", 0))
+  grid = router_grid(topo, replicas_by_router(config, topo))
   if r.router == "kmeans":
-    return router_lib.fit_kmeans_router(feats_NxD, router_grid(topo), **kw)
+    return router_lib.fit_kmeans_router(feats_NxD, grid, **kw)
   if r.router == "product_kmeans":
-    if router_grid(topo) == (topo.num_paths,) and len(topo.modules_per_level) > 1:
+    if grid == (topo.num_paths,) and len(topo.modules_per_level) > 1:
       raise ValueError("product_kmeans needs the full grid of paths; this run lists an explicit "
                        "path subset (config.dipaco.paths): use config.routing.router='kmeans'.")
-    return router_lib.fit_product_kmeans_router(feats_NxD, router_grid(topo), **kw)
+    if grid == (topo.num_workers,) and topo.replicas > 1:
+      raise ValueError("product_kmeans routes over the grid of paths; replica_shards='router' "
+                       "clusters per worker: use config.routing.router='kmeans'.")
+    return router_lib.fit_product_kmeans_router(feats_NxD, grid, **kw)
   raise ValueError(f"config.routing.router={r.router!r}: choose one of {PHASE0_ROUTERS}.")
 
 
@@ -222,9 +248,10 @@ def phase0_router(config, workdir: str, topo: topo_lib.Topology,
     raise ValueError(f"config.routing.router={kind!r}: choose one of {PHASE0_ROUTERS}.")
   if kind == "random":
     return PathRouter(topo, None, seed=config.data.seed)
+  by_worker = replicas_by_router(config, topo)
   directory = router_dir(workdir, 0)
   if os.path.exists(os.path.join(directory, router_lib.META_FILE)):
-    router = router_lib.Router.load(directory, grid=router_grid(topo),
+    router = router_lib.Router.load(directory, grid=router_grid(topo, by_worker),
                                     feature_dim=extractor.dim)
     if router.kind != kind or router.info.get("features") != extractor.fingerprint:
       raise ValueError(f"{directory} holds a {router.kind} router on features "
@@ -236,7 +263,8 @@ def phase0_router(config, workdir: str, topo: topo_lib.Topology,
     router.info["features"] = extractor.fingerprint
     if jax.process_index() == 0:  # Every process fits the same router; one writes it.
       router.save(directory)
-  return PathRouter(topo, router, seed=config.data.seed, feature_id=extractor.fingerprint)
+  return PathRouter(topo, router, seed=config.data.seed, feature_id=extractor.fingerprint,
+                    by_worker=by_worker)
 
 
 def load_phase_router(config, workdir: str, topo: topo_lib.Topology, phase: int,

@@ -103,6 +103,35 @@ def test_routed_shards_stream_in_batches_overlap_in_train_never_in_validation(
     assert ids == {d.doc_id for d, f in zip(docs["validation"], first) if f == p}
 
 
+def test_replica_shards_router_gives_each_worker_its_own_cluster():
+  """DiLoCo non-i.i.d.: one path, 3 replicas, the k-means clusters are the workers' shards."""
+  t = topology.build(("embed,block_0,block_1,head",), (1,), 2, replicas=3)
+  rng = np.random.default_rng(0)
+  centres = np.array([[9, 0], [0, 9], [-9, -9]], np.float32)
+  x = (centres[np.arange(90) % 3] + rng.normal(size=(90, 2))).astype(np.float32)
+  cfg = helpers.micro_config(**{"routing.router": "kmeans", "routing.replica_shards": "router"})
+  assert routing.replicas_by_router(cfg, t)
+  router = routing.fit_phase0(cfg, t, x)
+  assert router.grid == (3,)
+  pr = routing.PathRouter(t, router, by_worker=True)
+  w = pr.workers(np.arange(90), x)[:, 0]
+  # Each well-separated blob lands on exactly one worker, and each worker holds one blob.
+  blob_of_worker = {int(wk): {int(i % 3) for i in np.flatnonzero(w == wk)} for wk in range(3)}
+  assert sorted(len(v) for v in blob_of_worker.values()) == [1, 1, 1]
+  assert set().union(*blob_of_worker.values()) == {0, 1, 2}
+  np.testing.assert_array_equal(pr.paths(np.arange(90), x)[:, 0], np.zeros(90))
+  # A path-grid router is refused where workers are routed, and vice versa.
+  with pytest.raises(ValueError, match="router from another grid"):
+    routing.PathRouter(t, router)
+  cfg.routing.replica_shards = "cluster"
+  with pytest.raises(ValueError, match="replica_shards='cluster'"):
+    routing.replicas_by_router(cfg, t)
+  cfg.routing.replica_shards = "router"
+  cfg.dipaco.outer_steps, cfg.routing.discriminative_at_outer_step = 4, 2
+  with pytest.raises(ValueError, match="phase 0 only"):
+    routing.replicas_by_router(cfg, t)
+
+
 @pytest.fixture(scope="module")
 def independent():
   exp = experiment.Experiment(helpers.micro_config(**{"dipaco.init": "independent"}))
