@@ -64,6 +64,7 @@ def base() -> ml_collections.ConfigDict:
   c.data.seq_len = 1024  # Training sequence length (paper: 1024).
   c.data.batch_size = 512  # Sequences per path per inner step (paper: 512).
   c.data.seed = 0  # Shard assignment and batch order seed.
+  c.data.subsample = 1  # Keep one document in N of every split (doc-id hash; quick runs). 1 = all.
   c.data.top_k = 1  # Shards per training document (paper 16x16: 2); eval never overlaps.
   c.data.shard_dir = ml_collections.config_dict.placeholder(str)  # None = <workdir>/shards.
   c.data.empty_shard_policy = "error"  # A path with no documents stops the run.

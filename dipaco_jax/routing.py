@@ -177,7 +177,7 @@ def document_stream(data_cfg) -> Callable[[str], Iterator]:
   """split -> the split's documents, read exactly as prepare_shards reads them."""
   return lambda split: data_lib.iter_documents(
       data_cfg.task, split, data_dir=data_cfg.get("tfds_data_dir"),
-      vocab_path=data_cfg.get("vocab_path"))
+      vocab_path=data_cfg.get("vocab_path"), subsample=data_cfg.get("subsample", 1))
 
 
 def make_assignment(config, path_router: PathRouter,

@@ -38,6 +38,21 @@ def test_embedded_task_streams_tokenized_documents(tfds_dir):
   assert seqio.get_mixture_or_task("dipaco_embedded").output_features["targets"].add_eos
 
 
+def test_subsample_keeps_one_document_in_n_by_doc_id_hash(tfds_dir):
+  full = list(data.iter_documents("dipaco_embedded", "router", data_dir=tfds_dir))
+  part = list(data.iter_documents("dipaco_embedded", "router", data_dir=tfds_dir, subsample=4))
+  # The same hash, computed here in numpy: ((id * 2654435761) >> 16) mod 4 == 0.
+  want = [d.doc_id for d in full if ((d.doc_id * 2654435761) >> 16) % 4 == 0]
+  assert [d.doc_id for d in part] == want
+  assert 0.15 < len(part) / len(full) < 0.35
+  assert {d.domain for d in part} == {d.domain for d in full}  # Every domain keeps documents.
+  by_id = {d.doc_id: d for d in full}
+  np.testing.assert_array_equal(part[0].tokens, by_id[part[0].doc_id].tokens)
+  for bad in (0, 2.5, True):
+    with pytest.raises(ValueError, match="data.subsample"):
+      data.iter_documents("dipaco_embedded", "router", data_dir=tfds_dir, subsample=bad)
+
+
 def test_stats_counts_documents_and_tokens_per_domain(tfds_dir):
   from dipaco_jax.data import __main__ as cli  # pylint: disable=g-import-not-at-top
   table = cli.stats("dipaco_embedded", ["router"], data_dir=tfds_dir, max_docs=40)
@@ -111,6 +126,13 @@ def test_prepare_shards_writes_once_reuses_and_refuses_mismatch(tmp_path):
                                  top_k=2, seed=1), 3, shard_dir)
   with pytest.raises(ValueError, match="num_paths"):
     data.prepare_shards(cfg, 4, shard_dir)
+  with pytest.raises(ValueError, match=r"another config.*'subsample': \(1, 2\)"):
+    data.prepare_shards(data_cfg(cfg.tfds_data_dir, task="c4_en", vocab_path=cfg.vocab_path,
+                                 top_k=2, subsample=2), 3, shard_dir)
+  # C4's 62-bit doc ids overflow the hash's int64 product: it must still keep about 1 in 2.
+  half = data.prepare_shards(data_cfg(cfg.tfds_data_dir, task="c4_en", vocab_path=cfg.vocab_path,
+                                      subsample=2), 3, str(tmp_path / "half"))
+  assert 90 < half.num_docs("train").sum() < 210 and half.meta["subsample"] == 2
   with pytest.raises(data.EmptyShardError, match="got no train document"):
     data.prepare_shards(cfg, 3, str(tmp_path / "empty"),
                         assign=data.with_description(lambda d: [0], "all-to-path-0"))

@@ -20,7 +20,8 @@ __all__ = ["Document", "EmptyShardError", "PathBatcher", "ShardSet", "iter_docum
 
 
 def iter_documents(task: str, split: str, *, data_dir: str | None = None,
-                   vocab_path: str | None = None):
+                   vocab_path: str | None = None, subsample: int = 1):
   """Streams tokenized documents of a seqio task split (imports TensorFlow on first use)."""
   from dipaco_jax.data import tasks  # pylint: disable=g-import-not-at-top
-  return tasks.iter_documents(task, split, data_dir=data_dir, vocab_path=vocab_path)
+  return tasks.iter_documents(task, split, data_dir=data_dir, vocab_path=vocab_path,
+                              subsample=subsample)

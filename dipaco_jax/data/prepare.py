@@ -8,7 +8,8 @@ from dipaco_jax.data import vocab
 from etils import epath
 
 # Fields of the shard dir's meta.json that must match the run's config for the dir to be reused.
-MATCH_FIELDS = ("task", "num_paths", "assignment", "top_k", "seed", "vocab")
+MATCH_FIELDS = ("task", "num_paths", "assignment", "top_k", "seed", "vocab", "subsample")
+_MATCH_DEFAULTS = {"subsample": 1}  # Dirs written before a field existed hold its default.
 PENDING = "pending.json"  # the config of a prepare_shards call that has not finished yet
 
 
@@ -21,6 +22,7 @@ def shard_config(data_cfg, num_paths: int, assign: assign_lib.Assignment) -> dic
   task = data_cfg.task
   return {"task": task, "num_paths": num_paths, "assignment": description,
           "top_k": data_cfg.get("top_k", 1), "seed": data_cfg.seed,
+          "subsample": data_cfg.get("subsample", 1),
           "vocab": vocab.fingerprint(vocab.resolve(task, data_cfg.get("vocab_path")))}
 
 
@@ -45,7 +47,8 @@ def prepare_shards(data_cfg, num_paths: int, shard_dir: str, *, assign=None) -> 
       sizes[split] = json.loads((root / split / shards.META).read_text())["tokens"]
       continue
     docs = iter_documents(data_cfg.task, split, data_dir=data_cfg.get("tfds_data_dir"),
-                          vocab_path=data_cfg.get("vocab_path"))
+                          vocab_path=data_cfg.get("vocab_path"),
+                          subsample=data_cfg.get("subsample", 1))
     sizes[split] = shards.write_shards(
         shard_dir, split, docs, split_assign, num_paths,
         empty_policy=data_cfg.get("empty_shard_policy", "error")).tolist()
@@ -60,7 +63,8 @@ def _check_match(meta_path: epath.Path, want: dict, shard_dir: str) -> None:
   if not meta_path.exists():
     return
   have = json.loads(meta_path.read_text())
-  diff = {k: (have.get(k), want[k]) for k in MATCH_FIELDS if have.get(k) != want[k]}
+  diff = {k: (have.get(k, _MATCH_DEFAULTS.get(k)), want[k]) for k in MATCH_FIELDS
+          if have.get(k, _MATCH_DEFAULTS.get(k)) != want[k]}
   if diff:
     raise ValueError(
         f"Shard dir {shard_dir} was written for another config (field: (on disk, wanted)): "

@@ -36,9 +36,30 @@ def _check_task(task: str) -> None:
     raise ValueError(f"Unknown data task {task!r}; choose one of {TASKS} (config.data.task).")
 
 
-def register(task: str, *, data_dir: str | None = None, vocab_path: str | None = None) -> seqio.Task:
-  """(Re-)registers `task` in seqio's TaskRegistry with this data_dir and vocabulary."""
+def _keep_one_in(n: int):
+  """A preprocessor keeping the documents whose doc-id hash is 0 mod n (all domains alike)."""
+  def keep(ex):
+    h = tf.bitwise.right_shift(tf.cast(ex["doc_id"], tf.int64) * 2654435761, 16)
+    return tf.equal(tf.math.floormod(h, n), 0)
+  return lambda ds: ds.filter(keep)
+
+
+def check_subsample(subsample) -> int:
+  if not isinstance(subsample, int) or isinstance(subsample, bool) or subsample < 1:
+    raise ValueError(f"config.data.subsample={subsample!r}: must be an integer >= 1 (keep one "
+                     "document in N; 1 = all).")
+  return subsample
+
+
+def register(task: str, *, data_dir: str | None = None, vocab_path: str | None = None,
+             subsample: int = 1) -> seqio.Task:
+  """(Re-)registers `task` in seqio's TaskRegistry with this data_dir, vocabulary and subsample.
+
+  subsample > 1 keeps one document in `subsample`, chosen by a hash of the doc
+  id before tokenizing (quick experiments and smoke runs on a fraction of a split).
+  """
   _check_task(task)
+  check_subsample(subsample)
   if task == "dipaco_embedded":
     source = seqio.TfdsDataSource(
         tfds_name=f"dipaco_embedded/{tfds_builder.DipacoEmbedded.BUILDER_CONFIGS[0].name}:1.0.0",
@@ -53,13 +74,15 @@ def register(task: str, *, data_dir: str | None = None, vocab_path: str | None =
   seqio.TaskRegistry.remove(task)
   return seqio.TaskRegistry.add(
       task, source=source,
-      preprocessors=[seqio.map_over_dataset(fields), seqio.preprocessors.tokenize,
+      preprocessors=[seqio.map_over_dataset(fields),
+                     *([_keep_one_in(subsample)] if subsample > 1 else []),
+                     seqio.preprocessors.tokenize,
                      seqio.preprocessors.append_eos],
       output_features={"targets": seqio.Feature(sp_vocab, add_eos=True, dtype=tf.int32)})
 
 
 def iter_documents(task: str, split: str, *, data_dir: str | None = None,
-                   vocab_path: str | None = None) -> Iterator[Document]:
+                   vocab_path: str | None = None, subsample: int = 1) -> Iterator[Document]:
   """Streams the tokenized documents of a task split, in the source's order (no shuffling)."""
   _check_task(task)
   if split not in corpus.SPLITS:
@@ -71,7 +94,7 @@ def iter_documents(task: str, split: str, *, data_dir: str | None = None,
     raise FileNotFoundError(
         f"{C4_TFDS_NAME} is not prepared under data_dir={data_dir!r}. Point data.tfds_data_dir at "
         "a prepared copy (e.g. a gs:// bucket holding c4/en/3.1.0); it is never downloaded here.")
-  seqio_task = register(task, data_dir=data_dir, vocab_path=vocab_path)
+  seqio_task = register(task, data_dir=data_dir, vocab_path=vocab_path, subsample=subsample)
   ds = seqio_task.get_dataset(sequence_length=None, split=split, shuffle=False, num_epochs=1,
                               use_cached=False)
   return (Document(int(ex["doc_id"]), ex["targets"].astype(np.int32), ex["domain"].decode())
