@@ -67,7 +67,7 @@ def base() -> ml_collections.ConfigDict:
   c.data.subsample = 1  # Keep one document in N of every split (doc-id hash; quick runs). 1 = all.
   c.data.top_k = 1  # Shards per training document (paper 16x16: 2); eval never overlaps.
   c.data.shard_dir = ml_collections.config_dict.placeholder(str)  # None = <workdir>/shards.
-  c.data.empty_shard_policy = "error"  # A path with no documents stops the run.
+  c.data.empty_shard_policy = "error"  # Empty shard: "error" | "allow_validation" (own-shard val loss NaN, no early stop) | "allow".
 
   c.mesh = ml_collections.ConfigDict()
   c.mesh.path = -1  # Device groups on the 'path' axis (-1: gcd(workers, devices/model)).

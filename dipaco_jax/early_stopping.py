@@ -65,7 +65,8 @@ class BestPaths:
     val_W = np.asarray(val_W, np.float64)
     if phase != self.meta["phase"] or self.params is None:
       self.meta = self._empty(len(val_W), phase)
-    better_W = val_W < np.asarray(self.meta["loss"])
+    # A worker without validation tokens (NaN) has nothing to stop on: it keeps its latest.
+    better_W = (val_W < np.asarray(self.meta["loss"])) | np.isnan(val_W)
     if not better_W.any():
       return []
     if self.params is None:
@@ -73,7 +74,9 @@ class BestPaths:
     else:
       self.params = self._select(self.params, params_W, jnp.asarray(better_W))
     for w in np.flatnonzero(better_W):
-      self.meta["loss"][w], self.meta["step"][w] = float(val_W[w]), int(step)
+      if not np.isnan(val_W[w]):
+        self.meta["loss"][w] = float(val_W[w])
+      self.meta["step"][w] = int(step)
     self._manager.save(step, args=ocp.args.Composite(
         params=ocp.args.StandardSave(self.params, save_args=checkpoint.module_chunks(self.params)),
         meta=ocp.args.JsonSave(self.meta)), force=True)

@@ -161,9 +161,10 @@ class Experiment:
                        jnp.float32)
 
   def evaluate(self, params: PyTree, batches) -> np.ndarray:
-    """Token-weighted validation loss of each worker on its own shard [W]."""
+    """Token-weighted validation loss of each worker on its own shard [W] (NaN: no tokens)."""
     loss_sum = weight = 0.0
     for batch in batches:
       out = feed.host(self.eval_step(params, self.put_batch(batch)))
       loss_sum, weight = loss_sum + out["loss_sum"], weight + out["weight"]
-    return np.asarray(loss_sum) / np.maximum(np.asarray(weight), 1.0)
+    weight = np.asarray(weight)
+    return np.where(weight > 0, np.asarray(loss_sum) / np.maximum(weight, 1.0), np.nan)

@@ -16,6 +16,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
 from dipaco_jax import data as data_lib
+from dipaco_jax.data import batcher
 
 
 def local_block(sharding: NamedSharding, global_shape: Sequence[int]):
@@ -31,14 +32,36 @@ def local_block(sharding: NamedSharding, global_shape: Sequence[int]):
   return sorted(workers), slice(lo, hi)
 
 
+class _NoDocuments:
+  """An empty validation shard's batches: all padding (weight 0), so its loss reads NaN."""
+
+  def __init__(self, batch_size: int, seq_len: int, **unused_kw):
+    self._batch = {k: v[None] for k, v in batcher.pack([], batch_size, seq_len).items()}
+
+  def next_batch(self) -> dict[str, np.ndarray]:
+    return self._batch
+
+  def get_state(self) -> dict:
+    return {"empty": True}
+
+  def set_state(self, state: dict) -> None:
+    del state
+
+
 class Feed:
-  """Batches [local workers, local rows, T] from one PathBatcher per worker."""
+  """Batches [local workers, local rows, T] from one PathBatcher per worker.
+
+  Validation shards may be empty (data.empty_shard_policy="allow_validation");
+  those workers get padding-only batches. Training shards never may.
+  """
 
   def __init__(self, shard_set, split: str, workers: Sequence[int],
                rows: slice, **batcher_kw):
     self.workers = list(workers)
     self._rows = rows
-    self._its = {w: data_lib.PathBatcher(shard_set, split, [w], **batcher_kw)
+    docs = shard_set.num_docs(split)
+    self._its = {w: (_NoDocuments(**batcher_kw) if split != "train" and docs[w] == 0 else
+                     data_lib.PathBatcher(shard_set, split, [w], **batcher_kw))
                  for w in self.workers}
 
   def next_batch(self) -> dict[str, np.ndarray]:

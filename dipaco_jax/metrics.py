@@ -72,7 +72,7 @@ class MetricsLogger:
       if isinstance(value, (int, float)):
         scalars[key] = value
       elif isinstance(value, list) and value and isinstance(value[0], (int, float)):
-        scalars[f"{key}_mean"] = float(np.mean(value))
+        scalars[f"{key}_mean"] = float(np.nanmean(value))  # NaN: a worker without val data.
     self._writer.write_scalars(step, scalars)
     self._lines.append(json.dumps(record, sort_keys=True))
     self._flush()

@@ -13,6 +13,18 @@ _MATCH_DEFAULTS = {"subsample": 1}  # Dirs written before a field existed hold i
 PENDING = "pending.json"  # the config of a prepare_shards call that has not finished yet
 
 
+EMPTY_POLICIES = (*shards.EMPTY_POLICIES, "allow_validation")
+
+
+def split_policy(policy: str, split: str) -> str:
+  """write_shards' policy for one split: "allow_validation" lets only validation be empty."""
+  if policy not in EMPTY_POLICIES:
+    raise ValueError(f"config.data.empty_shard_policy={policy!r}: choose one of {EMPTY_POLICIES}.")
+  if policy == "allow_validation":
+    return "error" if split == "train" else "allow"
+  return policy
+
+
 def shard_config(data_cfg, num_paths: int, assign: assign_lib.Assignment) -> dict:
   """What a shard dir is built from, as recorded in its meta.json."""
   description = getattr(assign, "description", None)
@@ -51,7 +63,7 @@ def prepare_shards(data_cfg, num_paths: int, shard_dir: str, *, assign=None) -> 
                           subsample=data_cfg.get("subsample", 1))
     sizes[split] = shards.write_shards(
         shard_dir, split, docs, split_assign, num_paths,
-        empty_policy=data_cfg.get("empty_shard_policy", "error")).tolist()
+        empty_policy=split_policy(data_cfg.get("empty_shard_policy", "error"), split)).tolist()
   meta = {"format": shards.FORMAT, **want, "splits": ["train", "validation"], "tokens": sizes,
           "tfds_data_dir": data_cfg.get("tfds_data_dir")}
   (root / shards.META).write_text(json.dumps(meta, indent=1) + "\n")  # last: the dir is complete
