@@ -34,7 +34,10 @@ blocked calls after one warm-up. A store group sits on the 'path' axis
 when W divides K, else it is replicated on every device.
 
 Host CPUs: pinned to --cpus cores (default 1, as throughput.py) because the
-2-core host is shared; every fake device shares them.
+2-core host is shared; every fake device shares them. *_cpu_s: the median
+process CPU seconds (all threads, user + system) per call; with one pinned
+core, wall well above CPU means other work (or page faults) took the core.
+Load averages count this benchmark's own threads too (one+ per fake device).
 """
 # pylint: disable=invalid-name
 
@@ -113,11 +116,14 @@ def _memory(compiled) -> dict[str, int]:
   return out
 
 
-def _timed(loop: Loop, calls: int) -> tuple[float, list[float]]:
-  """Median and list of `calls` single blocked calls after one warm-up."""
+def _timed(loop: Loop, calls: int) -> tuple[float, list[float], float]:
+  """Wall s (median, each) of single blocked calls after a warm-up; median CPU s."""
   loop.run(1)
-  secs = [loop.run(1) for _ in range(calls)]
-  return statistics.median(secs), secs
+  secs, cpu = [], []
+  for _ in range(calls):
+    secs.append(loop.run(1))
+    cpu.append(loop.cpu_s)
+  return statistics.median(secs), secs, statistics.median(cpu)
 
 
 def paths_row(P: int, args) -> dict:
@@ -141,12 +147,12 @@ def paths_row(P: int, args) -> dict:
         f"{params_b + opt_b + batch_b}: memory numbers are not per device.")
   loop = Loop(lambda s: compiled(s[0], s[1], batch)[:2],
               (st.params, st.inner_opt), batch["inputs"].size)
-  step_s, secs = _timed(loop, args.steps)
+  step_s, secs, cpu_s = _timed(loop, args.steps)
   return {
       "paths": P, "grid": list(c.dipaco.modules_per_level),
       "devices": len(devices), "mesh": dict(exp.mesh.shape),
       "paths_per_device": P // exp.mesh.shape["path"],
-      "step_s": step_s, "step_s_each": secs,
+      "step_s": step_s, "step_s_each": secs, "step_cpu_s": cpu_s,
       "tokens_per_s": loop.tokens / step_s, "compile_s": compile_s,
       "peak_bytes_per_device": mem["peak"], "memory_analysis": mem,
       "params_bytes_per_device": params_b,
@@ -190,7 +196,7 @@ def modules_rows(args) -> list[dict]:
     compile_s = time.perf_counter() - t0
     loop = Loop(lambda s, f=compiled, a=alpha_W: f(*s, a)[:3],
                 (st.store, st.outer_opt, st.params), 0)
-    outer_s, secs = _timed(loop, args.outer_calls)
+    outer_s, secs, cpu_s = _timed(loop, args.outer_calls)
     rows.append({
         "modules": K, "grid": list(c.dipaco.modules_per_level),
         "store_modules": sum(c.dipaco.modules_per_level),
@@ -200,6 +206,7 @@ def modules_rows(args) -> list[dict]:
         "store_bytes": module_bytes(exp)["store"],
         "store_bytes_per_device": _shard_bytes(st.store),
         "outer_step_s": outer_s, "outer_step_s_each": secs,
+        "outer_step_cpu_s": cpu_s,
         "compile_s": compile_s,
         "peak_bytes_per_device": _memory(compiled)["peak"],
     })
@@ -212,6 +219,7 @@ def run_child(what: str, devices: int, args) -> dict | list:
            if not f.startswith(DEVICE_FLAG)]
   env = dict(os.environ, XLA_FLAGS=" ".join(flags + [f"{DEVICE_FLAG}={devices}"]))
   out = f"{args.out}.{what}.tmp"
+  load = os.getloadavg()
   argv = ["--paths", ",".join(map(str, args.paths)),
           "--modules", ",".join(map(str, args.modules)),
           "--outer_workers", str(args.outer_workers),
@@ -227,6 +235,8 @@ def run_child(what: str, devices: int, args) -> dict | list:
   with open(out) as f:
     result = json.load(f)
   os.remove(out)
+  if isinstance(result, dict):
+    result["loadavg_before"] = load
   return result
 
 
@@ -244,26 +254,26 @@ def child_main(args) -> None:
 
 def table(report: dict) -> str:
   mib = 2 ** 20
-  lines = ["paths  grid      dev  mesh(p,d,m)  paths/dev  step_s  tokens/s"
-           "  peak/dev MiB  params/dev MiB  RSS MiB"]
+  lines = ["paths  grid      dev  mesh(p,d,m)  paths/dev  step_s  cpu_s  "
+           "tokens/s  peak/dev MiB  params/dev MiB  RSS MiB"]
   for r in report["paths_rows"]:
     m = r["mesh"]
     lines.append(
         f"{r['paths']:5d}  {'x'.join(map(str, r['grid'])):8s}"
         f"{r['devices']:4d}  {m['path']:3d},{m['data']},{m['model']}"
-        f"{r['paths_per_device']:12d}{r['step_s']:8.3f}"
+        f"{r['paths_per_device']:12d}{r['step_s']:8.3f}{r['step_cpu_s']:7.3f}"
         f"{r['tokens_per_s']:10,.0f}{r['peak_bytes_per_device'] / mib:14.1f}"
         f"{r['params_bytes_per_device'] / mib:16.1f}"
         f"{r['rss_peak_bytes'] / mib:9.0f}")
   lines.append("")
   lines.append("K  grid      workers  paths  store MiB  store/dev MiB  "
-               "outer_step_s")
+               "outer_step_s  cpu_s")
   for r in report["modules_rows"]:
     lines.append(
         f"{r['modules']:2d} {'x'.join(map(str, r['grid'])):9s}"
         f"{r['workers']:8d}{r['distinct_paths']:7d}"
         f"{r['store_bytes'] / mib:11.1f}{r['store_bytes_per_device'] / mib:15.1f}"
-        f"{r['outer_step_s']:14.4f}")
+        f"{r['outer_step_s']:14.4f}{r['outer_step_cpu_s']:7.3f}")
   return "\n".join(lines)
 
 
