@@ -1,0 +1,394 @@
+r"""The paper's comparison at small scale on the embedded corpus: one command, table and plots.
+
+  python benchmarks/reproduce.py --out=/tmp/dipaco_repro           # full: <= 60 min, 2 cores
+  python benchmarks/reproduce.py --quick --out=/tmp/dipaco_repro_q  # a few minutes
+  python benchmarks/reproduce.py --smoke --out=/tmp/dipaco_repro_s  # CI: tiny sizes, 1/40 data
+
+Every model uses the shipped 8k SentencePiece tokenizer, the same batch (B x T
+per path) and the same number of weight-update steps, as in the paper's
+Table 1 / Fig. 8 (shared/reference/dipaco-paper.md §5):
+
+  pretrain      dense path-size model, `pretrain` steps: θ̄, the fork point.
+  dense_path    θ̄ + `steps` more steps (the paper's 150M baseline protocol).
+  dense_4x      a dense model with ~4x the path's parameters, trained from
+                scratch for pretrain + steps (the paper's 1.3B baseline).
+  diloco_iid    DiLoCo: one path, P replicas on i.i.d. shards, forked from θ̄.
+  diloco_kmeans DiLoCo on non-i.i.d. shards: k-means with one cluster per replica.
+  flat_moe      P independent paths (one level, K=P), k-means then one
+                discriminative re-shard.
+  dipaco_2x2    P = 4 paths, blocks split in two levels of 2 modules; embedding
+                and head shared; k-means, then one discriminative re-shard.
+  dipaco_2x2_kmeans  the same run without the re-shard (k-means throughout).
+  dipaco_4x4    16 paths, 4 modules per level; k-means, then discriminative.
+
+All forks re-warm the inner LR and anneal it over `steps`; the re-shard does
+not restart the schedule (routing.restart_schedule=False), so k-means and
+discriminative runs share one LR curve. Every checkpoint (each `eval_every`
+outer steps) gets the same routed evaluation: each validation document's
+first 32 tokens pick one path (the run's router at that step; trivial for
+dense and DiLoCo), that path scores the rest, perplexity excludes the prefix.
+The last checkpoint also gets per-path early stopping and, for models with
+several paths, re-routing every W tokens (linear and transformer re-routers)
+with oracles.
+
+Writes <out>/results.json, results.md, ppl_vs_steps.png, ppl_vs_window.png;
+<out>/runs/<model>/ are ordinary run directories (python -m dipaco_jax.evaluate
+works on them). Rerunning resumes: finished training and evaluations are reused.
+Scale figures (memory and step time vs paths, outer time vs modules) are
+benchmarks/scale.py's.
+"""
+# pylint: disable=g-import-not-at-top,wrong-import-position
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import platform
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CPU_DEVICES = 4  # One DiLoCo replica / 2x2 path per fake device; 4x4 puts 4 paths on each.
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+  """Model sizes, step counts and evaluation settings of one mode."""
+  d_model: int
+  layers: int
+  heads: int
+  big_d_model: int  # The ~4x dense model.
+  big_layers: int
+  big_heads: int
+  pretrain: int  # Dense steps before the fork.
+  steps: int  # Steps after the fork (every model trains pretrain + steps in all).
+  inner_steps: int  # H.
+  batch: int
+  seq_len: int
+  lr: float
+  big_lr: float  # The larger model takes a smaller LR (paper: 2e-4 for 1.3B vs 4e-4).
+  warmup: int  # From scratch.
+  fork_warmup: int  # After the fork (DiLoCo re-warms).
+  disc_at: int  # Outer step after which the discriminative re-shard runs.
+  eval_every: int  # Outer steps between routed evaluations.
+  windows: tuple[int, ...]
+  reroute_steps: int
+  subsample: int  # Keep one document in N (data.subsample).
+  paths: int = 4  # P of DiLoCo and flat MoE.
+
+
+MODES = {
+    "full": Sizes(d_model=128, layers=4, heads=4, big_d_model=256, big_layers=7, big_heads=8,
+                  pretrain=240, steps=240, inner_steps=30, batch=8, seq_len=128, lr=2e-3,
+                  big_lr=1e-3, warmup=50, fork_warmup=30, disc_at=3, eval_every=2,
+                  windows=(8, 16, 32, 64), reroute_steps=200, subsample=1),
+    "quick": Sizes(d_model=64, layers=4, heads=2, big_d_model=128, big_layers=6, big_heads=4,
+                   pretrain=60, steps=60, inner_steps=15, batch=4, seq_len=96, lr=3e-3,
+                   big_lr=2e-3, warmup=15, fork_warmup=10, disc_at=1, eval_every=1,
+                   windows=(16, 32), reroute_steps=30, subsample=4),
+    "smoke": Sizes(d_model=32, layers=2, heads=2, big_d_model=64, big_layers=2, big_heads=2,
+                   pretrain=4, steps=4, inner_steps=2, batch=4, seq_len=48, lr=3e-3,
+                   big_lr=2e-3, warmup=2, fork_warmup=2, disc_at=1, eval_every=1,
+                   windows=(8,), reroute_steps=2, subsample=2),
+}
+
+# name -> (what it is, how it relates to the paper); the order of the table.
+MODELS = {
+    "dense_path": "dense, path size (Table 1 baseline, 16.23)",
+    "dense_4x": "dense, ~4x path params, from scratch (the 1.3B dense, 11.41)",
+    "diloco_iid": "DiLoCo, P replicas, i.i.d. shards (DiLoCo Table 3)",
+    "diloco_kmeans": "DiLoCo, P replicas, k-means shards (non-i.i.d.)",
+    "flat_moe": "flat MoE, P independent paths (Table 1)",
+    "dipaco_2x2": "DiPaCo 2x2, k-means then discriminative",
+    "dipaco_2x2_kmeans": "DiPaCo 2x2, k-means only (control)",
+    "dipaco_4x4": "DiPaCo 4x4, k-means then discriminative",
+}
+
+
+def _block_levels(layers: int) -> tuple[str, str]:
+  """Blocks split in two levels: the first half and the second half."""
+  h = layers // 2
+  span = lambda a, b: f"block_{a}" if a == b else f"block_{a}-{b}"
+  return span(0, h - 1), span(h, layers - 1)
+
+
+def run_overrides(name: str, s: Sizes, pretrain_dir: str, shared_shards: str,
+                  sqrt_paths: str) -> dict:
+  """Config overrides (on configs/tiny.py) of one model; shared_shards: a shard dir prefix."""
+  everything = f"embed,block_0-{s.layers - 1},head"
+  fork = {"dipaco.init_from": pretrain_dir, "inner.warmup_steps": s.fork_warmup,
+          "dipaco.outer_steps": s.steps // s.inner_steps}
+  kmeans = {"routing.router": "kmeans"}
+  disc = {**kmeans, "routing.discriminative_at_outer_step": s.disc_at,
+          "routing.restart_schedule": False}
+  grid = lambda k: {"dipaco.level_groups": ("embed,head", *_block_levels(s.layers)),
+                    "dipaco.modules_per_level": (1, k, k), "outer.sqrt_paths": sqrt_paths}
+  dense = {"dipaco.level_groups": (everything,), "dipaco.modules_per_level": (1,),
+           "outer.enabled": False, "data.shard_dir": shared_shards + "_dense"}
+  if name == "pretrain":
+    return {**dense, "dipaco.outer_steps": s.pretrain // s.inner_steps}
+  if name == "dense_path":
+    return {**dense, **fork}
+  if name == "dense_4x":
+    return {**dense, "model.d_model": s.big_d_model, "model.num_layers": s.big_layers,
+            "model.num_heads": s.big_heads, "model.head_dim": s.big_d_model // s.big_heads,
+            "dipaco.level_groups": (f"embed,block_0-{s.big_layers - 1},head",),
+            "inner.lr": s.big_lr,
+            "dipaco.outer_steps": (s.pretrain + s.steps) // s.inner_steps}
+  diloco = {"dipaco.level_groups": (everything,), "dipaco.modules_per_level": (1,),
+            "dipaco.replicas": s.paths, "outer.sqrt_paths": "none", **fork}
+  if name == "diloco_iid":
+    return diloco
+  if name == "diloco_kmeans":
+    return {**diloco, **kmeans, "routing.replica_shards": "router"}
+  if name == "flat_moe":
+    return {"dipaco.level_groups": (everything,), "dipaco.modules_per_level": (s.paths,),
+            **fork, **disc}
+  if name == "dipaco_2x2":  # Same phase-0 shards as its control (same θ̄, seed, grid).
+    return {**grid(2), **fork, **disc, "data.shard_dir": shared_shards + "_2x2"}
+  if name == "dipaco_2x2_kmeans":
+    return {**grid(2), **fork, **kmeans, "data.shard_dir": shared_shards + "_2x2"}
+  if name == "dipaco_4x4":
+    return {**grid(4), **fork, **disc}
+  raise ValueError(f"unknown model {name!r}; choose from {['pretrain', *MODELS]}.")
+
+
+def make_config(name: str, s: Sizes, out: str, sqrt_paths: str):
+  """configs/tiny.py with this mode's sizes and the model's overrides."""
+  from dipaco_jax import config_defaults
+  common = {
+      "model.d_model": s.d_model, "model.num_layers": s.layers, "model.num_heads": s.heads,
+      "model.head_dim": s.d_model // s.heads, "model.max_len": max(256, s.seq_len),
+      "inner.lr": s.lr, "inner.warmup_steps": s.warmup, "dipaco.inner_steps": s.inner_steps,
+      "data.seq_len": s.seq_len, "data.batch_size": s.batch, "data.subsample": s.subsample,
+      "mesh.cpu_devices": CPU_DEVICES, "log_every_steps": s.inner_steps,
+      "ckpt.every_steps": s.inner_steps, "ckpt.async_save": False,
+      "eval.every_steps": s.inner_steps, "eval.batches": 2,
+      "routing.eval_rerouting_windows": s.windows, "routing.reroute_steps": s.reroute_steps,
+      # k-means on a small validation split can leave a path without validation documents:
+      # it trains, its own-shard loss reads NaN and early stopping keeps its latest params.
+      "data.empty_shard_policy": "allow_validation",
+  }
+  over = {**common, **run_overrides(name, s, os.path.join(out, "runs", "pretrain"),
+                                    os.path.join(out, "shards"), sqrt_paths)}
+  c = config_defaults.load(os.path.join(ROOT, "configs", "tiny.py"), **over)
+  c.ckpt.max_to_keep = c.dipaco.outer_steps + 2  # Every outer step is evaluated afterwards.
+  return c
+
+
+def param_counts(config) -> dict:
+  """Parameters of one path and of the whole store (unique parameters)."""
+  import jax
+  import numpy as np
+  from dipaco_jax import experiment
+  exp = experiment.Experiment(config)
+  n = lambda t: int(sum(np.prod(x.shape) for x in jax.tree.leaves(t)))
+  params_W = exp.abstract_state.params
+  return {"path": n(params_W) // exp.topo.num_workers, "total": n(exp.abstract_state.store),
+          "paths": exp.topo.num_paths, "workers": exp.topo.num_workers}
+
+
+def _checkpoint_steps(workdir: str) -> list[int]:
+  d = os.path.join(workdir, "checkpoints")
+  return sorted(int(p) for p in os.listdir(d) if p.isdigit()) if os.path.isdir(d) else []
+
+
+def evaluate_run(config, workdir: str, s: Sizes, *, final_full: bool) -> dict:
+  """Routed ppl at every `eval_every`-th outer step; full report at the last (cached)."""
+  from dipaco_jax import early_stopping
+  from dipaco_jax import evaluation
+  cache_path = os.path.join(workdir, "reproduce_eval.json")
+  cache = json.load(open(cache_path)) if os.path.exists(cache_path) else {}
+  steps = _checkpoint_steps(workdir)
+  last = steps[-1]
+  every = s.eval_every * s.inner_steps
+  for step in steps:
+    key = str(step)
+    if key in cache or (step % every and step != last):
+      continue
+    run = evaluation.load_run(config, workdir, step)
+    if step == last:
+      full = final_full and run.exp.topo.num_paths > 1
+      rep = {"store": evaluation.evaluate(run, windows=None if full else [],
+                                          rerouters=None if full else (), oracle=full)}
+      if early_stopping.read_meta(workdir) is not None:
+        rep["best"] = evaluation.evaluate(run, params="best", windows=None if full else [],
+                                          rerouters=None if full else (), oracle=full)
+    else:
+      rep = {"store": evaluation.evaluate(run, windows=[], rerouters=(), oracle=False)}
+    cache[key] = {k: {f: r[f] for f in ("ppl", "loss", "phase", "router", "scored_tokens",
+                                        "num_sequences", "per_path", "switches_per_sequence")}
+                  for k, r in rep.items()}
+    with open(cache_path + ".tmp", "w") as f:
+      json.dump(cache, f, indent=1)
+    os.replace(cache_path + ".tmp", cache_path)
+  return cache
+
+
+def train_run(name: str, s: Sizes, out: str, sqrt_paths: str) -> dict:
+  """Trains (or resumes) one model and evaluates its checkpoints; returns its record."""
+  from dipaco_jax import train
+  config = make_config(name, s, out, sqrt_paths)
+  workdir = os.path.join(out, "runs", name)
+  t0 = time.perf_counter()
+  train.train_and_evaluate(config, workdir)
+  t1 = time.perf_counter()
+  evals = evaluate_run(config, workdir, s, final_full=name != "pretrain")
+  t2 = time.perf_counter()
+  first = 0 if name in ("pretrain", "dense_4x") else s.pretrain
+  curve = [(first + int(k), v["store"]["ppl"]["once"]) for k, v in sorted(
+      evals.items(), key=lambda kv: int(kv[0]))]
+  final = evals[str(max(int(k) for k in evals))]
+  return {"name": name, "description": MODELS.get(name, "dense pretraining (θ̄)"),
+          "params": param_counts(config), "curve": curve, "final": final,
+          "steps": curve[-1][0], "seconds": {"train": t1 - t0, "evaluate": t2 - t1}}
+
+
+def table(results: dict, s: Sizes) -> str:
+  """The results table (markdown): final routed ppl, early stopping, best re-routing."""
+  lines = ["| model | paths | workers | params / path | params total | steps | ppl (once) | "
+           "ppl (early stop) | best re-routing | oracle (once) |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+  for name in MODELS:
+    if name not in results:
+      continue
+    r = results[name]
+    store, best = r["final"]["store"], r["final"].get("best")
+    rr = {k: v for k, v in store["ppl"].items() if "/W=" in k and not k.startswith("oracle")}
+    rr_text = (f"{min(rr.values()):.2f} ({min(rr, key=rr.get)})" if rr else "–")
+    fmt = lambda rep, k: "–" if rep is None or k not in rep["ppl"] else f"{rep['ppl'][k]:.2f}"
+    lines.append(
+        f"| {name} | {r['params']['paths']} | {r['params']['workers']} | "
+        f"{r['params']['path'] / 1e6:.2f}M | {r['params']['total'] / 1e6:.2f}M | {r['steps']} | "
+        f"{fmt(store, 'once')} | {fmt(best, 'once')} | {rr_text} | {fmt(store, 'oracle/once')} |")
+  pre = results.get("pretrain")
+  if pre:
+    lines.append(f"\nθ̄ (dense pretraining, {s.pretrain} steps): routed ppl "
+                 f"{pre['final']['store']['ppl']['once']:.2f}.")
+  return "\n".join(lines) + "\n"
+
+
+def window_table(results: dict) -> str:
+  """Routed ppl vs re-routing window W for the models with several paths."""
+  lines = []
+  for name in MODELS:
+    r = results.get(name)
+    if not r or r["params"]["paths"] == 1:
+      continue
+    for params in ("store", "best"):
+      if params not in r["final"]:
+        continue
+      p = r["final"][params]["ppl"]
+      cells = ", ".join(f"{k} {v:.2f}" for k, v in p.items())
+      lines.append(f"- {name} ({params}): {cells}")
+  return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, s: Sizes, out: str) -> list[str]:
+  """ppl_vs_steps.png (every model) and ppl_vs_window.png (models with several paths)."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  files = []
+  fig, ax = plt.subplots(figsize=(8, 5))
+  for name in ["pretrain", *MODELS]:
+    if name not in results:
+      continue
+    xs, ys = zip(*results[name]["curve"])
+    if name not in ("pretrain", "dense_4x") and "pretrain" in results:
+      px, py = results["pretrain"]["curve"][-1]
+      xs, ys = (px, *xs), (py, *ys)
+    ax.plot(xs, ys, marker="o", ms=3, label=name, ls="--" if name.startswith("dense") else "-",
+            color="black" if name == "pretrain" else None)
+  ax.axvline(s.pretrain, color="grey", lw=0.5)
+  ax.set(xlabel="weight-update steps", ylabel="routed validation perplexity (prefix excluded)",
+         yscale="log", title="Validation perplexity vs steps (embedded corpus)")
+  ax.legend(fontsize=8)
+  ax.grid(alpha=0.3)
+  files.append(os.path.join(out, "ppl_vs_steps.png"))
+  fig.savefig(files[-1], dpi=120, bbox_inches="tight")
+  plt.close(fig)
+
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  for name in MODELS:
+    r = results.get(name)
+    if not r or r["params"]["paths"] == 1:
+      continue
+    for params, style in (("store", "-"), ("best", ":")):
+      if params not in r["final"]:
+        continue
+      ppl = r["final"][params]["ppl"]
+      for kind in ("linear", "transformer", "oracle"):
+        ws = sorted(int(k.split("W=")[1]) for k in ppl if k.startswith(f"{kind}/W="))
+        if not ws:
+          continue
+        once = ppl["oracle/once" if kind == "oracle" else "once"]
+        xs = [*ws, s.seq_len]  # "once" drawn at W = the sequence length.
+        ax.plot(xs, [*(ppl[f"{kind}/W={w}"] for w in ws), once], ls=style, marker="o", ms=3,
+                label=f"{name} {kind} ({params})")
+  ax.set(xscale="log", xlabel=f"re-routing window W (tokens; {s.seq_len} = once per sequence)",
+         ylabel="routed validation perplexity", title="Perplexity vs re-routing frequency")
+  ax.legend(fontsize=6, ncol=2)
+  ax.grid(alpha=0.3)
+  files.append(os.path.join(out, "ppl_vs_window.png"))
+  fig.savefig(files[-1], dpi=120, bbox_inches="tight")
+  plt.close(fig)
+  return files
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--out", default="/tmp/dipaco_repro", help="Output directory (resumable).")
+  mode = ap.add_mutually_exclusive_group()
+  mode.add_argument("--quick", action="store_true", help="A few minutes.")
+  mode.add_argument("--smoke", action="store_true", help="Seconds-long sizes (CI).")
+  ap.add_argument("--models", default=",".join(MODELS),
+                  help="Comma list of models to run (pretraining always runs first).")
+  ap.add_argument("--sqrt_paths", default="multiply", choices=("multiply", "divide", "none"),
+                  help="outer.sqrt_paths of the DiPaCo grids (DiLoCo uses none, flat MoE has "
+                       "one path per module).")
+  args = ap.parse_args(argv)
+  name = "smoke" if args.smoke else "quick" if args.quick else "full"
+  s = MODES[name]
+  models = [m for m in args.models.split(",") if m]
+  unknown = sorted(set(models) - set(MODELS))
+  if unknown:
+    ap.error(f"unknown models {unknown}; choose from {list(MODELS)}")
+
+  import jax
+  jax.config.update("jax_num_cpu_devices", CPU_DEVICES)
+  from absl import logging
+  logging.set_verbosity(logging.WARNING)
+  os.makedirs(args.out, exist_ok=True)
+  started = time.time()
+  results = {}
+  for m in ["pretrain", *models]:
+    print(f"== {m} ({MODELS.get(m, 'θ̄')})", flush=True)
+    results[m] = train_run(m, s, args.out, args.sqrt_paths)
+    r = results[m]
+    print(f"   ppl {r['final']['store']['ppl']['once']:.2f}  train {r['seconds']['train']:.0f}s "
+          f"evaluate {r['seconds']['evaluate']:.0f}s", flush=True)
+  files = plot(results, s, args.out)
+  report = {
+      "mode": name, "sizes": dataclasses.asdict(s), "sqrt_paths": args.sqrt_paths,
+      "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+      "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                  "python": platform.python_version(), "jax": jax.__version__,
+                  "fake_cpu_devices": CPU_DEVICES, "load_average": os.getloadavg()},
+      "wall_seconds": time.time() - started, "models": results, "plots": files,
+  }
+  with open(os.path.join(args.out, "results.json"), "w") as f:
+    json.dump(report, f, indent=1)
+  md = (f"# Reproduction ({name} mode)\n\n{table(results, s)}\n## Re-routing\n\n"
+        f"{window_table(results)}\nWall time: {report['wall_seconds'] / 60:.1f} min.\n")
+  with open(os.path.join(args.out, "results.md"), "w") as f:
+    f.write(md)
+  print(md)
+  bad = [m for m, r in results.items() if not math.isfinite(r["final"]["store"]["ppl"]["once"])]
+  if bad:
+    raise SystemExit(f"non-finite perplexity for {bad}")
+
+
+if __name__ == "__main__":
+  main()
