@@ -57,7 +57,7 @@ import numpy as np
 from dipaco_jax import data as data_lib
 from dipaco_jax import experiment
 from dipaco_jax import sharding
-from throughput import _pin_cpus, bench_config, module_bytes  # Beside us.
+from throughput import pin_cpus, bench_config, module_bytes  # Beside us.
 from timing import Loop  # Beside us.
 
 DEVICE_FLAG = "--xla_force_host_platform_device_count"
@@ -279,7 +279,7 @@ def table(report: dict) -> str:
 
 def main(args) -> dict:
   if args.cpus:
-    _pin_cpus(args.cpus)  # Children inherit the affinity.
+    pin_cpus(args.cpus)  # Children inherit the affinity.
   load_start = os.getloadavg()
   paths_rows = []
   for P in args.paths:

@@ -75,7 +75,7 @@ def _fake_cpu_devices(n: int) -> None:
         f"{flags} --xla_force_host_platform_device_count={n}").strip()
 
 
-def _pin_cpus(n: int) -> None:
+def pin_cpus(n: int) -> None:
   """Runs every thread XLA will start on the last n CPUs we may use."""
   if n == 0:
     return
@@ -90,7 +90,7 @@ def _pin_cpus(n: int) -> None:
 if __name__ == "__main__":
   ARGS = parse_args(sys.argv[1:])
   _fake_cpu_devices(ARGS.paths)
-  _pin_cpus(ARGS.cpus)
+  pin_cpus(ARGS.cpus)
 
 import json
 import math
