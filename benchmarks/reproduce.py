@@ -106,6 +106,12 @@ MODELS = {
 }
 
 
+# Not in the default comparison: controls for the investigations of docs/results.md.
+INVESTIGATIONS = {
+    "dense_path_scratch": "dense, path size, from scratch (no fork, one LR schedule)",
+}
+
+
 def _block_levels(layers: int) -> tuple[str, str]:
   """Blocks split in two levels: the first half and the second half."""
   h = layers // 2
@@ -130,6 +136,8 @@ def run_overrides(name: str, s: Sizes, pretrain_dir: str, shared_shards: str,
     return {**dense, "dipaco.outer_steps": s.pretrain // s.inner_steps}
   if name == "dense_path":
     return {**dense, **fork}
+  if name == "dense_path_scratch":
+    return {**dense, "dipaco.outer_steps": (s.pretrain + s.steps) // s.inner_steps}
   if name == "dense_4x":
     return {**dense, "model.d_model": s.big_d_model, "model.num_layers": s.big_layers,
             "model.num_heads": s.big_heads, "model.head_dim": s.big_d_model // s.big_heads,
@@ -151,7 +159,7 @@ def run_overrides(name: str, s: Sizes, pretrain_dir: str, shared_shards: str,
     return {**grid(2), **fork, **kmeans, "data.shard_dir": shared_shards + "_2x2"}
   if name == "dipaco_4x4":
     return {**grid(4), **fork, **disc}
-  raise ValueError(f"unknown model {name!r}; choose from {['pretrain', *MODELS]}.")
+  raise ValueError(f"unknown model {name!r}; choose from {['pretrain', *MODELS, *INVESTIGATIONS]}.")
 
 
 def make_config(name: str, s: Sizes, out: str, sqrt_paths: str):
@@ -236,12 +244,14 @@ def train_run(name: str, s: Sizes, out: str, sqrt_paths: str) -> dict:
   t1 = time.perf_counter()
   evals = evaluate_run(config, workdir, s, final_full=name != "pretrain")
   t2 = time.perf_counter()
-  first = 0 if name in ("pretrain", "dense_4x") else s.pretrain
+  forked = bool(config.dipaco.init_from)
+  first = s.pretrain if forked else 0
   curve = [(first + int(k), v["store"]["ppl"]["once"]) for k, v in sorted(
       evals.items(), key=lambda kv: int(kv[0]))]
   final = evals[str(max(int(k) for k in evals))]
-  return {"name": name, "description": MODELS.get(name, "dense pretraining (θ̄)"),
-          "params": param_counts(config), "curve": curve, "final": final,
+  described = {**MODELS, **INVESTIGATIONS, "pretrain": "dense pretraining (θ̄)"}
+  return {"name": name, "description": described[name],
+          "params": param_counts(config), "curve": curve, "forked": forked, "final": final,
           "steps": curve[-1][0], "seconds": {"train": t1 - t0, "evaluate": t2 - t1}}
 
 
@@ -250,7 +260,7 @@ def table(results: dict, s: Sizes) -> str:
   lines = ["| model | paths | workers | params / path | params total | steps | ppl (once) | "
            "ppl (early stop) | best re-routing | oracle (once) |",
            "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
-  for name in MODELS:
+  for name in [*MODELS, *INVESTIGATIONS]:
     if name not in results:
       continue
     r = results[name]
@@ -292,16 +302,17 @@ def plot(results: dict, s: Sizes, out: str) -> list[str]:
   import matplotlib.pyplot as plt
   files = []
   fig, ax = plt.subplots(figsize=(8, 5))
-  for name in ["pretrain", *MODELS]:
+  for name in ["pretrain", *MODELS, *INVESTIGATIONS]:
     if name not in results:
       continue
     xs, ys = zip(*results[name]["curve"])
-    if name not in ("pretrain", "dense_4x") and "pretrain" in results:
+    if results[name]["forked"] and "pretrain" in results:
       px, py = results["pretrain"]["curve"][-1]
       xs, ys = (px, *xs), (py, *ys)
     ax.plot(xs, ys, marker="o", ms=3, label=name, ls="--" if name.startswith("dense") else "-",
             color="black" if name == "pretrain" else None)
   ax.axvline(s.pretrain, color="grey", lw=0.5)
+  ax.text(s.pretrain, ax.get_ylim()[1], " fork from θ̄", va="top", fontsize=8, color="grey")
   ax.set(xlabel="weight-update steps", ylabel="routed validation perplexity (prefix excluded)",
          yscale="log", title="Validation perplexity vs steps (embedded corpus)")
   ax.legend(fontsize=8)
@@ -310,27 +321,25 @@ def plot(results: dict, s: Sizes, out: str) -> list[str]:
   fig.savefig(files[-1], dpi=120, bbox_inches="tight")
   plt.close(fig)
 
-  fig, ax = plt.subplots(figsize=(7, 4.5))
-  for name in MODELS:
-    r = results.get(name)
-    if not r or r["params"]["paths"] == 1:
-      continue
-    for params, style in (("store", "-"), ("best", ":")):
-      if params not in r["final"]:
+  multi = [n for n in [*MODELS, *INVESTIGATIONS]
+           if n in results and results[n]["params"]["paths"] > 1]
+  fig, axes = plt.subplots(1, max(len(multi), 1), figsize=(3.2 * max(len(multi), 1), 3.6),
+                           squeeze=False)
+  for ax, name in zip(axes[0], multi):
+    ppl = results[name]["final"]["store"]["ppl"]
+    labels = [*(str(w) for w in s.windows), "once"]
+    for kind, style in (("linear", "o-"), ("transformer", "s-"), ("oracle", "^--")):
+      if f"{kind}/W={s.windows[0]}" not in ppl:
         continue
-      ppl = r["final"][params]["ppl"]
-      for kind in ("linear", "transformer", "oracle"):
-        ws = sorted(int(k.split("W=")[1]) for k in ppl if k.startswith(f"{kind}/W="))
-        if not ws:
-          continue
-        once = ppl["oracle/once" if kind == "oracle" else "once"]
-        xs = [*ws, s.seq_len]  # "once" drawn at W = the sequence length.
-        ax.plot(xs, [*(ppl[f"{kind}/W={w}"] for w in ws), once], ls=style, marker="o", ms=3,
-                label=f"{name} {kind} ({params})")
-  ax.set(xscale="log", xlabel=f"re-routing window W (tokens; {s.seq_len} = once per sequence)",
-         ylabel="routed validation perplexity", title="Perplexity vs re-routing frequency")
-  ax.legend(fontsize=6, ncol=2)
-  ax.grid(alpha=0.3)
+      once = ppl["oracle/once" if kind == "oracle" else "once"]
+      ax.plot(labels, [*(ppl[f"{kind}/W={w}"] for w in s.windows), once], style, ms=4,
+              label=kind)
+    ax.set(title=name, xlabel="re-route every W tokens")
+    ax.grid(alpha=0.3)
+  axes[0][0].set_ylabel("routed validation perplexity")
+  axes[0][0].legend(fontsize=8)
+  fig.suptitle("Perplexity vs re-routing frequency (global modules)")
+  fig.tight_layout()
   files.append(os.path.join(out, "ppl_vs_window.png"))
   fig.savefig(files[-1], dpi=120, bbox_inches="tight")
   plt.close(fig)
@@ -344,17 +353,31 @@ def main(argv=None):
   mode.add_argument("--quick", action="store_true", help="A few minutes.")
   mode.add_argument("--smoke", action="store_true", help="Seconds-long sizes (CI).")
   ap.add_argument("--models", default=",".join(MODELS),
-                  help="Comma list of models to run (pretraining always runs first).")
+                  help=f"Comma list of models to run (pretraining always runs first); also "
+                       f"{', '.join(INVESTIGATIONS)}.")
+  ap.add_argument("--size", action="append", default=[], metavar="FIELD=VALUE",
+                  help="Override one field of the mode's sizes, e.g. --size big_lr=0.002 "
+                       "(investigations; repeatable).")
   ap.add_argument("--sqrt_paths", default="multiply", choices=("multiply", "divide", "none"),
                   help="outer.sqrt_paths of the DiPaCo grids (DiLoCo uses none, flat MoE has "
                        "one path per module).")
   args = ap.parse_args(argv)
   name = "smoke" if args.smoke else "quick" if args.quick else "full"
   s = MODES[name]
+  fields = {f.name: f.type for f in dataclasses.fields(Sizes)}
+  for item in args.size:
+    key, _, value = item.partition("=")
+    if key not in fields or not value:
+      ap.error(f"--size {item!r}: use FIELD=VALUE with FIELD one of {sorted(fields)}")
+    cast = float if fields[key] is float else int
+    if "tuple" in str(fields[key]):
+      s = dataclasses.replace(s, **{key: tuple(int(v) for v in value.split(","))})
+    else:
+      s = dataclasses.replace(s, **{key: cast(value)})
   models = [m for m in args.models.split(",") if m]
-  unknown = sorted(set(models) - set(MODELS))
+  unknown = sorted(set(models) - set(MODELS) - set(INVESTIGATIONS))
   if unknown:
-    ap.error(f"unknown models {unknown}; choose from {list(MODELS)}")
+    ap.error(f"unknown models {unknown}; choose from {[*MODELS, *INVESTIGATIONS]}")
 
   import jax
   jax.config.update("jax_num_cpu_devices", CPU_DEVICES)
@@ -364,7 +387,7 @@ def main(argv=None):
   started = time.time()
   results = {}
   for m in ["pretrain", *models]:
-    print(f"== {m} ({MODELS.get(m, 'θ̄')})", flush=True)
+    print(f"== {m}", flush=True)
     results[m] = train_run(m, s, args.out, args.sqrt_paths)
     r = results[m]
     print(f"   ppl {r['final']['store']['ppl']['once']:.2f}  train {r['seconds']['train']:.0f}s "
