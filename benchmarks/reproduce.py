@@ -48,6 +48,8 @@ import platform
 import sys
 import time
 
+import numpy as np
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU_DEVICES = 4  # One DiLoCo replica / 2x2 path per fake device; 4x4 puts 4 paths on each.
 
@@ -67,7 +69,7 @@ class Sizes:
   batch: int
   seq_len: int
   lr: float
-  big_lr: float  # The larger model takes a smaller LR (paper: 2e-4 for 1.3B vs 4e-4).
+  big_lr: float  # The ~4x model's LR (paper: 2e-4 for 1.3B vs 4e-4; here the same LR wins).
   warmup: int  # From scratch.
   fork_warmup: int  # After the fork (DiLoCo re-warms).
   disc_at: int  # Outer step after which the discriminative re-shard runs.
@@ -81,7 +83,7 @@ class Sizes:
 MODES = {
     "full": Sizes(d_model=128, layers=4, heads=4, big_d_model=256, big_layers=7, big_heads=8,
                   pretrain=240, steps=240, inner_steps=30, batch=8, seq_len=128, lr=2e-3,
-                  big_lr=1e-3, warmup=50, fork_warmup=30, disc_at=3, eval_every=2,
+                  big_lr=2e-3, warmup=50, fork_warmup=30, disc_at=3, eval_every=2,
                   windows=(8, 16, 32, 64), reroute_steps=200, subsample=1),
     "quick": Sizes(d_model=64, layers=4, heads=2, big_d_model=128, big_layers=6, big_heads=4,
                    pretrain=60, steps=60, inner_steps=15, batch=4, seq_len=96, lr=3e-3,
@@ -162,7 +164,7 @@ def run_overrides(name: str, s: Sizes, pretrain_dir: str, shared_shards: str,
   raise ValueError(f"unknown model {name!r}; choose from {['pretrain', *MODELS, *INVESTIGATIONS]}.")
 
 
-def make_config(name: str, s: Sizes, out: str, sqrt_paths: str):
+def make_config(name: str, s: Sizes, out: str, sqrt_paths: str, seed: int = 0):
   """configs/tiny.py with this mode's sizes and the model's overrides."""
   from dipaco_jax import config_defaults
   common = {
@@ -170,6 +172,7 @@ def make_config(name: str, s: Sizes, out: str, sqrt_paths: str):
       "model.head_dim": s.d_model // s.heads, "model.max_len": max(256, s.seq_len),
       "inner.lr": s.lr, "inner.warmup_steps": s.warmup, "dipaco.inner_steps": s.inner_steps,
       "data.seq_len": s.seq_len, "data.batch_size": s.batch, "data.subsample": s.subsample,
+      "data.seed": seed,
       "mesh.cpu_devices": CPU_DEVICES, "log_every_steps": s.inner_steps,
       "ckpt.every_steps": s.inner_steps, "ckpt.async_save": False,
       "eval.every_steps": s.inner_steps, "eval.batches": 2,
@@ -188,7 +191,6 @@ def make_config(name: str, s: Sizes, out: str, sqrt_paths: str):
 def param_counts(config) -> dict:
   """Parameters of one path and of the whole store (unique parameters)."""
   import jax
-  import numpy as np
   from dipaco_jax import experiment
   exp = experiment.Experiment(config)
   n = lambda t: int(sum(np.prod(x.shape) for x in jax.tree.leaves(t)))
@@ -234,25 +236,58 @@ def evaluate_run(config, workdir: str, s: Sizes, *, final_full: bool) -> dict:
   return cache
 
 
-def train_run(name: str, s: Sizes, out: str, sqrt_paths: str) -> dict:
+def shard_report(config, workdir: str) -> dict:
+  """The last phase's shards: training tokens per worker, validation domain purity and NMI."""
+  from dipaco_jax import data as data_lib
+  from dipaco_jax import router_report
+  from dipaco_jax import routing
+  phase = 0
+  while os.path.isdir(routing.shard_dir(config, workdir, phase + 1)):
+    phase += 1
+  shards = data_lib.ShardSet(routing.shard_dir(config, workdir, phase))
+  workers, domains = [], []
+  for w, n in enumerate(shards.num_docs("validation")):
+    for d in shards.documents(w, "validation").read_many(range(int(n))):
+      workers.append(w)
+      domains.append(d.domain)
+  ids, names = routing.domain_index(domains)
+  rep = router_report.report(np.asarray(workers), len(shards.num_docs("validation")), ids, names)
+  return {"phase": phase, "train_tokens": shards.sizes("train").tolist(),
+          "validation_docs": shards.num_docs("validation").tolist(),
+          "validation_domain_purity": float(rep.purity), "validation_domain_nmi": float(rep.nmi)}
+
+
+def train_run(name: str, s: Sizes, out: str, sqrt_paths: str, seed: int = 0) -> dict:
   """Trains (or resumes) one model and evaluates its checkpoints; returns its record."""
   from dipaco_jax import train
-  config = make_config(name, s, out, sqrt_paths)
+  config = make_config(name, s, out, sqrt_paths, seed)
   workdir = os.path.join(out, "runs", name)
+  # Seconds of the call that did the work (a rerun that resumes finished work keeps them).
+  timing_path = os.path.join(workdir, "reproduce_seconds.json")
+  seconds = json.load(open(timing_path)) if os.path.exists(timing_path) else {}
+  before = (_checkpoint_steps(workdir) or [0])[-1]
   t0 = time.perf_counter()
   train.train_and_evaluate(config, workdir)
   t1 = time.perf_counter()
+  done_evals = len(json.load(open(os.path.join(workdir, "reproduce_eval.json")))
+                   ) if os.path.exists(os.path.join(workdir, "reproduce_eval.json")) else 0
   evals = evaluate_run(config, workdir, s, final_full=name != "pretrain")
   t2 = time.perf_counter()
+  if _checkpoint_steps(workdir)[-1] > before or "train" not in seconds:
+    seconds["train"] = t1 - t0
+  if len(evals) > done_evals or "evaluate" not in seconds:
+    seconds["evaluate"] = t2 - t1
+  with open(timing_path, "w") as f:
+    json.dump(seconds, f)
   forked = bool(config.dipaco.init_from)
   first = s.pretrain if forked else 0
   curve = [(first + int(k), v["store"]["ppl"]["once"]) for k, v in sorted(
       evals.items(), key=lambda kv: int(kv[0]))]
   final = evals[str(max(int(k) for k in evals))]
   described = {**MODELS, **INVESTIGATIONS, "pretrain": "dense pretraining (θ̄)"}
-  return {"name": name, "description": described[name],
+  return {"name": name, "description": described[name], "shards": shard_report(config, workdir),
           "params": param_counts(config), "curve": curve, "forked": forked, "final": final,
-          "steps": curve[-1][0], "seconds": {"train": t1 - t0, "evaluate": t2 - t1}}
+          "steps": curve[-1][0], "seconds": seconds}
 
 
 def table(results: dict, s: Sizes) -> str:
@@ -356,8 +391,10 @@ def main(argv=None):
                   help=f"Comma list of models to run (pretraining always runs first); also "
                        f"{', '.join(INVESTIGATIONS)}.")
   ap.add_argument("--size", action="append", default=[], metavar="FIELD=VALUE",
-                  help="Override one field of the mode's sizes, e.g. --size big_lr=0.002 "
+                  help="Override one field of the mode's sizes, e.g. --size steps=480 "
                        "(investigations; repeatable).")
+  ap.add_argument("--seed", type=int, default=0,
+                  help="data.seed of every run: batch order and the i.i.d. shards (noise checks).")
   ap.add_argument("--sqrt_paths", default="multiply", choices=("multiply", "divide", "none"),
                   help="outer.sqrt_paths of the DiPaCo grids (DiLoCo uses none, flat MoE has "
                        "one path per module).")
@@ -388,23 +425,27 @@ def main(argv=None):
   results = {}
   for m in ["pretrain", *models]:
     print(f"== {m}", flush=True)
-    results[m] = train_run(m, s, args.out, args.sqrt_paths)
+    results[m] = train_run(m, s, args.out, args.sqrt_paths, args.seed)
     r = results[m]
     print(f"   ppl {r['final']['store']['ppl']['once']:.2f}  train {r['seconds']['train']:.0f}s "
           f"evaluate {r['seconds']['evaluate']:.0f}s", flush=True)
   files = plot(results, s, args.out)
   report = {
       "mode": name, "sizes": dataclasses.asdict(s), "sqrt_paths": args.sqrt_paths,
+      "seed": args.seed,
       "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
       "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                   "python": platform.python_version(), "jax": jax.__version__,
                   "fake_cpu_devices": CPU_DEVICES, "load_average": os.getloadavg()},
-      "wall_seconds": time.time() - started, "models": results, "plots": files,
+      "wall_seconds": time.time() - started,
+      "model_seconds": sum(sum(r["seconds"].values()) for r in results.values()),
+      "models": results, "plots": files,
   }
   with open(os.path.join(args.out, "results.json"), "w") as f:
     json.dump(report, f, indent=1)
   md = (f"# Reproduction ({name} mode)\n\n{table(results, s)}\n## Re-routing\n\n"
-        f"{window_table(results)}\nWall time: {report['wall_seconds'] / 60:.1f} min.\n")
+        f"{window_table(results)}\nTraining + evaluation: {report['model_seconds'] / 60:.1f} min "
+        f"(this call: {report['wall_seconds'] / 60:.1f} min).\n")
   with open(os.path.join(args.out, "results.md"), "w") as f:
     f.write(md)
   print(md)
