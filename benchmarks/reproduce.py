@@ -111,6 +111,7 @@ MODELS = {
 # Not in the default comparison: controls for the investigations of docs/results.md.
 INVESTIGATIONS = {
     "dense_path_scratch": "dense, path size, from scratch (no fork, one LR schedule)",
+    "diloco_iid_sqrtp": "DiLoCo i.i.d. with the DiPaCo grids' x sqrt(P) on the outer gradient",
 }
 
 
@@ -150,6 +151,8 @@ def run_overrides(name: str, s: Sizes, pretrain_dir: str, shared_shards: str,
             "dipaco.replicas": s.paths, "outer.sqrt_paths": "none", **fork}
   if name == "diloco_iid":
     return diloco
+  if name == "diloco_iid_sqrtp":
+    return {**diloco, "outer.sqrt_paths": sqrt_paths}
   if name == "diloco_kmeans":
     return {**diloco, **kmeans, "routing.replica_shards": "router"}
   if name == "flat_moe":
