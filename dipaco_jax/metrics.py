@@ -72,7 +72,8 @@ class MetricsLogger:
       if isinstance(value, (int, float)):
         scalars[key] = value
       elif isinstance(value, list) and value and isinstance(value[0], (int, float)):
-        scalars[f"{key}_mean"] = float(np.nanmean(value))  # NaN: a worker without val data.
+        arr = np.asarray(value, np.float64)  # NaN: e.g. a worker without validation data.
+        scalars[f"{key}_mean"] = float("nan") if np.isnan(arr).all() else float(np.nanmean(arr))
     self._writer.write_scalars(step, scalars)
     self._lines.append(json.dumps(record, sort_keys=True))
     self._flush()
