@@ -58,7 +58,7 @@ from dipaco_jax import data as data_lib
 from dipaco_jax import experiment
 from dipaco_jax import sharding
 from throughput import pin_cpus, bench_config, module_bytes  # Beside us.
-from timing import Loop  # Beside us.
+from timing import Loop, write_json  # Beside us.
 
 DEVICE_FLAG = "--xla_force_host_platform_device_count"
 
@@ -311,11 +311,7 @@ def main(args) -> dict:
   print(f"jax {jax.__version__}, {os.cpu_count()} host CPUs, pinned "
         f"{report['pinned_cpus'] or 'none'}, load {load_start}")
   print(table(report))
-  tmp = args.out + ".tmp"
-  with open(tmp, "w") as f:
-    json.dump(report, f, indent=1, default=float)
-  os.replace(tmp, args.out)
-  print(f"wrote {args.out}")
+  write_json(args.out, report)
   return report
 
 

@@ -92,7 +92,6 @@ if __name__ == "__main__":
   _fake_cpu_devices(ARGS.paths)
   pin_cpus(ARGS.cpus)
 
-import json
 import math
 import statistics
 
@@ -109,7 +108,7 @@ from dipaco_jax import experiment
 from dipaco_jax import hlo
 from dipaco_jax import model as model_lib
 from dipaco_jax import sharding
-from timing import Loop, gemm_loop, interleave, paired_ratio  # Beside us.
+from timing import Loop, gemm_loop, interleave, paired_ratio, write_json  # Beside us.
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -385,11 +384,7 @@ def main(args) -> dict:
         f"{args.reps} repetitions")
   print(table(results))
   if args.out:
-    tmp = args.out + ".tmp"
-    with open(tmp, "w") as f:
-      json.dump(report, f, indent=1, default=float)
-    os.replace(tmp, args.out)
-    print(f"wrote {args.out}")
+    write_json(args.out, report)
   return report
 
 

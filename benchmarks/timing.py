@@ -5,6 +5,8 @@ of jitted steps with collectives abort on fake CPU devices).
 """
 # pylint: disable=invalid-name
 
+import json
+import os
 import statistics
 import time
 
@@ -13,6 +15,15 @@ import jax.numpy as jnp
 import numpy as np
 
 BLOCK_EVERY = 4
+
+
+def write_json(path: str, report: dict) -> None:
+  """Writes a benchmark's report whole or not at all (tmp file, then rename)."""
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(report, f, indent=1, default=float)
+  os.replace(tmp, path)
+  print(f"wrote {path}")
 
 
 class Loop:
