@@ -15,6 +15,12 @@ from clu import metric_writers
 from etils import epath
 
 
+
+def nan_mean(values) -> float:
+  """Mean that skips NaN entries (e.g. a worker without validation data); NaN if all are."""
+  arr = np.asarray(values, np.float64)
+  return float("nan") if np.isnan(arr).all() else float(np.nanmean(arr))
+
 class NonFiniteLossError(FloatingPointError):
   """A worker's training loss became NaN or Inf."""
 
@@ -72,8 +78,7 @@ class MetricsLogger:
       if isinstance(value, (int, float)):
         scalars[key] = value
       elif isinstance(value, list) and value and isinstance(value[0], (int, float)):
-        arr = np.asarray(value, np.float64)  # NaN: e.g. a worker without validation data.
-        scalars[f"{key}_mean"] = float("nan") if np.isnan(arr).all() else float(np.nanmean(arr))
+        scalars[f"{key}_mean"] = nan_mean(value)
     self._writer.write_scalars(step, scalars)
     self._lines.append(json.dumps(record, sort_keys=True))
     self._flush()

@@ -138,10 +138,10 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     if step % eval_every == 0 or step == stop:
       val = exp.evaluate(state.params, plan.eval_batches)
       plan.after_eval(step, val, state)
-      # nanmean: workers whose validation shard is empty read NaN (allow_validation).
-      record.update(val_loss=val, val_loss_mean=float(np.nanmean(val)))
+      # Workers whose validation shard is empty read NaN (allow_validation): skipped.
+      record.update(val_loss=val, val_loss_mean=metrics_lib.nan_mean(val))
       result = {"step": step, "val_loss": val.tolist(),
-                "val_loss_mean": float(np.nanmean(val)),
+                "val_loss_mean": metrics_lib.nan_mean(val),
                 "train_loss_mean": float(np.mean(m["loss"]))}
     if record:
       log.write(step, record)
