@@ -15,11 +15,11 @@ from clu import metric_writers
 from etils import epath
 
 
-
 def nan_mean(values) -> float:
   """Mean that skips NaN entries (e.g. a worker without validation data); NaN if all are."""
   arr = np.asarray(values, np.float64)
   return float("nan") if np.isnan(arr).all() else float(np.nanmean(arr))
+
 
 class NonFiniteLossError(FloatingPointError):
   """A worker's training loss became NaN or Inf."""
