@@ -1,7 +1,7 @@
 r"""The paper's comparison at small scale on the embedded corpus: one command, table and plots.
 
   python benchmarks/reproduce.py --out=/tmp/dipaco_repro           # full: <= 60 min, 2 cores
-  python benchmarks/reproduce.py --quick --out=/tmp/dipaco_repro_q  # ~10 min of CPU: smaller model, 1/4 of the data
+  python benchmarks/reproduce.py --quick --out=/tmp/dipaco_repro_q  # ~10 CPU-minutes
   python benchmarks/reproduce.py --smoke --out=/tmp/dipaco_repro_s  # CI: tiny sizes, 1/40 data
 
 Every model uses the shipped 8k SentencePiece tokenizer, the same batch (B x T
@@ -388,7 +388,8 @@ def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--out", default="/tmp/dipaco_repro", help="Output directory (resumable).")
   mode = ap.add_mutually_exclusive_group()
-  mode.add_argument("--quick", action="store_true", help="Smaller model, 1/4 of the data: ~10 min of CPU.")
+  mode.add_argument("--quick", action="store_true",
+                    help="Smaller model, 1/4 of the data: ~10 CPU-minutes.")
   mode.add_argument("--smoke", action="store_true", help="Seconds-long sizes (CI).")
   ap.add_argument("--models", default=",".join(MODELS),
                   help=f"Comma list of models to run (pretraining always runs first); also "

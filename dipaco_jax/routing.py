@@ -74,8 +74,8 @@ class PathRouter:
 
   def __post_init__(self):
     if self.router is not None:
-      self.router.check_matches(grid=router_grid(self.topo, self.by_worker), source=f"the {self.router.kind} "
-                                "router")
+      self.router.check_matches(grid=router_grid(self.topo, self.by_worker),
+                                source=f"the {self.router.kind} router")
 
   @property
   def kind(self) -> str:
