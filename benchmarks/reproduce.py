@@ -202,17 +202,29 @@ def param_counts(config) -> dict:
           "paths": exp.topo.num_paths, "workers": exp.topo.num_workers}
 
 
+def _read_json(path: str) -> dict:
+  """A file this script wrote before, or {} (a fresh run)."""
+  if not os.path.exists(path):
+    return {}
+  with open(path) as f:
+    return json.load(f)
+
+
 def _checkpoint_steps(workdir: str) -> list[int]:
   d = os.path.join(workdir, "checkpoints")
   return sorted(int(p) for p in os.listdir(d) if p.isdigit()) if os.path.isdir(d) else []
 
 
-def evaluate_run(config, workdir: str, s: Sizes, *, final_full: bool) -> dict:
-  """Routed ppl at every `eval_every`-th outer step; full report at the last (cached)."""
+def evaluate_run(config, workdir: str, s: Sizes, *, final_full: bool) -> tuple[dict, int]:
+  """Routed ppl at every `eval_every`-th outer step, full report at the last (cached).
+
+  Returns the reports by step and how many of them this call computed.
+  """
   from dipaco_jax import early_stopping
   from dipaco_jax import evaluation
   cache_path = os.path.join(workdir, "reproduce_eval.json")
-  cache = json.load(open(cache_path)) if os.path.exists(cache_path) else {}
+  cache = _read_json(cache_path)
+  computed = 0
   steps = _checkpoint_steps(workdir)
   last = steps[-1]
   every = s.eval_every * s.inner_steps
@@ -221,22 +233,20 @@ def evaluate_run(config, workdir: str, s: Sizes, *, final_full: bool) -> dict:
     if key in cache or (step % every and step != last):
       continue
     run = evaluation.load_run(config, workdir, step)
-    if step == last:
-      full = final_full and run.exp.topo.num_paths > 1
-      rep = {"store": evaluation.evaluate(run, windows=None if full else [],
-                                          rerouters=None if full else (), oracle=full)}
-      if early_stopping.read_meta(workdir) is not None:
-        rep["best"] = evaluation.evaluate(run, params="best", windows=None if full else [],
-                                          rerouters=None if full else (), oracle=full)
-    else:
-      rep = {"store": evaluation.evaluate(run, windows=[], rerouters=(), oracle=False)}
+    # Re-routing and oracles at the last step of a run with several paths; else once only.
+    full = step == last and final_full and run.exp.topo.num_paths > 1
+    kw = dict(windows=None if full else [], rerouters=None if full else (), oracle=full)
+    rep = {"store": evaluation.evaluate(run, **kw)}
+    if step == last and early_stopping.read_meta(workdir) is not None:
+      rep["best"] = evaluation.evaluate(run, params="best", **kw)
     cache[key] = {k: {f: r[f] for f in ("ppl", "loss", "phase", "router", "scored_tokens",
                                         "num_sequences", "per_path", "switches_per_sequence")}
                   for k, r in rep.items()}
     with open(cache_path + ".tmp", "w") as f:
       json.dump(cache, f, indent=1)
     os.replace(cache_path + ".tmp", cache_path)
-  return cache
+    computed += 1
+  return cache, computed
 
 
 def shard_report(config, workdir: str) -> dict:
@@ -267,18 +277,16 @@ def train_run(name: str, s: Sizes, out: str, sqrt_paths: str, seed: int = 0) -> 
   workdir = os.path.join(out, "runs", name)
   # Seconds of the call that did the work (a rerun that resumes finished work keeps them).
   timing_path = os.path.join(workdir, "reproduce_seconds.json")
-  seconds = json.load(open(timing_path)) if os.path.exists(timing_path) else {}
+  seconds = _read_json(timing_path)
   before = (_checkpoint_steps(workdir) or [0])[-1]
   t0 = time.perf_counter()
   train.train_and_evaluate(config, workdir)
   t1 = time.perf_counter()
-  done_evals = len(json.load(open(os.path.join(workdir, "reproduce_eval.json")))
-                   ) if os.path.exists(os.path.join(workdir, "reproduce_eval.json")) else 0
-  evals = evaluate_run(config, workdir, s, final_full=name != "pretrain")
+  evals, computed = evaluate_run(config, workdir, s, final_full=name != "pretrain")
   t2 = time.perf_counter()
   if _checkpoint_steps(workdir)[-1] > before or "train" not in seconds:
     seconds["train"] = t1 - t0
-  if len(evals) > done_evals or "evaluate" not in seconds:
+  if computed or "evaluate" not in seconds:
     seconds["evaluate"] = t2 - t1
   with open(timing_path, "w") as f:
     json.dump(seconds, f)
@@ -320,7 +328,7 @@ def table(results: dict, s: Sizes) -> str:
 def window_table(results: dict) -> str:
   """Routed ppl vs re-routing window W for the models with several paths."""
   lines = []
-  for name in MODELS:
+  for name in [*MODELS, *INVESTIGATIONS]:
     r = results.get(name)
     if not r or r["params"]["paths"] == 1:
       continue
