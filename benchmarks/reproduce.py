@@ -179,7 +179,7 @@ def make_config(name: str, s: Sizes, out: str, sqrt_paths: str, seed: int = 0):
       "mesh.cpu_devices": CPU_DEVICES, "log_every_steps": s.inner_steps,
       "ckpt.every_steps": s.inner_steps, "ckpt.async_save": False,
       "eval.every_steps": s.inner_steps, "eval.batches": 2,
-      "routing.eval_rerouting_windows": s.windows, "routing.reroute_steps": s.reroute_steps,
+      "eval.rerouting_windows": s.windows, "eval.reroute_steps": s.reroute_steps,
       # k-means on a small validation split can leave a path without validation documents:
       # it trains, its own-shard loss reads NaN and early stopping keeps its latest params.
       "data.empty_shard_policy": "allow_validation",
@@ -252,7 +252,7 @@ def evaluate_run(config, workdir: str, s: Sizes, *, final_full: bool) -> tuple[d
 def shard_report(config, workdir: str) -> dict:
   """The last phase's shards: training tokens per worker, validation domain purity and NMI."""
   from dipaco_jax import data as data_lib
-  from dipaco_jax import router_report
+  from dipaco_jax.routing import report as router_report
   from dipaco_jax import routing
   phase = 0
   while os.path.isdir(routing.shard_dir(config, workdir, phase + 1)):
@@ -263,7 +263,7 @@ def shard_report(config, workdir: str) -> dict:
     for d in shards.documents(w, "validation").read_many(range(int(n))):
       workers.append(w)
       domains.append(d.domain)
-  ids, names = routing.domain_index(domains)
+  ids, names = router_report.domain_index(domains)
   rep = router_report.report(np.asarray(workers), len(shards.num_docs("validation")), ids, names)
   return {"phase": phase, "train_tokens": shards.sizes("train").tolist(),
           "validation_docs": shards.num_docs("validation").tolist(),

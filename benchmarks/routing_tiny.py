@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 
-from dipaco_jax import router_report
+from dipaco_jax.routing import report as router_report
 
 RUNS = {  # name -> config overrides
     "random": [],

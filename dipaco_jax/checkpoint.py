@@ -8,14 +8,14 @@ bit-identical results.
 """
 
 import logging
-from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-PyTree = Any
+from dipaco_jax.types import PyTree
+
 
 
 class _SmallChunkFilter(logging.Filter):

@@ -81,10 +81,6 @@ def base() -> ml_collections.ConfigDict:
   c.ckpt.max_to_keep = 2  # Checkpoints kept.
   c.ckpt.async_save = True  # Write in the background.
 
-  c.eval = ml_collections.ConfigDict()
-  c.eval.every_steps = 150  # Inner steps between validation on each path's shard.
-  c.eval.batches = 4  # Validation batches per path.
-
   c.routing = ml_collections.ConfigDict()  # docs/routing.md; paper §2.4, §2.6, §2.7.
   c.routing.router = "random"  # Phase-0 shards: "random" (i.i.d.) | "kmeans" | "product_kmeans".
   c.routing.prefix_len = 32  # Tokens the router reads (paper: 32); excluded from routed perplexity.
@@ -99,17 +95,23 @@ def base() -> ml_collections.ConfigDict:
   c.routing.discriminative_every = 1  # Outer steps between successive re-shards (phases > 1).
   c.routing.discriminative_target = "labels"  # Shard sizes the bias matches: "labels" | "uniform".
   c.routing.restart_schedule = True  # Restart the inner warmup+cosine at a re-shard (paper Fig. 10).
-  c.routing.score_len = 0  # Tokens per router document each path scores (0 = eval_seq_len).
-  c.routing.early_stopping = True  # Keep each worker's best params by own-shard val loss (+1 params copy).
-  c.routing.eval_seq_len = 0  # Tokens per validation sequence (a document's start); 0 = data.seq_len.
-  c.routing.eval_max_docs = 0  # Validation documents evaluated (0 = all).
-  c.routing.eval_rerouting_windows = (16, 32, 64, 128)  # W: re-route every W tokens after the prefix.
-  c.routing.reroute_routers = ("linear", "transformer")  # Test-time routers fitted and evaluated.
-  c.routing.reroute_label_window = 0  # Forward window L of re-router labels (0 = to the end; paper).
-  c.routing.reroute_stride = 8  # Linear re-router: one training example every this many tokens.
-  c.routing.reroute_steps = 300  # Transformer re-router: fine-tuning steps from θ̄ (paper: 2k).
-  c.routing.reroute_lr = 1e-3  # Transformer re-router: AdamW peak LR (no warmup, as the paper).
-  c.routing.reroute_batch_size = 16  # Transformer re-router: sequences per step.
+  c.routing.score_len = 0  # Tokens per router document each path scores (0 = eval.seq_len).
+
+  c.eval = ml_collections.ConfigDict()  # Validation while training; routed evaluation (evaluate.py).
+  c.eval.every_steps = 150  # Inner steps between validation on each path's shard.
+  c.eval.batches = 4  # Validation batches per path.
+  c.eval.seq_len = 0  # Tokens per validation sequence (a document's start); 0 = data.seq_len.
+  c.eval.max_docs = 0  # Validation documents evaluated (0 = all).
+  c.eval.rerouting_windows = (16, 32, 64, 128)  # W: re-route every W tokens after the prefix.
+  c.eval.rerouters = ("linear", "transformer")  # Test-time routers fitted and evaluated.
+  c.eval.reroute_label_window = 0  # Forward window L of re-router labels (0 = to the end; paper).
+  c.eval.reroute_stride = 8  # Linear re-router: one training example every this many tokens.
+  c.eval.reroute_steps = 300  # Transformer re-router: fine-tuning steps from θ̄ (paper: 2k).
+  c.eval.reroute_lr = 1e-3  # Transformer re-router: AdamW peak LR (no warmup, as the paper).
+  c.eval.reroute_batch_size = 16  # Transformer re-router: sequences per step.
+
+  c.early_stopping = ml_collections.ConfigDict()  # Per-path early stopping (paper §2.7).
+  c.early_stopping.enabled = True  # Keep each worker's best params by own-shard val loss (+1 params copy).
   return c
 
 

@@ -11,7 +11,6 @@ the records restart with the new phase.
 # pylint: disable=invalid-name
 
 import json
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -20,8 +19,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from dipaco_jax import checkpoint
+from dipaco_jax.types import PyTree
 
-PyTree = Any
 DIRNAME = "best_paths"
 
 

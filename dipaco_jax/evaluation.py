@@ -1,11 +1,11 @@
 """Routed evaluation: one path per sequence (or per W-token chunk), prefix excluded.
 
-Every validation document gives one sequence, its first `eval_seq_len` tokens.
+Every validation document gives one sequence, its first `eval.seq_len` tokens.
 The run's active router (random, k-means or the last discriminative phase)
 routes it by its prefix, the chosen path scores it, and perplexity counts
 every target token except the first `prefix_len` (paper §4; dense and DiLoCo
 too, whose router is trivial, so numbers compare). Re-routing every W tokens
-uses the test-time routers of rerouting.py; oracles (best path per sequence or
+uses the test-time routers of routing/rerouting.py; oracles (best path per sequence or
 per chunk in hindsight) bound what any router could reach.
 
 Documents come from the run's validation shards (never overlapping), so each
@@ -25,15 +25,10 @@ from dipaco_jax import checkpoint as ckpt_lib
 from dipaco_jax import data as data_lib
 from dipaco_jax import early_stopping
 from dipaco_jax import experiment as exp_lib
-from dipaco_jax import features as features_lib
-from dipaco_jax import reshard
-from dipaco_jax import rerouting
-from dipaco_jax import router as router_lib
-from dipaco_jax import router_report
 from dipaco_jax import routing
-from dipaco_jax import scoring
+from dipaco_jax.routing import report as report_lib
+from dipaco_jax.routing import rerouting
 
-PyTree = Any
 
 
 @dataclasses.dataclass
@@ -80,7 +75,7 @@ def config_from_workdir(workdir: str):
 def validation_sequences(run: Run, max_docs: int = 0) -> dict[str, np.ndarray]:
   """Validation documents (from the shards) with their worker; a fixed hash-order subset."""
   docs, workers = [], []
-  for w in range(run.shard_set.num_paths):
+  for w in range(run.shard_set.num_workers):
     n = int(run.shard_set.num_docs("validation")[w])
     shard = run.shard_set.documents(w, "validation")
     for d in shard.read_many(range(n)) if n else []:
@@ -90,8 +85,8 @@ def validation_sequences(run: Run, max_docs: int = 0) -> dict[str, np.ndarray]:
                      kind="stable")
   if max_docs:
     order = order[:max_docs]
-  T = reshard.eval_seq_len(run.config)
-  tokens, lengths = features_lib.pad_rows([docs[i].tokens for i in order], T)
+  T = eval.seq_len(run.config)
+  tokens, lengths = routing.pad_rows([docs[i].tokens for i in order], T)
   return {"doc_ids": np.array([docs[i].doc_id for i in order], np.int64),
           "domains": np.array([docs[i].domain for i in order]),
           "workers": np.array(workers, np.int64)[order], "tokens": tokens, "lengths": lengths}
@@ -101,21 +96,21 @@ def rerouter_dir(workdir: str, step: int) -> str:
   return os.path.join(workdir, routing.ROUTER_DIR, f"rerouters_step{step}")
 
 
-def fit_rerouters(run: Run, scorer: scoring.PathScorer, extractor, *, kinds) -> dict[str, Any]:
+def fit_rerouters(run: Run, scorer: routing.PathScorer, extractor, *, kinds) -> dict[str, Any]:
   """Fits (or loads) a step's test-time routers on the router split, labelled by `scorer`.
 
   They are fitted once per checkpoint step, with the store's paths, and serve the
   early-stopping set of that step too.
   """
-  cfg, topo = run.config.routing, run.exp.topo
+  cfg, ev, topo = run.config.routing, run.config.eval, run.exp.topo
   directory = rerouter_dir(run.workdir, run.step)
   out, todo = {}, []
   for kind in kinds:
     if kind not in rerouting.KINDS:
       raise ValueError(f"unknown re-router {kind!r}: choose from {rerouting.KINDS}.")
     sub = os.path.join(directory, kind)
-    if kind == "linear" and os.path.exists(os.path.join(sub, router_lib.META_FILE)):
-      out[kind] = router_lib.Router.load(sub, grid=routing.router_grid(topo))
+    if kind == "linear" and routing.Router.exists(sub):
+      out[kind] = routing.Router.load(sub, grid=routing.router_grid(topo))
     elif kind == "transformer" and rerouting.load_transformer(sub) is not None:
       out[kind] = rerouting.load_transformer(sub)
     else:
@@ -131,12 +126,12 @@ def fit_rerouters(run: Run, scorer: scoring.PathScorer, extractor, *, kinds) -> 
       docs.append(d.tokens[:T])
     if cfg.get("router_max_docs", 0) and len(docs) >= cfg.router_max_docs:
       break
-  tokens, lengths = features_lib.pad_rows(docs, T)
+  tokens, lengths = routing.pad_rows(docs, T)
   s_NxTxP = scorer.score_all_paths(list(docs))
-  labels = rerouting.window_labels(s_NxTxP, lengths, cfg.get("reroute_label_window", 0))
+  labels = rerouting.window_labels(s_NxTxP, lengths, ev.reroute_label_window)
   if "linear" in todo:
     r = rerouting.fit_linear(extractor.running_means(tokens), labels, lengths, prefix_len=L,
-                             stride=cfg.get("reroute_stride", 8),
+                             stride=ev.reroute_stride,
                              grid=routing.router_grid(topo), seed=cfg.get("seed", 0))
     r.info["features"] = extractor.fingerprint
     r.save(os.path.join(directory, "linear"), overwrite=True)
@@ -144,8 +139,8 @@ def fit_rerouters(run: Run, scorer: scoring.PathScorer, extractor, *, kinds) -> 
   if "transformer" in todo:
     mask = (np.arange(T)[None] >= L) & (np.arange(T)[None] < lengths[:, None])
     tr = rerouting.TransformerRerouter(run.exp.model_cfg, topo.num_paths)
-    params = tr.fit(extractor.params, tokens, labels, mask, steps=cfg.get("reroute_steps", 300),
-                    lr=cfg.get("reroute_lr", 1e-3), batch_size=cfg.get("reroute_batch_size", 16),
+    params = tr.fit(extractor.params, tokens, labels, mask, steps=ev.reroute_steps,
+                    lr=ev.reroute_lr, batch_size=ev.reroute_batch_size,
                     seed=cfg.get("seed", 0))
     rerouting.save_transformer(params, os.path.join(directory, "transformer"))
     out["transformer"] = params
@@ -172,12 +167,12 @@ def evaluate(run: Run, *, params: str = "store", windows=None, rerouters=None,
   """Routed perplexity once per sequence and per W, per-path and own-shard losses."""
   config, topo = run.config, run.exp.topo
   cfg = config.routing
-  L = features_lib.check_prefix_len(cfg.get("prefix_len", 32))
+  L = routing.check_prefix_len(cfg.get("prefix_len", 32))
   windows = [rerouting.check_window(w) for w in
-             (cfg.get("eval_rerouting_windows", ()) if windows is None else windows)]
-  kinds = tuple(cfg.get("reroute_routers", ()) if rerouters is None else rerouters)
-  T = reshard.eval_seq_len(config)
-  store_scorer = scoring.PathScorer.from_store(run.exp, run.state.store, seq_len=T)
+             (config.eval.rerouting_windows if windows is None else windows)]
+  kinds = tuple(config.eval.rerouters if rerouters is None else rerouters)
+  T = eval.seq_len(config)
+  store_scorer = routing.PathScorer.from_store(run.exp, run.state.store, seq_len=T)
   if params == "store":
     scorer = store_scorer
   elif params == "best":
@@ -187,15 +182,15 @@ def evaluate(run: Run, *, params: str = "store", windows=None, rerouters=None,
     best.close()
     if best.params is None:
       raise FileNotFoundError(f"no early-stopping set in {run.workdir}/best_paths: train with "
-                              "config.routing.early_stopping=True.")
-    scorer = scoring.PathScorer(run.exp, best.params, seq_len=T)
+                              "config.early_stopping.enabled=True.")
+    scorer = routing.PathScorer(run.exp, best.params, seq_len=T)
   else:
     raise ValueError(f"params={params!r}: use 'store' (the global modules) or 'best' (per-path "
                      "early stopping).")
-  extractor = features_lib.extractor_from_config(config)
+  extractor = routing.extractor_from_config(config)
   router = routing.load_phase_router(config, run.workdir, topo, run.phase, extractor)
   rr = fit_rerouters(run, store_scorer, extractor, kinds=kinds) if windows else {}
-  seqs = validation_sequences(run, cfg.get("eval_max_docs", 0) if max_docs is None else max_docs)
+  seqs = validation_sequences(run, config.eval.max_docs if max_docs is None else max_docs)
   P = topo.num_paths
   names = ["once"] + [f"{k}/W={w}" for k in rr for w in windows]
   if oracle:
@@ -249,7 +244,7 @@ def evaluate(run: Run, *, params: str = "store", windows=None, rerouters=None,
           nll[f"oracle/W={w_}"] -= sum(s_TxU[c:c + w_].sum(0).max() for c in range(0, k, w_))
   if tokens_total == 0:
     raise ValueError(f"no validation sequence is longer than the {L}-token prefix; lower "
-                     "config.routing.prefix_len or raise eval_seq_len.")
+                     "config.routing.prefix_len or raise config.eval.seq_len.")
   seqs_n = max(len(seqs["doc_ids"]), 1)
   return {
       "step": run.step, "params": params, "phase": run.phase, "router": router.kind,
@@ -286,10 +281,10 @@ def to_markdown(rep: dict) -> str:
   return "\n".join(lines) + "\n"
 
 
-def domain_report(rep: dict, num_paths: int) -> router_report.RouterReport:
+def domain_report(rep: dict, num_paths: int) -> report_lib.RouterReport:
   """Paths (once per sequence) x document domains of the evaluated sequences."""
-  ids, names = routing.domain_index(rep["domains"])
-  return router_report.report(np.asarray(rep["sequence_paths"]), num_paths, ids, names)
+  ids, names = report_lib.domain_index(rep["domains"])
+  return report_lib.report(np.asarray(rep["sequence_paths"]), num_paths, ids, names)
 
 
 def evaluate_and_write(config, workdir: str, step: int | None = None) -> str:
@@ -301,7 +296,7 @@ def evaluate_and_write(config, workdir: str, step: int | None = None) -> str:
   P = run.exp.topo.num_paths
   text = "\n".join(
       f"## params: {k}\n\n{to_markdown(r)}\n### domains (validation)\n\n"
-      f"{router_report.to_markdown(domain_report(r, P))}" for k, r in reports.items())
+      f"{report_lib.to_markdown(domain_report(r, P))}" for k, r in reports.items())
   out = os.path.join(workdir, "eval")
   os.makedirs(out, exist_ok=True)
   with open(os.path.join(out, f"step_{run.step}.json"), "w") as f:

@@ -6,7 +6,6 @@
 
 import dataclasses
 import functools
-from typing import Any
 
 import flax
 import jax
@@ -22,8 +21,8 @@ from dipaco_jax import outer as outer_lib
 from dipaco_jax import paths as paths_lib
 from dipaco_jax import sharding
 from dipaco_jax import topology
+from dipaco_jax.types import PyTree
 
-PyTree = Any
 
 
 @flax.struct.dataclass

@@ -1,6 +1,6 @@
 """This process's part of the global batch, and its checkpointable position.
 
-Each worker reads its own shard through its own `PathBatcher`, so a worker's
+Each worker reads its own shard through its own `WorkerBatcher`, so a worker's
 batches do not depend on which process loads it: a run gives the same batches
 as one process or as many. A process loads only the workers (and batch rows)
 whose shards live on its devices; the positions of all workers are gathered
@@ -49,7 +49,7 @@ class _NoDocuments:
 
 
 class Feed:
-  """Batches [local workers, local rows, T] from one PathBatcher per worker.
+  """Batches [local workers, local rows, T] from one WorkerBatcher per worker.
 
   Validation shards may be empty (data.empty_shard_policy="allow_validation");
   those workers get padding-only batches. Training shards never may.
@@ -61,7 +61,7 @@ class Feed:
     self._rows = rows
     docs = shard_set.num_docs(split)
     self._its = {w: (_NoDocuments(**batcher_kw) if split != "train" and docs[w] == 0 else
-                     data_lib.PathBatcher(shard_set, split, [w], **batcher_kw))
+                     data_lib.WorkerBatcher(shard_set, split, [w], **batcher_kw))
                  for w in self.workers}
 
   def next_batch(self) -> dict[str, np.ndarray]:
@@ -86,6 +86,14 @@ class Feed:
                        f"workers {missing}; it was written by another grid.")
     for w, it in self._its.items():
       it.set_state(state[str(w)])
+
+
+def make_feed(exp, shard_set, split: str, **kw) -> Feed:
+  """This process's workers and rows of `split` for an Experiment, one batcher each."""
+  workers, rows = local_block(exp.batch_sharding, exp.batch_shape)
+  c = exp.config.data
+  return Feed(shard_set, split, workers, rows, seq_len=c.seq_len,
+              batch_size=c.batch_size, seed=c.seed, **kw)
 
 
 def gather_json(obj) -> list:

@@ -8,15 +8,14 @@ reduces across workers, so no collective crosses the path axis.
 # pylint: disable=invalid-name
 
 import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from dipaco_jax import model as model_lib
+from dipaco_jax.types import PyTree
 
-PyTree = Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,3 +88,26 @@ def eval_step(params: PyTree, batch: dict, *, model: model_lib.Transformer):
 def init_opt_state(tx: optax.GradientTransformation, params_W: PyTree) -> PyTree:
   """One independent AdamW state per worker (DiLoCo never syncs them)."""
   return jax.vmap(tx.init)(params_W)
+
+
+def restart_schedule(inner_opt: PyTree) -> PyTree:
+  """Resets the LR schedule's step count (only) in every worker's optimizer state.
+
+  Adam's moments and bias-correction count are kept; warmup and cosine start
+  over with the same warmup_steps / total_steps (paper Fig. 10's restart at a
+  discriminative re-shard).
+  """
+  is_sched = lambda x: isinstance(x, optax.ScaleByScheduleState)
+  found = []
+
+  def reset(x):
+    if is_sched(x):
+      found.append(True)
+      return x._replace(count=jax.device_put(jnp.zeros_like(x.count), x.count.sharding))
+    return x
+
+  out = jax.tree.map(reset, inner_opt, is_leaf=is_sched)
+  if not found:
+    raise ValueError("the inner optimizer state holds no schedule count to restart; set "
+                     "config.routing.restart_schedule=False.")
+  return out

@@ -25,7 +25,7 @@ class NonFiniteLossError(FloatingPointError):
   """A worker's training loss became NaN or Inf."""
 
 
-def check_finite(step: int, losses_W: np.ndarray, labels: list[str]) -> None:
+def guard_losses(step: int, losses_W: np.ndarray, labels: list[str]) -> None:
   """Stops the run with a clear message on a non-finite loss."""
   bad = [labels[i] for i, v in enumerate(np.asarray(losses_W)) if not math.isfinite(v)]
   if bad:

@@ -7,13 +7,13 @@ topology assigns groups to levels, so the model knows nothing of paths.
 # pylint: disable=invalid-name
 
 import dataclasses
-from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-PyTree = Any
+from dipaco_jax.types import PyTree
+
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,6 @@ params and its momentum.
 # pylint: disable=invalid-name
 
 import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -23,8 +22,8 @@ import optax
 
 from dipaco_jax import paths as paths_lib
 from dipaco_jax import topology as topo_lib
+from dipaco_jax.types import PyTree
 
-PyTree = Any
 SQRT_MODES = ("multiply", "divide", "none")
 
 

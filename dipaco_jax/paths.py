@@ -8,15 +8,14 @@ some worker reads.
 """
 # pylint: disable=invalid-name
 
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from dipaco_jax import topology as topo_lib
+from dipaco_jax.types import PyTree
 
-PyTree = Any
 
 
 def init_store(theta: PyTree, topo: topo_lib.Topology) -> PyTree:

@@ -25,13 +25,12 @@ from etils import epath
 
 from dipaco_jax import early_stopping
 from dipaco_jax import experiment as exp_lib
-from dipaco_jax import features as features_lib
 from dipaco_jax import model as model_lib
 from dipaco_jax import routing
 from dipaco_jax import topology as topo_lib
 from dipaco_jax.data import vocab as vocab_lib
+from dipaco_jax.types import PyTree
 
-PyTree = Any
 
 
 def bytes_read() -> int:
@@ -144,10 +143,10 @@ class PathServer:
     root = epath.Path(self.workdir) / "checkpoints"
     self.step = _latest_step(root) if self.step is None else self.step
     self.phase = active_phase(self.workdir, self.step)
-    self.prefix_len = features_lib.check_prefix_len(c.routing.get("prefix_len", 32))
+    self.prefix_len = routing.check_prefix_len(c.routing.get("prefix_len", 32))
     kind = c.routing.get("router", "random")
     needs = self.phase > 0 or kind != "random"
-    self.extractor = features_lib.extractor_from_config(c) if needs else None
+    self.extractor = routing.extractor_from_config(c) if needs else None
     self.router = routing.load_phase_router(c, self.workdir, self.topo, self.phase,
                                             self.extractor)
     self._path, self._params, self.load_info = None, None, None

@@ -17,7 +17,8 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-PyTree = Any
+from dipaco_jax.types import PyTree
+
 AXES = ("path", "data", "model")
 
 # Which dim of a parameter (by its name) is split over 'model'.

@@ -14,14 +14,14 @@ import numpy as np
 import tqdm
 from absl import logging
 from etils import epath
-from jax.experimental import multihost_utils
 
 from dipaco_jax import checkpoint as ckpt_lib
-from dipaco_jax import data as data_lib
+from dipaco_jax import early_stopping
 from dipaco_jax import experiment as exp_lib
 from dipaco_jax import feed as feed_lib
+from dipaco_jax import inner as inner_lib
 from dipaco_jax import metrics as metrics_lib
-from dipaco_jax import reshard
+from dipaco_jax import shard_plan
 from dipaco_jax import sharding
 
 # Sections of the config that must not change when a run resumes.
@@ -44,26 +44,6 @@ def _check_config_matches(workdir: epath.Path, config) -> None:
     path.write_text(json.dumps(new, indent=2, sort_keys=True))
 
 
-def _feed(exp, shard_set, split: str, **kw) -> feed_lib.Feed:
-  """This process's workers and rows of `split`, one PathBatcher each."""
-  workers, rows = feed_lib.local_block(exp.batch_sharding, exp.batch_shape)
-  c = exp.config.data
-  return feed_lib.Feed(shard_set, split, workers, rows, seq_len=c.seq_len,
-                       batch_size=c.batch_size, seed=c.seed, **kw)
-
-
-def _prepare_shards(config, num_workers: int, shard_dir: str, assign=None):
-  """Process 0 writes the shards once; the others wait, then open them."""
-  if jax.process_index() == 0:
-    shard_set = data_lib.prepare_shards(config.data, num_paths=num_workers,
-                                        shard_dir=shard_dir, assign=assign)
-  multihost_utils.sync_global_devices("dipaco_shards_ready")
-  if jax.process_index() != 0:
-    shard_set = data_lib.prepare_shards(config.data, num_paths=num_workers,
-                                        shard_dir=shard_dir, assign=assign)
-  return shard_set
-
-
 def _initial_theta(config):
   src = config.dipaco.get("init_from", "")
   return ckpt_lib.restore_worker_params(src) if src else None
@@ -80,10 +60,15 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   total = H * T
   logging.info("%s; mesh %s", topo.describe(), sharding.describe(exp.mesh))
 
-  # Routed shards, re-shards and per-path early stopping (reshard.py): the plan's
-  # train_it, eval_batches (same batches at every evaluation) and alpha_W.
-  plan = reshard.ShardPlan(config, workdir, exp, prepare=_prepare_shards,
-                           make_feed=_feed)
+  # Routed shards and re-shards (shard_plan.py): the plan's train_it, eval_batches
+  # (same batches at every evaluation) and alpha_W.
+  plan = shard_plan.ShardPlan(config, workdir, exp)
+  # Per-path early stopping (paper §2.7) on each worker's own validation shard.
+  best = (early_stopping.BestPaths(workdir, exp.state_sharding.params,
+                                   exp.abstract_state.params, topo.num_workers)
+          if config.early_stopping.enabled else None)
+  if best is not None:
+    best.restore()
 
   ckpt = ckpt_lib.Checkpointer(workdir, max_to_keep=config.ckpt.max_to_keep,
                                async_save=config.ckpt.get("async_save", True))
@@ -117,7 +102,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     # Blocking on each step's small metrics keeps the CPU collectives healthy
     # (NOTES.md) and lets the NaN guard stop before a bad state is saved.
     m = feed_lib.host(m)
-    metrics_lib.check_finite(step, m["loss"], labels)
+    metrics_lib.guard_losses(step, m["loss"], labels)
     if step % H == 0:
       if exp.outer_enabled:
         store, outer_opt, params, om = exp.outer_step(
@@ -126,7 +111,10 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
         record["outer_delta_norm"] = feed_lib.host(om["delta_norm"])
       else:
         state = state.replace(store=exp.sync_store(state.params))
-      state = plan.after_outer_step(step, state)
+      if plan.reshards_after(step):
+        plan.reshard(step, state.params)
+        if config.routing.restart_schedule:  # Paper Fig. 10: the cosine starts over.
+          state = state.replace(inner_opt=inner_lib.restart_schedule(state.inner_opt))
     bar.update(1)
     if step % log_every == 0 or step % H == 0 or step == total:
       now = time.perf_counter()
@@ -137,7 +125,8 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
       bar.set_postfix(loss=f"{float(np.mean(m['loss'])):.3f}")
     if step % eval_every == 0 or step == stop:
       val = exp.evaluate(state.params, plan.eval_batches)
-      plan.after_eval(step, val, state)
+      if best is not None:
+        best.update(step, val, state.params, plan.phase)
       # Workers whose validation shard is empty read NaN (allow_validation): skipped.
       record.update(val_loss=val, val_loss_mean=metrics_lib.nan_mean(val))
       result = {"step": step, "val_loss": val.tolist(),
@@ -154,7 +143,8 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
             "checkpoint is kept: lower config.inner.lr and rerun to resume.")
       ckpt.save(step, state, plan.data_state())
   bar.close()
-  plan.close()
+  if best is not None:
+    best.close()
   ckpt.close()
   log.close()
   return result

@@ -18,8 +18,8 @@ def small_corpus(monkeypatch, docs_per_split: int = 200) -> None:
 
 def routed_config(**overrides):
   """micro_config on the shipped 8k vocab, short sequences, an 8-token routing prefix."""
-  base = {"model.vocab_size": 8192, "routing.prefix_len": 8, "routing.eval_seq_len": 32,
-          "routing.eval_rerouting_windows": (4, 8), "routing.reroute_steps": 10,
+  base = {"model.vocab_size": 8192, "routing.prefix_len": 8, "eval.seq_len": 32,
+          "eval.rerouting_windows": (4, 8), "eval.reroute_steps": 10,
           "routing.kmeans_restarts": 2, "routing.kmeans_iters": 20}
   base.update(overrides)
   return helpers.micro_config(**base)

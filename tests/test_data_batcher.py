@@ -1,4 +1,4 @@
-"""PathBatcher: packing without cross-document attention, seeded order, exact resume."""
+"""WorkerBatcher: packing without cross-document attention, seeded order, exact resume."""
 
 import json
 
@@ -25,7 +25,7 @@ def batches(batcher, n):
 
 
 def test_shapes_dtypes_and_keys(shard_set):
-  batch = data.PathBatcher(shard_set, "train", [0, 1], seq_len=SEQ, batch_size=BATCH,
+  batch = data.WorkerBatcher(shard_set, "train", [0, 1], seq_len=SEQ, batch_size=BATCH,
                            seed=0).next_batch()
   assert set(batch) == {"inputs", "targets", "segment_ids", "positions", "weights"}
   for key, value in batch.items():
@@ -34,7 +34,7 @@ def test_shapes_dtypes_and_keys(shard_set):
 
 
 def test_packing_never_crosses_documents(shard_set):
-  batcher = data.PathBatcher(shard_set, "train", [0, 1], seq_len=SEQ, batch_size=BATCH, seed=0)
+  batcher = data.WorkerBatcher(shard_set, "train", [0, 1], seq_len=SEQ, batch_size=BATCH, seed=0)
   for batch in batches(batcher, 20):
     for p in range(2):
       for r in range(BATCH):
@@ -54,7 +54,7 @@ def test_packing_never_crosses_documents(shard_set):
 
 
 def test_one_epoch_yields_each_document_exactly_once_then_stops(shard_set):
-  batcher = data.PathBatcher(shard_set, "train", [1], seq_len=SEQ, batch_size=BATCH, seed=5,
+  batcher = data.WorkerBatcher(shard_set, "train", [1], seq_len=SEQ, batch_size=BATCH, seed=5,
                              repeat=False)
   seen = [b for b in batcher]
   targets = np.concatenate([b["targets"][0].reshape(-1) for b in seen])
@@ -71,8 +71,8 @@ def test_one_epoch_yields_each_document_exactly_once_then_stops(shard_set):
 
 
 def test_order_is_seeded_per_path_and_reshuffled_per_epoch(shard_set):
-  def run(path_ids, seed, n=30):
-    b = data.PathBatcher(shard_set, "train", path_ids, seq_len=SEQ, batch_size=BATCH, seed=seed)
+  def run(workers, seed, n=30):
+    b = data.WorkerBatcher(shard_set, "train", workers, seq_len=SEQ, batch_size=BATCH, seed=seed)
     return np.stack([x["targets"] for x in batches(b, n)])
 
   both = run([0, 1], seed=0)
@@ -81,7 +81,7 @@ def test_order_is_seeded_per_path_and_reshuffled_per_epoch(shard_set):
   np.testing.assert_array_equal(both[:, 1], run([1], seed=0)[:, 0])
   assert not np.array_equal(both, run([0, 1], seed=1))
   # Epoch 2 is a different permutation: compare the first document of each epoch's stream.
-  batcher = data.PathBatcher(shard_set, "train", [0], seq_len=SEQ, batch_size=BATCH, seed=0)
+  batcher = data.WorkerBatcher(shard_set, "train", [0], seq_len=SEQ, batch_size=BATCH, seed=0)
   firsts = []
   for _ in range(3):
     firsts.append(batcher._streams[0]._order_of_epoch().tolist())  # pylint: disable=protected-access
@@ -91,16 +91,16 @@ def test_order_is_seeded_per_path_and_reshuffled_per_epoch(shard_set):
 
 def test_resume_gives_identical_batches_across_epochs(shard_set):
   kwargs = dict(seq_len=SEQ, batch_size=BATCH, seed=11)
-  first = data.PathBatcher(shard_set, "train", [0, 1], **kwargs)
+  first = data.WorkerBatcher(shard_set, "train", [0, 1], **kwargs)
   batches(first, 23)
   state = json.loads(json.dumps(first.get_state()))  # survives a JSON checkpoint
   expected = batches(first, 40)  # crosses several epoch boundaries (~330 tokens per path)
-  assert first.get_state()["paths"][0][0] >= 2
-  resumed = data.PathBatcher(shard_set, "train", [0, 1], **kwargs)
+  assert first.get_state()["workers_position"][0][0] >= 2
+  resumed = data.WorkerBatcher(shard_set, "train", [0, 1], **kwargs)
   resumed.set_state(state)
   for want, have in zip(expected, batches(resumed, 40)):
     for key in want:
       np.testing.assert_array_equal(want[key], have[key])
-  other = data.PathBatcher(shard_set, "train", [0, 1], seq_len=SEQ, batch_size=BATCH, seed=12)
+  other = data.WorkerBatcher(shard_set, "train", [0, 1], seq_len=SEQ, batch_size=BATCH, seed=12)
   with pytest.raises(ValueError, match="seed"):
     other.set_state(state)

@@ -29,7 +29,7 @@ def test_random_assignment_is_deterministic_distinct_and_balanced():
   assert all(len(p) == 2 and len(set(p)) == 2 and all(0 <= q < 4 for q in p) for p in picks)
   counts = np.bincount([q for p in picks for q in p], minlength=4)
   assert counts.min() > 0.8 * counts.mean()  # i.i.d.: about 1000 each
-  assert assign.description == "random(num_paths=4,seed=7,top_k=2)"
+  assert assign.description == "random(num_workers=4,seed=7,top_k=2)"
 
 
 def test_write_read_round_trip_with_top2_overlap(tmp_path):
@@ -37,7 +37,7 @@ def test_write_read_round_trip_with_top2_overlap(tmp_path):
   assign = data.random_assignment(3, seed=1, top_k=2)
   sizes = data.write_shards(str(tmp_path), "train", docs, assign, 3)
   shard_set = data.ShardSet(str(tmp_path))
-  assert shard_set.num_paths == 3 and shard_set.splits == ("train",)
+  assert shard_set.num_workers == 3 and shard_set.splits == ("train",)
   np.testing.assert_array_equal(sizes, shard_set.sizes("train"))
   expected = {p: [d for d in docs if p in assign(d)] for p in range(3)}
   for p in range(3):
@@ -69,7 +69,7 @@ def test_routing_prefix_is_recoverable_per_document(tmp_path):
 def test_empty_path_is_a_clear_error_and_leaves_split_incomplete(tmp_path):
   docs = make_docs(10)
   only_path_0 = assign_lib.with_description(lambda d: [0], "all-to-0")
-  with pytest.raises(data.EmptyShardError, match=r"2 of 3 paths got no train document: \[1, 2\]"):
+  with pytest.raises(data.EmptyShardError, match=r"2 of 3 workers got no train document: \[1, 2\]"):
     data.write_shards(str(tmp_path), "train", docs, only_path_0, 3)
   assert not os.path.exists(tmp_path / "train" / shards.META)
   with pytest.raises(ValueError, match="no complete split"):
@@ -78,21 +78,21 @@ def test_empty_path_is_a_clear_error_and_leaves_split_incomplete(tmp_path):
   sizes = data.write_shards(str(tmp_path), "train", docs, only_path_0, 3, empty_policy="allow")
   assert sizes[1] == sizes[2] == 0
   with pytest.raises(ValueError, match="empty 'train' shard"):
-    data.PathBatcher(data.ShardSet(str(tmp_path)), "train", [1], seq_len=8, batch_size=1, seed=0)
+    data.WorkerBatcher(data.ShardSet(str(tmp_path)), "train", [1], seq_len=8, batch_size=1, seed=0)
 
 
 def test_bad_assignments_and_inputs_are_clear_errors(tmp_path):
   docs = make_docs(5)
-  with pytest.raises(ValueError, match="returned no path for document 1000"):
+  with pytest.raises(ValueError, match="returned no worker for document 1000"):
     data.write_shards(str(tmp_path / "a"), "train", docs, lambda d: [], 2)
-  with pytest.raises(ValueError, match=r"distinct path ids in \[0, 2\)"):
+  with pytest.raises(ValueError, match=r"distinct worker ids in \[0, 2\)"):
     data.write_shards(str(tmp_path / "b"), "train", docs, lambda d: [0, 2], 2)
   with pytest.raises(ValueError, match="ending with EOS"):
     data.write_shards(str(tmp_path / "c"), "train", [data.Document(0, np.array([5, 6]), "x")],
                       lambda d: [0], 1)
   with pytest.raises(ValueError, match="Unknown empty_policy"):
     data.write_shards(str(tmp_path / "d"), "train", docs, lambda d: [0], 1, empty_policy="skip")
-  with pytest.raises(ValueError, match="top_k <= num_paths"):
+  with pytest.raises(ValueError, match="top_k <= num_workers"):
     data.random_assignment(2, seed=0, top_k=3)
   with pytest.raises(FileNotFoundError, match="does not exist"):
     data.ShardSet(str(tmp_path / "nowhere"))
@@ -109,7 +109,7 @@ def test_shards_are_written_once_and_damage_is_detected(tmp_path):
   with pytest.raises(ValueError, match="out of range"):
     shard_set.documents(2, "validation")
   meta = json.loads((tmp_path / "validation" / shards.META).read_text())
-  assert meta["assignment"] == "random(num_paths=2,seed=0,top_k=1)"
+  assert meta["assignment"] == "random(num_workers=2,seed=0,top_k=1)"
   os.remove(tmp_path / "validation" / shards.shard_file(1))
   with pytest.raises(FileNotFoundError, match="is missing"):
     data.ShardSet(str(tmp_path)).documents(1, "validation")

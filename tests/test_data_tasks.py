@@ -115,7 +115,7 @@ def test_prepare_shards_writes_once_reuses_and_refuses_mismatch(tmp_path):
       "c4_en", "train", data_dir=cfg.tfds_data_dir, vocab_path=cfg.vocab_path))
   assert shard_set.sizes("train").sum() == 2 * train_tokens  # top-2 overlap in training
   assert shard_set.num_docs("validation").sum() == 30  # never overlapping in evaluation
-  assert shard_set.meta["assignment"] == "random(num_paths=3,seed=0,top_k=2)"
+  assert shard_set.meta["assignment"] == "random(num_workers=3,seed=0,top_k=2)"
   assert shard_set.meta["vocab"] == vocab.fingerprint(vocab.DEFAULT_VOCAB_PATH)
   mtime = os.path.getmtime(os.path.join(shard_dir, "meta.json"))
   again = data.prepare_shards(cfg, 3, shard_dir)  # reused, not rewritten
@@ -124,7 +124,7 @@ def test_prepare_shards_writes_once_reuses_and_refuses_mismatch(tmp_path):
   with pytest.raises(ValueError, match=r"another config.*'seed': \(0, 1\)"):
     data.prepare_shards(data_cfg(cfg.tfds_data_dir, task="c4_en", vocab_path=cfg.vocab_path,
                                  top_k=2, seed=1), 3, shard_dir)
-  with pytest.raises(ValueError, match="num_paths"):
+  with pytest.raises(ValueError, match="num_workers"):
     data.prepare_shards(cfg, 4, shard_dir)
   with pytest.raises(ValueError, match=r"another config.*'subsample': \(1, 2\)"):
     data.prepare_shards(data_cfg(cfg.tfds_data_dir, task="c4_en", vocab_path=cfg.vocab_path,

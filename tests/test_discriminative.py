@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from dipaco_jax import discriminative as dm
+from dipaco_jax.routing import discriminative as dm
 
 _P = 8
 

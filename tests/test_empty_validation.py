@@ -30,12 +30,12 @@ def _shards(tmp_path, monkeypatch):
   cfg = helpers.micro_config(**{"data.top_k": 4})
   # Every training document goes to all 4 workers; validation keeps the first: worker 0.
   everyone = data_lib.with_description(lambda d: [0, 1, 2, 3], "all-four")
-  with pytest.raises(data_lib.EmptyShardError, match="3 of 4 paths got no validation"):
+  with pytest.raises(data_lib.EmptyShardError, match="3 of 4 workers got no validation"):
     prepare.prepare_shards(cfg.data, 4, str(tmp_path / "strict"), assign=everyone)
   cfg.data.empty_shard_policy = "allow_validation"
   # Training shards may never be empty, whatever the policy.
   only_0 = data_lib.with_description(lambda d: [0], "all-to-0")
-  with pytest.raises(data_lib.EmptyShardError, match="3 of 4 paths got no train"):
+  with pytest.raises(data_lib.EmptyShardError, match="3 of 4 workers got no train"):
     prepare.prepare_shards(cfg.data, 4, str(tmp_path / "train_empty"), assign=only_0)
   return cfg, prepare.prepare_shards(cfg.data, 4, str(tmp_path / "s"), assign=everyone)
 

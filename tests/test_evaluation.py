@@ -12,7 +12,7 @@ from dipaco_jax import evaluation
 from dipaco_jax import experiment
 from dipaco_jax import model as model_lib
 from dipaco_jax import paths
-from dipaco_jax import rerouting
+from dipaco_jax.routing import rerouting
 from dipaco_jax import routing
 
 L, T = 4, 16
@@ -46,7 +46,7 @@ def run(tmp_path_factory):
   """A run whose 4 paths differ (independent inits), 40 validation docs on random shards."""
   workdir = str(tmp_path_factory.mktemp("run"))
   cfg = helpers.micro_config(**{"dipaco.init": "independent", "routing.prefix_len": L,
-                                "routing.eval_seq_len": T, "routing.reroute_routers": ("linear",)})
+                                "eval.seq_len": T, "eval.rerouters": ("linear",)})
   exp = experiment.Experiment(cfg)
   state = exp.init_state(0)
   W = exp.topo.num_workers
@@ -125,7 +125,7 @@ def test_dense_model_has_a_trivial_router_and_the_same_report_keys(tmp_path):
   cfg = helpers.micro_config(**{"dipaco.level_groups": ("embed,block_0,block_1,head",),
                                 "dipaco.modules_per_level": (1,), "outer.enabled": False,
                                 "data.batch_size": 4,  # One path: 4 devices on 'data'.
-                                "routing.prefix_len": L, "routing.eval_seq_len": T})
+                                "routing.prefix_len": L, "eval.seq_len": T})
   exp = experiment.Experiment(cfg)
   docs = routing_testlib.fake_documents(12, seed=6, min_len=8)
   data_lib.write_shards(str(tmp_path / "s"), "validation", docs, lambda d: [0], 1)

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dipaco_jax import kmeans
+from dipaco_jax.routing import kmeans
 
 # Four planted centres 20 apart; noise std 0.5, so each true cluster is far
 # nearer its own centre than any other and the planted partition is the optimum.

@@ -8,8 +8,8 @@ import nbformat
 import helpers
 import routing_testlib
 from dipaco_jax import evaluation
-from dipaco_jax import features
-from dipaco_jax import scoring
+from dipaco_jax.routing import features
+from dipaco_jax.routing import scoring
 from dipaco_jax import train
 
 NOTEBOOK = os.path.join(helpers.ROOT, "notebooks", "evaluate.ipynb")
@@ -20,7 +20,7 @@ def test_evaluate_notebook_executes(tmp_path, monkeypatch):
   workdir = str(tmp_path / "run")
   cfg = routing_testlib.routed_config(**{"routing.router": "kmeans", "dipaco.inner_steps": 2,
                                          "dipaco.outer_steps": 2,
-                                         "routing.reroute_routers": ("linear",)})
+                                         "eval.rerouters": ("linear",)})
   train.train_and_evaluate(cfg, workdir)
   # Fit the re-router here, on this small router split (the kernel reads the real corpus).
   run = evaluation.load_run(cfg, workdir)

@@ -13,12 +13,12 @@ from dipaco_jax import checkpoint
 from dipaco_jax import early_stopping
 from dipaco_jax import evaluation
 from dipaco_jax import experiment
-from dipaco_jax import router as router_lib
+from dipaco_jax.routing import router as router_lib
 from dipaco_jax import routing
 from dipaco_jax import train
 
 KW = {"routing.router": "kmeans", "routing.discriminative_at_outer_step": 1,
-      "routing.reroute_routers": ("linear",),
+      "eval.rerouters": ("linear",),
       "dipaco.inner_steps": 2, "dipaco.outer_steps": 3}
 
 

@@ -6,9 +6,9 @@ import os
 import numpy as np
 import pytest
 
-from dipaco_jax import discriminative
-from dipaco_jax import kmeans
-from dipaco_jax import router as router_lib
+from dipaco_jax.routing import discriminative
+from dipaco_jax.routing import kmeans
+from dipaco_jax.routing import router as router_lib
 
 _GRID = (2, 3)  # P = 6 paths.
 

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from dipaco_jax import router_report as rr
+from dipaco_jax.routing import report as rr
 
 # Six documents on 4 paths (path 3 empty), two domains.
 _PATHS = np.array([0, 0, 1, 1, 1, 2])

@@ -10,13 +10,14 @@ import helpers
 import routing_testlib
 from dipaco_jax import data as data_lib
 from dipaco_jax import experiment
-from dipaco_jax import features
+from dipaco_jax.routing import features
 from dipaco_jax import model as model_lib
 from dipaco_jax import paths
-from dipaco_jax import reshard
-from dipaco_jax import router as router_lib
+from dipaco_jax import inner
+from dipaco_jax.routing import router as router_lib
 from dipaco_jax import routing
-from dipaco_jax import scoring
+from dipaco_jax.routing import phases
+from dipaco_jax.routing import scoring
 from dipaco_jax import topology
 
 
@@ -110,8 +111,8 @@ def test_replica_shards_router_gives_each_worker_its_own_cluster():
   centres = np.array([[9, 0], [0, 9], [-9, -9]], np.float32)
   x = (centres[np.arange(90) % 3] + rng.normal(size=(90, 2))).astype(np.float32)
   cfg = helpers.micro_config(**{"routing.router": "kmeans", "routing.replica_shards": "router"})
-  assert routing.replicas_by_router(cfg, t)
-  router = routing.fit_phase0(cfg, t, x)
+  assert phases.replicas_by_router(cfg, t)
+  router = phases.fit_phase0(cfg, t, x)
   assert router.grid == (3,)
   pr = routing.PathRouter(t, router, by_worker=True)
   w = pr.workers(np.arange(90), x)[:, 0]
@@ -125,11 +126,11 @@ def test_replica_shards_router_gives_each_worker_its_own_cluster():
     routing.PathRouter(t, router)
   cfg.routing.replica_shards = "cluster"
   with pytest.raises(ValueError, match="replica_shards='cluster'"):
-    routing.replicas_by_router(cfg, t)
+    phases.replicas_by_router(cfg, t)
   cfg.routing.replica_shards = "router"
   cfg.dipaco.outer_steps, cfg.routing.discriminative_at_outer_step = 4, 2
   with pytest.raises(ValueError, match="phase 0 only"):
-    routing.replicas_by_router(cfg, t)
+    phases.replicas_by_router(cfg, t)
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +143,7 @@ def test_discriminative_labels_are_the_argmin_loss_path(independent):
   exp, state = independent
   docs = routing_testlib.fake_documents(16, seed=3, min_len=12)
   scorer = scoring.PathScorer.from_store(exp, state.store, seq_len=16)
-  scores = reshard.score_documents(scorer, docs, prefix_len=4)
+  scores = phases.score_documents(scorer, docs, prefix_len=4)
   apply = jax.jit(model_lib.Transformer(exp.model_cfg).apply)
   loss = np.zeros((len(docs), exp.topo.num_paths))
   for p in range(exp.topo.num_paths):
@@ -164,7 +165,7 @@ def test_restart_schedule_resets_only_the_schedule_count(independent):
   batch = exp.put_batch(helpers.synthetic_batch(np.random.default_rng(0), 4, 2, 16, 256))
   p, o, m = exp.inner_step(state.params, state.inner_opt, batch)
   jax.block_until_ready(m)
-  out = reshard.restart_schedule(o)
+  out = inner.restart_schedule(o)
   is_s = lambda x: isinstance(x, (optax.ScaleByScheduleState, optax.ScaleByAdamState))
   before = [x for x in jax.tree.leaves(o, is_leaf=is_s) if is_s(x)]
   after = [x for x in jax.tree.leaves(out, is_leaf=is_s) if is_s(x)]

@@ -29,7 +29,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 from IPython.display import Markdown, display
 
-from dipaco_jax import early_stopping, evaluation, router_report
+from dipaco_jax import early_stopping, evaluation
+from dipaco_jax.routing import report as router_report
 
 config = evaluation.config_from_workdir(WORKDIR)
 for key, value in OVERRIDES.items():
@@ -98,7 +99,7 @@ plt.show()"""),
     ("md", "## Per-path early stopping"),
     ("code", """meta = early_stopping.read_meta(WORKDIR)
 if meta is None:
-  print("no early-stopping set in this run (config.routing.early_stopping=False)")
+  print("no early-stopping set in this run (config.early_stopping.enabled=False)")
 else:
   best = evaluation.evaluate(run, params="best", windows=(), oracle=False,
                              max_docs=MAX_DOCS or None)

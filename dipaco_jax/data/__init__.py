@@ -5,7 +5,7 @@ Everything here but `iter_documents` runs without TensorFlow: the trainer reads 
 
 from dipaco_jax.data.assign import random_assignment
 from dipaco_jax.data.assign import with_description
-from dipaco_jax.data.batcher import PathBatcher
+from dipaco_jax.data.batcher import WorkerBatcher
 from dipaco_jax.data.batcher import synthetic_batch
 from dipaco_jax.data.document import Document
 from dipaco_jax.data.document import routing_prefixes
@@ -14,7 +14,7 @@ from dipaco_jax.data.shards import EmptyShardError
 from dipaco_jax.data.shards import ShardSet
 from dipaco_jax.data.shards import write_shards
 
-__all__ = ["Document", "EmptyShardError", "PathBatcher", "ShardSet", "iter_documents",
+__all__ = ["Document", "EmptyShardError", "WorkerBatcher", "ShardSet", "iter_documents",
            "prepare_shards", "random_assignment", "routing_prefixes", "with_description",
            "write_shards"]
 

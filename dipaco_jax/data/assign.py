@@ -1,10 +1,10 @@
-"""Document -> path assignments; every assignment carries a `description` that shard metadata records."""
+"""Document -> worker assignments; every assignment carries a `description` that shard metadata records."""
 
 from typing import Callable, Sequence
 
 from dipaco_jax.data.document import Document
 
-Assignment = Callable[[Document], Sequence[int]]  # path ids, most preferred first
+Assignment = Callable[[Document], Sequence[int]]  # worker ids, most preferred first
 _MASK = (1 << 64) - 1
 
 
@@ -22,23 +22,23 @@ def with_description(assign: Assignment, description: str) -> Assignment:
   return assign
 
 
-def random_assignment(num_paths: int, *, seed: int, top_k: int = 1) -> Assignment:
-  """i.i.d. assignment (DiLoCo's sharding): a hash of (seed, doc_id) picks top_k distinct paths."""
-  if num_paths < 1 or not 1 <= top_k <= num_paths:
-    raise ValueError(f"random_assignment needs num_paths >= 1 and 1 <= top_k <= num_paths; got "
-                     f"num_paths={num_paths}, top_k={top_k}.")
+def random_assignment(num_workers: int, *, seed: int, top_k: int = 1) -> Assignment:
+  """i.i.d. assignment (DiLoCo's sharding): a hash of (seed, doc_id) picks top_k distinct workers."""
+  if num_workers < 1 or not 1 <= top_k <= num_workers:
+    raise ValueError(f"random_assignment needs num_workers >= 1 and 1 <= top_k <= num_workers; got "
+                     f"num_workers={num_workers}, top_k={top_k}.")
   seed_hash = _mix(seed & _MASK)
 
   def assign(doc: Document) -> list[int]:
     h = _mix(seed_hash ^ (doc.doc_id & _MASK))
-    paths = list(range(num_paths))
+    workers = list(range(num_workers))
     for j in range(top_k):  # partial Fisher-Yates shuffle driven by the hash chain
       h = _mix(h)
-      k = j + h % (num_paths - j)
-      paths[j], paths[k] = paths[k], paths[j]
-    return paths[:top_k]
+      k = j + h % (num_workers - j)
+      workers[j], workers[k] = workers[k], workers[j]
+    return workers[:top_k]
 
-  return with_description(assign, f"random(num_paths={num_paths},seed={seed},top_k={top_k})")
+  return with_description(assign, f"random(num_workers={num_workers},seed={seed},top_k={top_k})")
 
 
 def first_only(assign: Assignment) -> Assignment:

@@ -1,25 +1,26 @@
-"""PathBatcher: packed, fixed-length batches per path from shards, with an exact resume state."""
+"""WorkerBatcher: packed, fixed-length batches per worker from shards, with an exact resume state."""
 
 from typing import Sequence
 
 from dipaco_jax.data.shards import ShardSet
 import numpy as np
 
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: keys name workers.
 
 
-class _PathStream:
-  """One path's documents as an endless (or one-pass) token stream in a seeded per-epoch order."""
+class _WorkerStream:
+  """One worker's documents as an endless (or one-pass) token stream in a seeded per-epoch order."""
 
-  def __init__(self, docs, path: int, seed: int, shuffle: bool, repeat: bool):
-    self.docs, self.path, self.seed, self.shuffle, self.repeat = docs, path, seed, shuffle, repeat
+  def __init__(self, docs, worker: int, seed: int, shuffle: bool, repeat: bool):
+    self.docs, self.worker, self.seed = docs, worker, seed
+    self.shuffle, self.repeat = shuffle, repeat
     self.epoch, self.index, self.offset = 0, 0, 0  # position: epoch, rank in its order, token
     self._order, self._order_epoch, self._doc, self._doc_key = None, None, None, None
 
   def _order_of_epoch(self) -> np.ndarray:
     if self._order_epoch != self.epoch:
       n = len(self.docs)
-      rng = np.random.default_rng([self.seed, self.path, self.epoch])
+      rng = np.random.default_rng([self.seed, self.worker, self.epoch])
       self._order = rng.permutation(n) if self.shuffle else np.arange(n)
       self._order_epoch = self.epoch
     return self._order
@@ -73,33 +74,33 @@ def pack(pieces: list[np.ndarray], batch_size: int, seq_len: int) -> dict[str, n
   return {k: v.reshape(batch_size, seq_len) for k, v in batch.items()}
 
 
-class PathBatcher:
-  """Batches [len(path_ids), batch_size, seq_len] from each path's shard, independently per path."""
+class WorkerBatcher:
+  """Batches [len(workers), batch_size, seq_len] from each worker's shard, independently."""
 
-  def __init__(self, shard_set: ShardSet, split: str, path_ids: Sequence[int], *, seq_len: int,
+  def __init__(self, shard_set: ShardSet, split: str, workers: Sequence[int], *, seq_len: int,
                batch_size: int, seed: int, shuffle: bool = True, repeat: bool = True):
-    if seq_len < 1 or batch_size < 1 or not len(path_ids):
-      raise ValueError(f"PathBatcher needs seq_len >= 1, batch_size >= 1 and some path ids; got "
-                       f"seq_len={seq_len}, batch_size={batch_size}, path_ids={list(path_ids)}.")
-    self.path_ids = [int(p) for p in path_ids]
+    if seq_len < 1 or batch_size < 1 or not len(workers):
+      raise ValueError(f"WorkerBatcher needs seq_len >= 1, batch_size >= 1 and some worker ids; got "
+                       f"seq_len={seq_len}, batch_size={batch_size}, workers={list(workers)}.")
+    self.workers = [int(w) for w in workers]
     self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
-    self._config = {"split": split, "path_ids": self.path_ids, "seq_len": seq_len,
+    self._config = {"split": split, "workers": self.workers, "seq_len": seq_len,
                     "batch_size": batch_size, "seed": seed, "shuffle": shuffle, "repeat": repeat}
     self._streams = []
-    for path in self.path_ids:
-      docs = shard_set.documents(path, split)
+    for worker in self.workers:
+      docs = shard_set.documents(worker, split)
       if not len(docs):
-        raise ValueError(f"Path {path} has an empty {split!r} shard in {shard_set.shard_dir}; "
+        raise ValueError(f"Worker {worker} has an empty {split!r} shard in {shard_set.shard_dir}; "
                          "it cannot feed a batch (it was written with empty_policy='allow').")
-      self._streams.append(_PathStream(docs, path, seed, shuffle, repeat))
+      self._streams.append(_WorkerStream(docs, worker, seed, shuffle, repeat))
 
   def next_batch(self) -> dict[str, np.ndarray]:
-    """The next batch of every path; StopIteration once one-pass streams are all used up."""
+    """The next batch of every worker; StopIteration once one-pass streams are all used up."""
     n = self.batch_size * self.seq_len
-    per_path = [stream.take(n) for stream in self._streams]
-    if not any(per_path):
-      raise StopIteration("every path's shard has been read once (repeat=False)")
-    batches = [pack(pieces, self.batch_size, self.seq_len) for pieces in per_path]
+    per_worker = [stream.take(n) for stream in self._streams]
+    if not any(per_worker):
+      raise StopIteration("every worker's shard has been read once (repeat=False)")
+    batches = [pack(pieces, self.batch_size, self.seq_len) for pieces in per_worker]
     return {k: np.stack([b[k] for b in batches]) for k in batches[0]}
 
   def __iter__(self):
@@ -109,9 +110,9 @@ class PathBatcher:
     return self.next_batch()
 
   def get_state(self) -> dict:
-    """Small, JSON-serialisable position of every path's stream."""
+    """Small, JSON-serialisable position of every worker's stream."""
     return {"version": STATE_VERSION, **self._config,
-            "paths": [[s.epoch, s.index, s.offset] for s in self._streams]}
+            "workers_position": [[s.epoch, s.index, s.offset] for s in self._streams]}
 
   def set_state(self, state: dict) -> None:
     """Continues exactly where the iterator that produced `state` stood."""
@@ -119,14 +120,14 @@ class PathBatcher:
     if state.get("version") != STATE_VERSION or mismatch:
       raise ValueError(f"Batcher state does not fit this batcher (field: (state, batcher)): "
                        f"{mismatch or {'version': (state.get('version'), STATE_VERSION)}}.")
-    for stream, (epoch, index, offset) in zip(self._streams, state["paths"]):
+    for stream, (epoch, index, offset) in zip(self._streams, state["workers_position"]):
       stream.epoch, stream.index, stream.offset = int(epoch), int(index), int(offset)
 
 
-def synthetic_batch(rng: np.random.Generator, num_paths: int, batch_size: int,
+def synthetic_batch(rng: np.random.Generator, num_workers: int, batch_size: int,
                     seq_len: int, vocab_size: int) -> dict[str, np.ndarray]:
-  """Random tokens in PathBatcher's layout, one segment per row (tests, benchmarks)."""
-  shape = (num_paths, batch_size, seq_len)
+  """Random tokens in WorkerBatcher's layout, one segment per row (tests, benchmarks)."""
+  shape = (num_workers, batch_size, seq_len)
   t = rng.integers(2, vocab_size, size=shape).astype(np.int32)
   inputs = np.concatenate([np.zeros(shape[:2] + (1,), np.int32), t[:, :, :-1]], -1)
   return {"inputs": inputs, "targets": t, "segment_ids": np.ones_like(t),

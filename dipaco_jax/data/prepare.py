@@ -8,7 +8,7 @@ from dipaco_jax.data import vocab
 from etils import epath
 
 # Fields of the shard dir's meta.json that must match the run's config for the dir to be reused.
-MATCH_FIELDS = ("task", "num_paths", "assignment", "top_k", "seed", "vocab", "subsample")
+MATCH_FIELDS = ("task", "num_workers", "assignment", "top_k", "seed", "vocab", "subsample")
 _MATCH_DEFAULTS = {"subsample": 1}  # Dirs written before a field existed hold its default.
 PENDING = "pending.json"  # the config of a prepare_shards call that has not finished yet
 
@@ -25,25 +25,25 @@ def split_policy(policy: str, split: str) -> str:
   return policy
 
 
-def shard_config(data_cfg, num_paths: int, assign: assign_lib.Assignment) -> dict:
+def shard_config(data_cfg, num_workers: int, assign: assign_lib.Assignment) -> dict:
   """What a shard dir is built from, as recorded in its meta.json."""
   description = getattr(assign, "description", None)
   if not description:
     raise ValueError("The assignment has no .description; wrap it with "
                      "assign.with_description(fn, 'what it is') so shard dirs can be matched.")
   task = data_cfg.task
-  return {"task": task, "num_paths": num_paths, "assignment": description,
+  return {"task": task, "num_workers": num_workers, "assignment": description,
           "top_k": data_cfg.get("top_k", 1), "seed": data_cfg.seed,
           "subsample": data_cfg.get("subsample", 1),
           "vocab": vocab.fingerprint(vocab.resolve(task, data_cfg.get("vocab_path")))}
 
 
-def prepare_shards(data_cfg, num_paths: int, shard_dir: str, *, assign=None) -> shards.ShardSet:
+def prepare_shards(data_cfg, num_workers: int, shard_dir: str, *, assign=None) -> shards.ShardSet:
   """Returns the run's ShardSet, writing train + validation shards first if shard_dir is new."""
   if assign is None:
-    assign = assign_lib.random_assignment(num_paths, seed=data_cfg.seed,
+    assign = assign_lib.random_assignment(num_workers, seed=data_cfg.seed,
                                           top_k=data_cfg.get("top_k", 1))
-  want = shard_config(data_cfg, num_paths, assign)
+  want = shard_config(data_cfg, num_workers, assign)
   root = epath.Path(shard_dir)
   _check_match(root / shards.META, want, shard_dir)
   if (root / shards.META).exists():
@@ -62,7 +62,7 @@ def prepare_shards(data_cfg, num_paths: int, shard_dir: str, *, assign=None) -> 
                           vocab_path=data_cfg.get("vocab_path"),
                           subsample=data_cfg.get("subsample", 1))
     sizes[split] = shards.write_shards(
-        shard_dir, split, docs, split_assign, num_paths,
+        shard_dir, split, docs, split_assign, num_workers,
         empty_policy=split_policy(data_cfg.get("empty_shard_policy", "error"), split)).tolist()
   meta = {"format": shards.FORMAT, **want, "splits": ["train", "validation"], "tokens": sizes,
           "tfds_data_dir": data_cfg.get("tfds_data_dir")}

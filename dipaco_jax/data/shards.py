@@ -1,11 +1,11 @@
-"""Per-path shard storage: one ArrayRecord file per (split, path), one record per document.
+"""Per-worker shard storage: one ArrayRecord file per (split, worker), one record per document.
 
 Layout of a shard dir (local or gs://):
-  <split>/path_00000.array_record ...   documents routed to each path (random access by index)
-  <split>/meta.json                      tokens and docs per path; written last = split complete
+  <split>/worker_00000.array_record ... documents routed to each worker (random access by index)
+  <split>/meta.json                      tokens and docs per worker; written last = split complete
   meta.json                              what prepare_shards built it from (task, assignment, vocab)
 ArrayRecord reads and writes local files only, so a gs:// shard dir is written through a local
-staging dir and copied up (meta last); reading copies one path's file to a local cache first.
+staging dir and copied up (meta last); reading copies one worker's file to a local cache first.
 """
 
 import hashlib
@@ -25,10 +25,10 @@ from etils import epath
 import numpy as np
 
 META = "meta.json"
-FORMAT = 1
+FORMAT = 2  # 2: files and metadata count workers (worker_*.array_record, num_workers).
 EMPTY_POLICIES = {
-    "error": "raise, naming the empty paths, and leave the split incomplete (no meta.json)",
-    "allow": "keep empty shards (size 0, so alpha 0); reading an empty path raises",
+    "error": "raise, naming the empty workers, and leave the split incomplete (no meta.json)",
+    "allow": "keep empty shards (size 0, so alpha 0); reading an empty worker's shard raises",
 }
 CACHE_DIR = os.environ.get("DIPACO_SHARD_CACHE",
                            os.path.join(os.path.expanduser("~"), ".cache", "dipaco_jax", "shards"))
@@ -36,11 +36,11 @@ _HEADER = struct.Struct("<qBH")  # doc_id, bytes per token (2 or 4), domain leng
 
 
 class EmptyShardError(ValueError):
-  """Some path received no document."""
+  """Some worker received no document."""
 
 
-def shard_file(path: int) -> str:
-  return f"path_{path:05d}.array_record"
+def shard_file(worker: int) -> str:
+  return f"worker_{worker:05d}.array_record"
 
 
 def _is_remote(path: str) -> bool:
@@ -66,26 +66,26 @@ def decode(record: bytes) -> Document:
   return Document(doc_id, tokens.astype(np.int32), record[_HEADER.size:start].decode("utf-8"))
 
 
-def _check_paths(paths: Sequence[int], doc: Document, num_paths: int) -> list[int]:
-  paths = [int(p) for p in paths]
-  if not paths:
-    raise ValueError(f"The assignment returned no path for document {doc.doc_id}; every document "
-                     "needs at least one path.")
-  if len(set(paths)) != len(paths) or not all(0 <= p < num_paths for p in paths):
-    raise ValueError(f"The assignment returned {paths} for document {doc.doc_id}; it must return "
-                     f"distinct path ids in [0, {num_paths}).")
-  return paths
+def _check_workers(workers: Sequence[int], doc: Document, num_workers: int) -> list[int]:
+  workers = [int(w) for w in workers]
+  if not workers:
+    raise ValueError(f"The assignment returned no worker for document {doc.doc_id}; every document "
+                     "needs at least one worker.")
+  if len(set(workers)) != len(workers) or not all(0 <= w < num_workers for w in workers):
+    raise ValueError(f"The assignment returned {workers} for document {doc.doc_id}; it must return "
+                     f"distinct worker ids in [0, {num_workers}).")
+  return workers
 
 
 def write_shards(shard_dir: str, split: str, documents: Iterable[Document], assign: Assignment,
-                 num_paths: int, *, empty_policy: str = "error") -> np.ndarray:
-  """Streams documents into per-path shards of one split; returns tokens per path [num_paths]."""
+                 num_workers: int, *, empty_policy: str = "error") -> np.ndarray:
+  """Streams documents into per-worker shards of one split; returns tokens per worker [num_workers]."""
   if split not in corpus.SPLITS:
     raise ValueError(f"Unknown split {split!r}; choose one of {corpus.SPLITS}.")
   if empty_policy not in EMPTY_POLICIES:
     raise ValueError(f"Unknown empty_policy {empty_policy!r}; choose one of {list(EMPTY_POLICIES)}.")
-  if num_paths < 1:
-    raise ValueError(f"num_paths must be >= 1; got {num_paths}.")
+  if num_workers < 1:
+    raise ValueError(f"num_workers must be >= 1; got {num_workers}.")
   split_dir = epath.Path(shard_dir) / split
   if (split_dir / META).exists():
     raise FileExistsError(f"{split_dir} already holds a complete shard split; shards are written "
@@ -94,37 +94,37 @@ def write_shards(shard_dir: str, split: str, documents: Iterable[Document], assi
   staging = tempfile.mkdtemp(prefix="dipaco_shards_") if remote else str(split_dir)
   os.makedirs(staging, exist_ok=True)
   writers = [array_record_module.ArrayRecordWriter(os.path.join(staging, shard_file(p)),
-                                                   "group_size:1") for p in range(num_paths)]
-  tokens_P, docs_P = np.zeros(num_paths, np.int64), np.zeros(num_paths, np.int64)
+                                                   "group_size:1") for p in range(num_workers)]
+  tokens_W, docs_W = np.zeros(num_workers, np.int64), np.zeros(num_workers, np.int64)
   try:
     for doc in documents:
       record = encode(doc)
-      for p in _check_paths(assign(doc), doc, num_paths):
+      for p in _check_workers(assign(doc), doc, num_workers):
         writers[p].write(record)
-        tokens_P[p] += len(doc.tokens)
-        docs_P[p] += 1
+        tokens_W[p] += len(doc.tokens)
+        docs_W[p] += 1
   finally:
     for writer in writers:
       writer.close()
-  empty = np.flatnonzero(docs_P == 0).tolist()
+  empty = np.flatnonzero(docs_W == 0).tolist()
   if empty and empty_policy == "error":
     raise EmptyShardError(
-        f"{len(empty)} of {num_paths} paths got no {split} document: {empty[:20]}. Use fewer "
-        "paths, more data, another assignment, or empty_shard_policy='allow' to keep them empty.")
+        f"{len(empty)} of {num_workers} workers got no {split} document: {empty[:20]}. Use fewer "
+        "workers, more data, another assignment, or empty_shard_policy='allow' to keep them empty.")
   if remote:
     split_dir.mkdir(parents=True, exist_ok=True)
-    for p in range(num_paths):
+    for p in range(num_workers):
       epath.Path(staging, shard_file(p)).copy(split_dir / shard_file(p), overwrite=True)
     shutil.rmtree(staging)
-  meta = {"format": FORMAT, "split": split, "num_paths": num_paths, "tokens": tokens_P.tolist(),
-          "docs": docs_P.tolist(), "empty_policy": empty_policy,
+  meta = {"format": FORMAT, "split": split, "num_workers": num_workers, "tokens": tokens_W.tolist(),
+          "docs": docs_W.tolist(), "empty_policy": empty_policy,
           "assignment": getattr(assign, "description", None)}
   (split_dir / META).write_text(json.dumps(meta, indent=1) + "\n")  # last: marks the split done
-  return tokens_P
+  return tokens_W
 
 
 class ShardDocuments(Sequence):
-  """Random access to one path's documents of one split (len, [i], read_many)."""
+  """Random access to one worker's documents of one split (len, [i], read_many)."""
 
   def __init__(self, filename: str, num_docs: int):
     if not os.path.exists(filename):
@@ -152,7 +152,7 @@ class ShardDocuments(Sequence):
 
 
 class ShardSet:
-  """The complete splits of a shard dir: sizes per path and each path's documents."""
+  """The complete splits of a shard dir: sizes per worker and each worker's documents."""
 
   def __init__(self, shard_dir: str):
     self.shard_dir = str(shard_dir)
@@ -165,10 +165,10 @@ class ShardSet:
     if not self._splits:
       raise ValueError(f"Shard dir {shard_dir} holds no complete split (no <split>/{META}); an "
                        "interrupted write? Delete it and write it again.")
-    num_paths = {m["num_paths"] for m in self._splits.values()}
-    if len(num_paths) != 1:
-      raise ValueError(f"Splits of {shard_dir} disagree on num_paths: {num_paths}.")
-    self.num_paths = num_paths.pop()
+    num_workers = {m["num_workers"] for m in self._splits.values()}
+    if len(num_workers) != 1:
+      raise ValueError(f"Splits of {shard_dir} disagree on num_workers: {num_workers}.")
+    self.num_workers = num_workers.pop()
     self.meta = json.loads((root / META).read_text()) if (root / META).exists() else {}
     self._open = {}
 
@@ -183,23 +183,23 @@ class ShardSet:
     return self._splits[split]
 
   def sizes(self, split: str) -> np.ndarray:
-    """Tokens per path [num_paths]: |D_p| for the outer step's alpha weights."""
+    """Tokens per worker [num_workers]: |D_p| for the outer step's alpha weights."""
     return np.asarray(self._split_meta(split)["tokens"], np.int64)
 
   def num_docs(self, split: str) -> np.ndarray:
     return np.asarray(self._split_meta(split)["docs"], np.int64)
 
-  def documents(self, path: int, split: str) -> ShardDocuments:
-    """Random access to the documents of one path's shard."""
+  def documents(self, worker: int, split: str) -> ShardDocuments:
+    """Random access to the documents of one worker's shard."""
     num_docs = self.num_docs(split)
-    if not 0 <= path < self.num_paths:
-      raise ValueError(f"Path {path} out of range: this shard set has {self.num_paths} paths.")
-    if (path, split) not in self._open:
-      filename = os.path.join(self.shard_dir, split, shard_file(path))
+    if not 0 <= worker < self.num_workers:
+      raise ValueError(f"Worker {worker} out of range: this shard set has {self.num_workers} workers.")
+    if (worker, split) not in self._open:
+      filename = os.path.join(self.shard_dir, split, shard_file(worker))
       if _is_remote(self.shard_dir):
         filename = _local_copy(filename)
-      self._open[path, split] = ShardDocuments(filename, int(num_docs[path]))
-    return self._open[path, split]
+      self._open[worker, split] = ShardDocuments(filename, int(num_docs[worker]))
+    return self._open[worker, split]
 
 
 def _local_copy(remote_file: str) -> str:

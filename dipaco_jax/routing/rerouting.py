@@ -16,7 +16,6 @@ the sequence end; the paper's Table 3 uses the whole sequence). Kinds:
 # pylint: disable=invalid-name
 
 import os
-from typing import Any
 
 import flax
 import jax
@@ -25,9 +24,9 @@ import numpy as np
 import optax
 
 from dipaco_jax import model as model_lib
-from dipaco_jax import router as router_lib
+from dipaco_jax.routing import router as router_lib
+from dipaco_jax.types import PyTree
 
-PyTree = Any
 KINDS = ("linear", "transformer")
 
 
@@ -35,7 +34,7 @@ def check_window(W: int) -> int:
   """Raises ValueError unless the re-routing interval is a positive integer."""
   if not isinstance(W, (int, np.integer)) or isinstance(W, bool) or W <= 0:
     raise ValueError(f"re-routing window W must be an integer > 0 (tokens per chunk); got {W!r}. "
-                     "Set config.routing.eval_rerouting_windows, e.g. (16, 32, 64, 128).")
+                     "Set config.eval.rerouting_windows, e.g. (16, 32, 64, 128).")
   return int(W)
 
 

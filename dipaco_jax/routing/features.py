@@ -14,7 +14,7 @@ on process 0 of a multi-host run needs no other process.
 
 import functools
 import hashlib
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -25,8 +25,8 @@ from jax.sharding import PartitionSpec as P
 from dipaco_jax import checkpoint as ckpt_lib
 from dipaco_jax import experiment as exp_lib
 from dipaco_jax import model as model_lib
+from dipaco_jax.types import PyTree
 
-PyTree = Any
 
 
 def check_prefix_len(prefix_len: int) -> int:

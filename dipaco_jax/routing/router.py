@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from dipaco_jax import discriminative
-from dipaco_jax import kmeans
+from dipaco_jax.routing import discriminative
+from dipaco_jax.routing import kmeans
 
 KINDS = ("kmeans", "product_kmeans", "linear")
 ARRAYS_FILE = "router.npz"
@@ -132,6 +132,11 @@ class Router:
       json.dump(meta, f, indent=2, sort_keys=True)
     for p in paths:
       os.replace(p + ".tmp", p)
+
+  @staticmethod
+  def exists(directory: str) -> bool:
+    """Whether `directory` holds a saved router (its metadata is written last)."""
+    return os.path.exists(os.path.join(directory, META_FILE))
 
   @classmethod
   def load(cls, directory: str, *, grid: Sequence[int] | None = None,

@@ -10,7 +10,7 @@ units. Discriminative labels (every path scores a document), routed evaluation
 # pylint: disable=invalid-name
 
 import functools
-from typing import Any, Sequence
+from typing import Sequence
 
 import jax
 import numpy as np
@@ -19,8 +19,8 @@ import optax
 from dipaco_jax import experiment as exp_lib
 from dipaco_jax import feed as feed_lib
 from dipaco_jax import paths as paths_lib
+from dipaco_jax.types import PyTree
 
-PyTree = Any
 
 
 def _token_logprobs(params, inputs_BxT, targets_BxT, *, model):
@@ -98,3 +98,8 @@ class PathScorer:
     for k, lp in enumerate(flat):
       out[k // P, :len(lp), k % P] = lp
     return out
+
+
+def eval_seq_len(config) -> int:
+  """Tokens per validation sequence (a document's start): eval.seq_len, else data.seq_len."""
+  return config.eval.seq_len or config.data.seq_len

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from dipaco_jax import kmeans
+from dipaco_jax.routing import kmeans
 
 LinearParams = dict[str, np.ndarray]  # w [D, P], b [P], mean [D], std [D].
 

@@ -120,3 +120,16 @@ def to_markdown(rep: RouterReport) -> str:
     lines.append(f"| {p} | {int(row.sum())} | " + " | ".join(str(int(v)) for v in row)
                  + f" | {major} |")
   return "\n".join(lines) + "\n"
+
+
+def domain_index(domains) -> tuple[np.ndarray, list[str]]:
+  names = sorted(set(np.asarray(domains).tolist()))
+  index = {n: i for i, n in enumerate(names)}
+  return np.array([index[d] for d in domains], np.int64), names
+
+
+def quality(path_router, split_data: dict, *, top_k: int = 1) -> RouterReport:
+  """Shard sizes and the paths x domains table of a routed split (domains never train)."""
+  ids, names = domain_index(split_data["domains"])
+  paths = path_router.paths(split_data["doc_ids"], split_data.get("features"), top_k)
+  return report(paths, path_router.topo.num_paths, ids, names)

@@ -1,0 +1,201 @@
+"""Routing phases: the phase-0 router, the discriminative schedule and its re-fit.
+
+Phase 0 shards come from `config.routing.router`: "random" (i.i.d.), "kmeans"
+or "product_kmeans" fitted on the router split's θ̄ features (features.py).
+Discriminative phase k (paper §2.4.2, Algorithm 1 line 2) runs after outer
+step `discriminative_steps(config)[k - 1]`: every path scores the router split
+(log-likelihood of the tokens after the prefix), label = best path, and a
+linear router with a calibrated bias is fitted on the prefix features.
+Routers live in `<workdir>/router/phase_<k>/` (router.npz + router.json);
+phase k's shards in `<workdir>/shards_phase_<k>/` (phase 0: data.shard_dir or
+`<workdir>/shards`). `shard_plan.ShardPlan` runs the schedule in the trainer.
+"""
+# pylint: disable=invalid-name
+
+import os
+
+import jax
+import numpy as np
+
+from dipaco_jax import data as data_lib
+from dipaco_jax import topology as topo_lib
+from dipaco_jax.routing import assignment as assign_lib
+from dipaco_jax.routing import features as features_lib
+from dipaco_jax.routing import report as report_lib
+from dipaco_jax.routing import router as router_lib
+from dipaco_jax.routing import scoring
+
+PHASE0_ROUTERS = ("random", "kmeans", "product_kmeans")
+REPLICA_SHARDS = ("hash", "router")
+ROUTER_DIR = "router"
+
+
+def router_dir(workdir: str, phase: int) -> str:
+  return os.path.join(str(workdir), ROUTER_DIR, f"phase_{phase}")
+
+
+def shard_dir(config, workdir: str, phase: int) -> str:
+  """Phase 0: config.data.shard_dir or <workdir>/shards; phase k: <workdir>/shards_phase_<k>."""
+  if phase == 0:
+    return config.data.get("shard_dir") or os.path.join(str(workdir), "shards")
+  return os.path.join(str(workdir), f"shards_phase_{phase}")
+
+
+def replicas_by_router(config, topo: topo_lib.Topology) -> bool:
+  """Whether phase 0 routes documents to workers (config.routing.replica_shards="router")."""
+  how = config.routing.get("replica_shards", "hash")
+  if how not in REPLICA_SHARDS:
+    raise ValueError(f"config.routing.replica_shards={how!r}: choose one of {REPLICA_SHARDS}.")
+  if how == "hash" or topo.replicas == 1:
+    return False
+  if discriminative_steps(config):
+    raise ValueError("config.routing.replica_shards='router' clusters documents per worker in "
+                     "phase 0 only; discriminative re-shards route paths. Set "
+                     "discriminative_at_outer_step=-1 or replica_shards='hash'.")
+  return True
+
+
+def fit_phase0(config, topo: topo_lib.Topology, feats_NxD: np.ndarray) -> router_lib.Router:
+  """k-means or product k-means with one cluster per path (or worker), on router features."""
+  r = config.routing
+  kw = dict(restarts=r.get("kmeans_restarts", 4), iters=r.get("kmeans_iters", 100),
+            seed=r.get("seed", 0))
+  grid = assign_lib.router_grid(topo, replicas_by_router(config, topo))
+  if r.router == "kmeans":
+    return router_lib.fit_kmeans_router(feats_NxD, grid, **kw)
+  if r.router == "product_kmeans":
+    if grid == (topo.num_paths,) and len(topo.modules_per_level) > 1:
+      raise ValueError("product_kmeans needs the full grid of paths; this run lists an explicit "
+                       "path subset (config.dipaco.paths): use config.routing.router='kmeans'.")
+    if grid == (topo.num_workers,) and topo.replicas > 1:
+      raise ValueError("product_kmeans routes over the grid of paths; replica_shards='router' "
+                       "clusters per worker: use config.routing.router='kmeans'.")
+    return router_lib.fit_product_kmeans_router(feats_NxD, grid, **kw)
+  raise ValueError(f"config.routing.router={r.router!r}: choose one of {PHASE0_ROUTERS}.")
+
+
+def phase0_router(config, workdir: str, topo: topo_lib.Topology,
+                  extractor: features_lib.FeatureExtractor | None) -> assign_lib.PathRouter:
+  """The configured phase-0 router: loaded from the workdir, else fitted and saved."""
+  kind = config.routing.get("router", "random")
+  if kind not in PHASE0_ROUTERS:
+    raise ValueError(f"config.routing.router={kind!r}: choose one of {PHASE0_ROUTERS}.")
+  if kind == "random":
+    return assign_lib.PathRouter(topo, None, seed=config.data.seed)
+  by_worker = replicas_by_router(config, topo)
+  directory = router_dir(workdir, 0)
+  if os.path.exists(os.path.join(directory, router_lib.META_FILE)):
+    router = router_lib.Router.load(directory, grid=assign_lib.router_grid(topo, by_worker),
+                                    feature_dim=extractor.dim)
+    if router.kind != kind or router.info.get("features") != extractor.fingerprint:
+      raise ValueError(f"{directory} holds a {router.kind} router on features "
+                       f"{router.info.get('features')}, but the config asks for {kind} on "
+                       f"{extractor.fingerprint}; use a new --workdir (nothing was changed).")
+  else:
+    split = assign_lib.collect(extractor, assign_lib.document_stream(config.data)("router"))
+    router = fit_phase0(config, topo, split["features"])
+    router.info["features"] = extractor.fingerprint
+    if jax.process_index() == 0:  # Every process fits the same router; one writes it.
+      router.save(directory)
+  return assign_lib.PathRouter(topo, router, seed=config.data.seed, feature_id=extractor.fingerprint,
+                    by_worker=by_worker)
+
+
+def load_phase_router(config, workdir: str, topo: topo_lib.Topology, phase: int,
+                      extractor: features_lib.FeatureExtractor | None) -> assign_lib.PathRouter:
+  """The router that wrote phase `phase`'s shards (0: configured; >0: discriminative)."""
+  if phase == 0:
+    return phase0_router(config, workdir, topo, extractor)
+  router = router_lib.Router.load(router_dir(workdir, phase), grid=assign_lib.router_grid(topo))
+  return assign_lib.PathRouter(topo, router, seed=config.data.seed,
+                    feature_id=router.info.get("features", ""))
+
+
+def discriminative_steps(config) -> list[int]:
+  """Outer steps after which a discriminative re-shard runs (empty: never)."""
+  r = config.routing
+  at, phases = r.get("discriminative_at_outer_step", -1), r.get("discriminative_phases", 1)
+  if at < 0 or phases < 1:
+    return []
+  every = r.get("discriminative_every", 1)
+  if phases > 1 and every < 1:
+    raise ValueError(f"config.routing.discriminative_every={every}: successive phases need >= 1 "
+                     "outer step between them.")
+  steps = [at + k * every for k in range(phases)]
+  T = config.dipaco.outer_steps
+  if not 1 <= at or steps[-1] >= T:
+    raise ValueError(f"discriminative re-shards at outer steps {steps} do not fit in 1..{T - 1}: "
+                     "set config.routing.discriminative_at_outer_step (and _every) so that "
+                     "training continues after each re-shard.")
+  return steps
+
+
+def score_documents(scorer: scoring.PathScorer, docs, prefix_len: int) -> np.ndarray:
+  """Every path's log-likelihood of each document's tokens after the prefix -> [N, P]."""
+  toks = [d.tokens[:scorer.seq_len] for d in docs]
+  s_NxTxP = scorer.score_all_paths(toks)
+  return s_NxTxP[:, prefix_len:].sum(1)
+
+
+def fit_discriminative_router(config, scorer: scoring.PathScorer,
+                              extractor: features_lib.FeatureExtractor, *, block: int = 256
+                              ) -> router_lib.Router:
+  """Scores the router split with every path, labels = best path, fits the linear router."""
+  L = extractor.prefix_len
+  limit = config.routing.router_max_docs
+  feats, scores, batch = [], [], []
+
+  def flush():
+    feats.append(extractor.prefix_features([d.tokens for d in batch]))
+    scores.append(score_documents(scorer, batch, L))
+    batch.clear()
+
+  n = 0
+  for doc in assign_lib.document_stream(config.data)("router"):
+    if limit and n >= limit:
+      break
+    if len(doc.tokens) <= L:  # Nothing after the prefix: no label.
+      continue
+    batch.append(doc)
+    n += 1
+    if len(batch) == block:
+      flush()
+  if batch:
+    flush()
+  if not feats:
+    raise ValueError(f"the router split has no document longer than the {L}-token prefix; "
+                     "nothing to label.")
+  x_NxD, s_NxP = np.concatenate(feats), np.concatenate(scores)
+  router = router_lib.fit_linear_router(
+      x_NxD, s_NxP, assign_lib.router_grid(scorer.topo),
+      target=config.routing.discriminative_target, seed=config.routing.seed)
+  router.info["features"] = extractor.fingerprint
+  return router
+
+
+def score_len(config) -> int:
+  """Tokens per router document each path scores (routing.score_len, else the eval length)."""
+  return config.routing.score_len or scoring.eval_seq_len(config)
+
+
+def route_run(config, workdir: str) -> str:
+  """Fits (or loads) the phase-0 router, writes the shards, returns and saves its report."""
+  topo = topo_lib.from_config(config)
+  kind = config.routing.get("router", "random")
+  extractor = features_lib.extractor_from_config(config) if kind != "random" else None
+  pr = phase0_router(config, workdir, topo, extractor)
+  shard_set = data_lib.prepare_shards(config.data, topo.num_workers, shard_dir(config, workdir, 0),
+                                      assign=assign_lib.make_assignment(config, pr, extractor))
+  lines = [f"# Phase-0 routing: {pr.description}", "",
+           f"train shards (tokens per worker): {shard_set.sizes('train').tolist()}",
+           f"train shards (documents per worker): {shard_set.num_docs('train').tolist()}", ""]
+  for split in ("router", "validation"):
+    rep = report_lib.quality(pr, assign_lib.collect(extractor if pr.needs_features else None,
+                              assign_lib.document_stream(config.data)(split)))
+    lines += [f"## {split} split (top-1 path per document vs its domain)", "",
+              report_lib.to_markdown(rep)]
+  text = "\n".join(lines)
+  os.makedirs(router_dir(workdir, 0), exist_ok=True)
+  with open(os.path.join(router_dir(workdir, 0), "report.md"), "w") as f:
+    f.write(text)
+  return text

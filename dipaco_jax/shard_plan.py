@@ -1,0 +1,89 @@
+"""The trainer's shard plan: the active routing phase's shards and what the loop reads from them.
+
+Phase 0's shards come from the configured router; phase k's from the k-th
+discriminative re-shard (routing/phases.py, paper §2.4.2), which runs after
+the outer steps `routing.discriminative_steps(config)`. `ShardPlan` holds the
+active phase's shard set, its train feed, its validation batches (the same at
+every evaluation) and α; `reshard` fits (or reloads) the next phase's router
+with the paths' current params and opens its shards. What else happens at a
+re-shard (the inner schedule restart) is the loop's business.
+
+Resume stays bit-exact: the checkpoint's data state holds the active phase,
+and a phase's router and shards are reused when they already exist.
+"""
+
+import jax
+from absl import logging
+from jax.experimental import multihost_utils
+
+from dipaco_jax import data as data_lib
+from dipaco_jax import feed as feed_lib
+from dipaco_jax import routing
+from dipaco_jax.types import PyTree
+
+
+def prepare_shards(config, num_workers: int, shard_dir: str, assign=None) -> data_lib.ShardSet:
+  """Process 0 writes the shards once; the others wait, then open them."""
+  if jax.process_index() == 0:
+    shard_set = data_lib.prepare_shards(config.data, num_workers=num_workers,
+                                        shard_dir=shard_dir, assign=assign)
+  multihost_utils.sync_global_devices("dipaco_shards_ready")
+  if jax.process_index() != 0:
+    shard_set = data_lib.prepare_shards(config.data, num_workers=num_workers,
+                                        shard_dir=shard_dir, assign=assign)
+  return shard_set
+
+
+class ShardPlan:
+  """The active shard set of a run and everything the loop reads from it."""
+
+  def __init__(self, config, workdir: str, exp):
+    self.config, self.workdir, self.exp = config, str(workdir), exp
+    self.reshard_steps = [s * config.dipaco.inner_steps
+                          for s in routing.discriminative_steps(config)]
+    needs = config.routing.router != "random" or self.reshard_steps
+    self.extractor = routing.extractor_from_config(config) if needs else None
+    self.phase = -1
+    self._open(0)
+
+  def _open(self, phase: int) -> None:
+    """Prepares (or reopens) phase `phase`'s shards; rebuilds feed, α and eval batches."""
+    self.router = routing.load_phase_router(self.config, self.workdir, self.exp.topo, phase,
+                                            self.extractor)
+    assign = routing.make_assignment(self.config, self.router, self.extractor)
+    self.shard_set = prepare_shards(self.config, self.exp.topo.num_workers,
+                                    routing.shard_dir(self.config, self.workdir, phase),
+                                    assign=assign)
+    self.alpha_W = self.exp.alpha(self.shard_set.sizes("train"))
+    self.train_it = feed_lib.make_feed(self.exp, self.shard_set, "train")
+    val_it = feed_lib.make_feed(self.exp, self.shard_set, "validation", shuffle=False)
+    self.eval_batches = [val_it.next_batch() for _ in range(self.config.eval.batches)]
+    self.phase = phase
+
+  def restore(self, data_state: dict) -> None:
+    """Switches to the checkpoint's phase and position."""
+    phase = int(data_state["routing"]["phase"])
+    if phase != self.phase:
+      self._open(phase)
+    self.train_it.set_state(data_state["train"])
+
+  def data_state(self) -> dict:
+    return {"train": self.train_it.get_state(),
+            "routing": {"phase": self.phase, "assignment": self.shard_set.meta.get("assignment")}}
+
+  def reshards_after(self, step: int) -> bool:
+    """Whether a discriminative re-shard follows the outer step at inner step `step`."""
+    return step in self.reshard_steps
+
+  def reshard(self, step: int, params_W: PyTree) -> None:
+    """The next discriminative phase: fit (or reload) its router with `params_W`, open its shards."""
+    phase = self.reshard_steps.index(step) + 1
+    directory = routing.router_dir(self.workdir, phase)
+    if not routing.Router.exists(directory):
+      scorer = routing.PathScorer(self.exp, params_W, seq_len=routing.score_len(self.config))
+      router = routing.fit_discriminative_router(self.config, scorer, self.extractor)
+      if jax.process_index() == 0:
+        router.save(directory)
+      logging.info("discriminative phase %d at step %d: %s", phase, step, router.info)
+    multihost_utils.sync_global_devices(f"dipaco_router_phase_{phase}")
+    self._open(phase)
