@@ -85,7 +85,7 @@ def validation_sequences(run: Run, max_docs: int = 0) -> dict[str, np.ndarray]:
                      kind="stable")
   if max_docs:
     order = order[:max_docs]
-  T = eval.seq_len(run.config)
+  T = routing.eval_seq_len(run.config)
   tokens, lengths = routing.pad_rows([docs[i].tokens for i in order], T)
   return {"doc_ids": np.array([docs[i].doc_id for i in order], np.int64),
           "domains": np.array([docs[i].domain for i in order]),
@@ -171,7 +171,7 @@ def evaluate(run: Run, *, params: str = "store", windows=None, rerouters=None,
   windows = [rerouting.check_window(w) for w in
              (config.eval.rerouting_windows if windows is None else windows)]
   kinds = tuple(config.eval.rerouters if rerouters is None else rerouters)
-  T = eval.seq_len(config)
+  T = routing.eval_seq_len(config)
   store_scorer = routing.PathScorer.from_store(run.exp, run.state.store, seq_len=T)
   if params == "store":
     scorer = store_scorer

@@ -36,11 +36,6 @@ class ModelConfig:
     return int(self.d_model * self.mlp_ratio)
 
 
-def group_names(num_layers: int) -> list[str]:
-  """Top-level parameter groups of a model with `num_layers` blocks, in order."""
-  return ["embed"] + [f"block_{i}" for i in range(num_layers)] + ["head"]
-
-
 def _rope(x_BxTxHxK: jax.Array, positions_BxT: jax.Array) -> jax.Array:
   """Rotary position embedding on the last axis (pairs of halves)."""
   half = x_BxTxHxK.shape[-1] // 2
@@ -170,8 +165,3 @@ def init_params(cfg: ModelConfig, rng: jax.Array) -> PyTree:
   """Initial parameters of one path model (a pure pytree keyed by group)."""
   tokens_1x1 = jnp.zeros((1, 1), jnp.int32)
   return Transformer(cfg).init(rng, tokens_1x1)["params"]
-
-
-def num_params(params: PyTree) -> int:
-  """Number of scalars in a parameter pytree."""
-  return sum(x.size for x in jax.tree.leaves(params))

@@ -44,11 +44,3 @@ def disassemble(path_params: PyTree, topo: topo_lib.Topology) -> PyTree:
           "on no path; a store cannot be rebuilt for them from paths.")
     out[s.name] = jax.tree.map(lambda x, i=first: x[i], path_params[s.name])
   return out
-
-
-def path_params(store: PyTree, topo: topo_lib.Topology, path: int) -> PyTree:
-  """Params of one path (no leading axis), e.g. for serving."""
-  worker = int(np.flatnonzero(topo.path_of_worker == path)[0])
-  return {s.name: jax.tree.map(lambda x, m=int(s.module_of_worker[worker]): x[m],
-                               store[s.name])
-          for s in topo.store_groups()}

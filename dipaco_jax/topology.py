@@ -82,15 +82,6 @@ class Topology:
     order = {g: i for i, g in enumerate(self.groups)}
     return tuple(sorted(out, key=lambda s: order[s.name]))
 
-  def paths_through(self) -> dict[str, np.ndarray]:
-    """P_{l,e}: workers through each module, per level (and per private copy)."""
-    out = {}
-    for l, k in enumerate(self.modules_per_level):
-      out[self.level_name(l)] = np.bincount(self.worker_modules[:, l],
-                                            minlength=k)
-    out[PRIVATE] = np.full(self.num_paths, self.replicas)
-    return out
-
   def path_label(self, p: int) -> str:
     return "-".join(str(int(m)) for m in self.paths[p])
 
@@ -199,4 +190,3 @@ def from_config(config) -> Topology:
                path_specific=d.get("path_specific", ""),
                paths=tuple(d.get("paths", ())),
                replicas=d.get("replicas", 1))
-

@@ -2,10 +2,12 @@
 
 import os
 
+import jax
 import numpy as np
 
 from dipaco_jax import config_defaults
 from dipaco_jax import data as data_lib
+from dipaco_jax import paths
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -29,3 +31,9 @@ def micro_config(**overrides):
 def synthetic_batch(rng: np.random.Generator, W: int, B: int, T: int, V: int):
   """Random tokens, one segment per row, in the trainer's batch layout."""
   return data_lib.synthetic_batch(rng, W, B, T, V)
+
+
+def path_params(store, topo, path: int):
+  """Params of one path (no leading axis): its first worker's row of the assembled params."""
+  worker = int(np.flatnonzero(topo.path_of_worker == path)[0])
+  return jax.tree.map(lambda x: x[worker], paths.assemble(store, topo))

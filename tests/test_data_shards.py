@@ -55,17 +55,6 @@ def test_write_read_round_trip_with_top2_overlap(tmp_path):
   assert sizes.sum() == 2 * sum(len(d.tokens) for d in docs)
 
 
-def test_routing_prefix_is_recoverable_per_document(tmp_path):
-  docs = make_docs(20)
-  data.write_shards(str(tmp_path), "train", docs, data.random_assignment(2, seed=0), 2)
-  stored = list(data.ShardSet(str(tmp_path)).documents(0, "train"))
-  prefixes, lengths = data.routing_prefixes(stored)
-  assert prefixes.shape == (len(stored), 32)
-  for doc, prefix, n in zip(stored, prefixes, lengths):
-    assert n == min(32, len(doc.tokens))
-    np.testing.assert_array_equal(prefix[:n], doc.tokens[:32])
-
-
 def test_empty_path_is_a_clear_error_and_leaves_split_incomplete(tmp_path):
   docs = make_docs(10)
   only_path_0 = assign_lib.with_description(lambda d: [0], "all-to-0")

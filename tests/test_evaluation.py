@@ -11,7 +11,6 @@ from dipaco_jax import data as data_lib
 from dipaco_jax import evaluation
 from dipaco_jax import experiment
 from dipaco_jax import model as model_lib
-from dipaco_jax import paths
 from dipaco_jax.routing import rerouting
 from dipaco_jax import routing
 
@@ -75,7 +74,7 @@ def _by_hand(r, docs):
     t = d.tokens[:T]
     padded = np.zeros(T, np.int32)  # One shape, one compile; causal, so padding is unseen.
     padded[:len(t)] = t
-    pp = paths.path_params(r.state.store, r.exp.topo, int(p))
+    pp = helpers.path_params(r.state.store, r.exp.topo, int(p))
     logits = apply({"params": pp}, np.concatenate([[0], padded[:-1]])[None].astype(np.int32))
     ce = np.asarray(optax.softmax_cross_entropy_with_integer_labels(logits[0], padded))
     nll += ce[L:len(t)].sum()

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+
 from dipaco_jax import paths, topology
 
 
@@ -36,10 +37,3 @@ def test_round_trip_is_exact():
   back = paths.disassemble(paths.assemble(store, t), t)
   for a, b in zip(jax.tree.leaves(store), jax.tree.leaves(back)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-
-def test_one_path_params_have_no_leading_axis():
-  t = topology.build(("embed,head", "block_0"), (1, 2), 1)
-  p1 = paths.path_params(_store(t), t, 1)
-  assert p1["block_0"]["w"].shape == (3,)
-  assert float(p1["block_0"]["w"][0]) == 11.0

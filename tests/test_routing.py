@@ -12,7 +12,6 @@ from dipaco_jax import data as data_lib
 from dipaco_jax import experiment
 from dipaco_jax.routing import features
 from dipaco_jax import model as model_lib
-from dipaco_jax import paths
 from dipaco_jax import inner
 from dipaco_jax.routing import router as router_lib
 from dipaco_jax import routing
@@ -147,7 +146,7 @@ def test_discriminative_labels_are_the_argmin_loss_path(independent):
   apply = jax.jit(model_lib.Transformer(exp.model_cfg).apply)
   loss = np.zeros((len(docs), exp.topo.num_paths))
   for p in range(exp.topo.num_paths):
-    pp = paths.path_params(state.store, exp.topo, p)
+    pp = helpers.path_params(state.store, exp.topo, p)
     for i, d in enumerate(docs):
       t = d.tokens[:16]
       logits = apply({"params": pp}, np.concatenate([[0], t[:-1]])[None].astype(np.int32))

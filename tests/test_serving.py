@@ -10,7 +10,6 @@ import helpers
 from dipaco_jax import checkpoint
 from dipaco_jax import early_stopping
 from dipaco_jax import experiment
-from dipaco_jax import paths
 from dipaco_jax import serving
 
 GRID = {"dipaco.modules_per_level": (1, 4, 4)}  # 16 paths; each routed group has 4 modules.
@@ -47,7 +46,7 @@ def saved(tmp_path_factory):
 @pytest.mark.parametrize("path", [0, 9, 15])
 def test_serving_restores_exactly_one_paths_arrays(saved, path):
   cfg, exp, state, plain, _ = saved
-  want = paths.path_params(state.store, exp.topo, path)
+  want = helpers.path_params(state.store, exp.topo, path)
   got, info = serving.load_path_params(plain, cfg, path)
   assert jax.tree.structure(got) == jax.tree.structure(want)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
@@ -64,7 +63,7 @@ def test_serving_restores_exactly_one_paths_arrays(saved, path):
 def test_one_module_chunks_read_one_paths_bytes(saved):
   cfg, exp, state, plain, chunked = saved
   got, info = serving.load_path_params(chunked, cfg, 9)
-  want = paths.path_params(state.store, exp.topo, 9)
+  want = helpers.path_params(state.store, exp.topo, 9)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_array_equal(a, b)
   store_bytes = _nbytes(state.store)

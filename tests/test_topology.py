@@ -15,9 +15,9 @@ def test_paper_16x16_layout():
                             ("block_7", "block_8", "block_9", "block_10"))
   # Row-major path order: path p = 16 * i + j.
   np.testing.assert_array_equal(t.paths[17], [0, 1, 1])
-  counts = t.paths_through()
-  np.testing.assert_array_equal(counts["level_1"], np.full(16, 16))
-  np.testing.assert_array_equal(counts["level_0"], [256])
+  # P_{l,e}: paths through each module.
+  np.testing.assert_array_equal(np.bincount(t.worker_modules[:, 1], minlength=16), np.full(16, 16))
+  np.testing.assert_array_equal(np.bincount(t.worker_modules[:, 0]), [256])
 
 
 def test_replicas_and_subset():
@@ -25,7 +25,7 @@ def test_replicas_and_subset():
   assert t.num_workers == 4
   np.testing.assert_array_equal(t.worker_modules[:, 0], [0, 0, 2, 2])
   # Module 1 is on no path: P_{0,1} = 0.
-  np.testing.assert_array_equal(t.paths_through()["level_0"], [2, 0, 2])
+  np.testing.assert_array_equal(np.bincount(t.worker_modules[:, 0], minlength=3), [2, 0, 2])
   assert t.path_label(1) == "2"
 
 

@@ -8,14 +8,13 @@ from dipaco_jax.data.assign import with_description
 from dipaco_jax.data.batcher import WorkerBatcher
 from dipaco_jax.data.batcher import synthetic_batch
 from dipaco_jax.data.document import Document
-from dipaco_jax.data.document import routing_prefixes
 from dipaco_jax.data.prepare import prepare_shards
 from dipaco_jax.data.shards import EmptyShardError
 from dipaco_jax.data.shards import ShardSet
 from dipaco_jax.data.shards import write_shards
 
 __all__ = ["Document", "EmptyShardError", "WorkerBatcher", "ShardSet", "iter_documents",
-           "prepare_shards", "random_assignment", "routing_prefixes", "with_description",
+           "prepare_shards", "random_assignment", "with_description",
            "write_shards"]
 
 

@@ -1,7 +1,7 @@
 """Routing phases: the phase-0 router, the discriminative schedule and its re-fit.
 
 Phase 0 shards come from `config.routing.router`: "random" (i.i.d.), "kmeans"
-or "product_kmeans" fitted on the router split's θ̄ features (features.py).
+or "product_kmeans" fitted on the router split's θ̄ features (routing/features.py).
 Discriminative phase k (paper §2.4.2, Algorithm 1 line 2) runs after outer
 step `discriminative_steps(config)[k - 1]`: every path scores the router split
 (log-likelihood of the tokens after the prefix), label = best path, and a
