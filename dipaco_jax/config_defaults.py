@@ -157,6 +157,7 @@ def paper_fork(c: ml_collections.ConfigDict, *, router: str,
 
   `init_from` becomes required (check_init_from): every DiLoCo / DiPaCo run of
   the paper starts from the 24k-step dense model, whose features also route.
+  discriminative=False (DiLoCo) keeps the phase-0 shards to the end.
   """
   c.dipaco.init_from = ml_collections.config_dict.placeholder(str)  # Required: check_init_from.
   c.routing.router = router  # Phase-0 shards from θ̄'s prefix features (§2.2, §2.3).
@@ -177,8 +178,9 @@ def check_init_from(config) -> None:
   """Refuses a run whose config requires θ̄ (`dipaco.init_from` is None) but got none."""
   if config.dipaco.get("init_from", "") is None:
     raise ValueError(
-        "config.dipaco.init_from is required by this config (the paper forks every path "
-        "from a dense model pretrained for 24k steps): train it first with\n  "
+        "config.dipaco.init_from is required by this config (the paper forks its DiLoCo and "
+        "DiPaCo runs from θ̄, a dense model pretrained for 24k steps, and routes with its "
+        "features): train θ̄ first with\n  "
         f"{PRETRAIN_COMMAND}\nthen pass --config.dipaco.init_from=DENSE_WORKDIR "
         "(or --config.dipaco.init_from='' to start from random parameters instead).")
 

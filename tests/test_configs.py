@@ -1,4 +1,4 @@
-"""Every shipped config builds its grid and abstract state (no allocation) and routes as the paper."""
+"""Every shipped config builds its grid and abstract state (no allocation) and its routing."""
 
 import os
 
