@@ -3,9 +3,15 @@ r"""Dense 150M baseline (paper Table 1 "Baseline": 16.23 ppl after 88k steps).
   python -m dipaco_jax.main --config=configs/dense_150m.py --workdir=gs://BUCKET/dense_150m \
     --config.data.tfds_data_dir=gs://BUCKET/tfds --config.data.vocab_path=gs://BUCKET/t5_32k.model
 
-One path, one module, no outer step. Its checkpoint after 24k steps
-(--config.dipaco.outer_steps=24) is the θ̄ that DiLoCo/DiPaCo runs fork from
-(their config.dipaco.init_from).
+One path, one module, no outer step. Its 24k-step run is θ̄, the model that
+every DiLoCo / DiPaCo / flat-MoE config forks from and routes with (their
+required config.dipaco.init_from):
+
+  python -m dipaco_jax.main --config=configs/dense_150m.py --workdir=gs://BUCKET/dense_150m_24k \
+    --config.dipaco.outer_steps=24 \
+    --config.data.tfds_data_dir=gs://BUCKET/tfds --config.data.vocab_path=gs://BUCKET/t5_32k.model
+
+This config is θ̄'s own pretraining, so it needs no init_from ("" = random init).
 """
 
 from dipaco_jax import config_defaults

@@ -1,11 +1,22 @@
 r"""DiLoCo with 8 replicas of one 150M model (paper Table 1: 15.02 ppl).
 
+First θ̄, the dense model the replicas fork from (24k steps; configs/dense_150m.py):
+
+  python -m dipaco_jax.main --config=configs/dense_150m.py --workdir=gs://BUCKET/dense_150m_24k \
+    --config.dipaco.outer_steps=24 \
+    --config.data.tfds_data_dir=gs://BUCKET/tfds --config.data.vocab_path=gs://BUCKET/t5_32k.model
+
+then this run (config.dipaco.init_from is required):
+
   python -m dipaco_jax.main --config=configs/diloco_8.py --workdir=gs://BUCKET/diloco_8 \
     --config.dipaco.init_from=gs://BUCKET/dense_150m_24k \
     --config.data.tfds_data_dir=gs://BUCKET/tfds --config.data.vocab_path=gs://BUCKET/t5_32k.model
 
 One level, one module, 8 workers (replicas) each on its own shard; DiLoCo's
-defaults: H = 500, T = 128 after 24k steps of dense pretraining.
+defaults: H = 500, T = 128 after 24k steps of dense pretraining. Shards are
+DiLoCo's non-i.i.d. setting (15.02 is its non-i.i.d. number): k-means on θ̄'s
+prefix features with one cluster per worker (routing.replica_shards="router");
+DiLoCo has no discriminative re-shard.
 """
 
 from dipaco_jax import config_defaults
@@ -20,4 +31,5 @@ def get_config():
   c.dipaco.outer_steps = 128  # T (DiLoCo): 64k inner steps.
   c.inner.warmup_steps = 1000  # Re-warmed after forking, as in DiLoCo.
   c.outer.sqrt_paths = "none"  # DiLoCo's recipe: the plain mean over replicas.
-  return c
+  c.routing.replica_shards = "router"  # One k-means cluster per worker (phase 0 only).
+  return config_defaults.paper_fork(c, router="kmeans", discriminative=False)

@@ -1,5 +1,13 @@
 r"""DiPaCo 16x16 with path-specific modules: 256 paths, ~20B parameters (12.39 ppl).
 
+First θ̄, the dense model every path forks from (24k steps; configs/dense_150m.py):
+
+  python -m dipaco_jax.main --config=configs/dense_150m.py --workdir=gs://BUCKET/dense_150m_24k \
+    --config.dipaco.outer_steps=24 \
+    --config.data.tfds_data_dir=gs://BUCKET/tfds --config.data.vocab_path=gs://BUCKET/t5_32k.model
+
+then this run (config.dipaco.init_from is required):
+
   python -m dipaco_jax.main --config=configs/dipaco_16x16.py --workdir=gs://BUCKET/dipaco_16x16 \
     --config.dipaco.init_from=gs://BUCKET/dense_150m_24k \
     --config.data.tfds_data_dir=gs://BUCKET/tfds --config.data.vocab_path=gs://BUCKET/t5_32k.model
@@ -7,6 +15,10 @@ r"""DiPaCo 16x16 with path-specific modules: 256 paths, ~20B parameters (12.39 p
 The headline run (paper Fig. 8/9): blocks 0, 5, 6, 11 and the (tied)
 embedding are private to each path (§4.2); blocks 1-4 form level 1 and 7-10
 level 2 (16 modules each); top-2 overlapping training shards (§2.4.4).
+Routing: product k-means phase-0 shards (§7.3: hundreds of paths), then one
+discriminative re-shard after outer step 107 with the LR schedule restarted,
+scoring 2**18 router documents with all 256 paths; the reasons:
+config_defaults.paper_fork.
 """
 
 from dipaco_jax import config_defaults

@@ -1,11 +1,22 @@
 r"""Flat MoE: 8 independent 150M paths, one level over everything (Table 1: 14.62).
 
+First θ̄, the dense model every path forks from (24k steps; configs/dense_150m.py):
+
+  python -m dipaco_jax.main --config=configs/dense_150m.py --workdir=gs://BUCKET/dense_150m_24k \
+    --config.dipaco.outer_steps=24 \
+    --config.data.tfds_data_dir=gs://BUCKET/tfds --config.data.vocab_path=gs://BUCKET/t5_32k.model
+
+then this run (config.dipaco.init_from is required):
+
   python -m dipaco_jax.main --config=configs/flat_moe_8.py --workdir=gs://BUCKET/flat_moe_8 \
     --config.dipaco.init_from=gs://BUCKET/dense_150m_24k \
     --config.data.tfds_data_dir=gs://BUCKET/tfds --config.data.vocab_path=gs://BUCKET/t5_32k.model
 
 No parameter is shared; the outer Nesterov step still runs on each path's own
-delta (paper §2.6.1 footnote).
+delta (paper §2.6.1 footnote). Routing (§2.6.3: flat MoE with the discriminative
+router): k-means phase-0 shards (one routed level of 8 modules), then one
+discriminative re-shard after outer step 107 with the LR schedule restarted,
+as Fig. 10's flat MoE; the reasons: config_defaults.paper_fork.
 """
 
 from dipaco_jax import config_defaults
@@ -17,4 +28,4 @@ def get_config():
   c.dipaco.modules_per_level = (8,)
   c.dipaco.inner_steps = 150
   c.dipaco.outer_steps = 427
-  return c
+  return config_defaults.paper_fork(c, router="kmeans")

@@ -4,6 +4,7 @@ import jax
 from absl import flags
 from ml_collections import config_flags
 
+from dipaco_jax import config_defaults
 from dipaco_jax import distributed
 
 
@@ -19,7 +20,8 @@ def define_flags():
 
 
 def start(config) -> None:
-  """CPU device split (config.mesh.cpu_devices) and jax.distributed, before any backend."""
+  """Checks θ̄ is given; CPU device split (config.mesh.cpu_devices) and jax.distributed."""
+  config_defaults.check_init_from(config)  # Router features read θ̄ (init_from).
   cpu_devices = config.mesh.get("cpu_devices", 0)
   if cpu_devices:
     jax.config.update("jax_num_cpu_devices", cpu_devices)

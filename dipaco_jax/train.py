@@ -16,6 +16,7 @@ from absl import logging
 from etils import epath
 
 from dipaco_jax import checkpoint as ckpt_lib
+from dipaco_jax import config_defaults
 from dipaco_jax import early_stopping
 from dipaco_jax import experiment as exp_lib
 from dipaco_jax import feed as feed_lib
@@ -51,6 +52,7 @@ def _initial_theta(config):
 
 def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   """Trains (or resumes) the run in `workdir`; returns the final metrics."""
+  config_defaults.check_init_from(config)  # Before anything is written to the workdir.
   workdir_path = epath.Path(workdir)
   workdir_path.mkdir(parents=True, exist_ok=True)
   _check_config_matches(workdir_path, config)

@@ -8,7 +8,8 @@
 # synchronous run needs every worker). The same command resumes from the workdir's last
 # checkpoint. Ctrl-C stops the watching, not the run. Example:
 #   launch/watch.sh --project=my-proj --zone=us-west4-a --accelerator-type=v5litepod-16 \
-#     --node-count=2 --spot --config=configs/dipaco_2x4.py --workdir=gs://my-bucket/runs/2x4
+#     --node-count=2 --spot --config=configs/dipaco_2x4.py --workdir=gs://my-bucket/runs/2x4 \
+#     -- --config.dipaco.init_from=gs://my-bucket/runs/dense_150m_24k
 
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"

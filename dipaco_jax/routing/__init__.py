@@ -30,6 +30,7 @@ from dipaco_jax.routing.features import pad_rows
 from dipaco_jax.routing.phases import discriminative_steps
 from dipaco_jax.routing.phases import fit_discriminative_router
 from dipaco_jax.routing.phases import load_phase_router
+from dipaco_jax.routing.phases import phase0_grid
 from dipaco_jax.routing.phases import phase0_router
 from dipaco_jax.routing.phases import PHASE0_ROUTERS
 from dipaco_jax.routing.phases import route_run

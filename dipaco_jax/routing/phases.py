@@ -55,38 +55,52 @@ def replicas_by_router(config, topo: topo_lib.Topology) -> bool:
   return True
 
 
-def fit_phase0(config, topo: topo_lib.Topology, feats_NxD: np.ndarray) -> router_lib.Router:
-  """k-means or product k-means with one cluster per path (or worker), on router features."""
-  r = config.routing
-  kw = dict(restarts=r.get("kmeans_restarts", 4), iters=r.get("kmeans_iters", 100),
-            seed=r.get("seed", 0))
+def phase0_grid(config, topo: topo_lib.Topology) -> tuple[int, ...]:
+  """The configured phase-0 router's grid; refuses a router this topology cannot take.
+
+  The check before any fitting (fit_phase0 and phase0_router call it).
+  """
+  kind = config.routing.get("router", "random")
+  if kind not in PHASE0_ROUTERS:
+    raise ValueError(f"config.routing.router={kind!r}: choose one of {PHASE0_ROUTERS}.")
+  if kind == "random":  # Nothing is fitted; shards and replicas follow a hash of the doc id.
+    return assign_lib.router_grid(topo)
   grid = assign_lib.router_grid(topo, replicas_by_router(config, topo))
-  if r.router == "kmeans":
-    return router_lib.fit_kmeans_router(feats_NxD, grid, **kw)
-  if r.router == "product_kmeans":
+  if kind == "product_kmeans":
     if grid == (topo.num_paths,) and len(topo.modules_per_level) > 1:
       raise ValueError("product_kmeans needs the full grid of paths; this run lists an explicit "
                        "path subset (config.dipaco.paths): use config.routing.router='kmeans'.")
     if grid == (topo.num_workers,) and topo.replicas > 1:
       raise ValueError("product_kmeans routes over the grid of paths; replica_shards='router' "
                        "clusters per worker: use config.routing.router='kmeans'.")
+  return grid
+
+
+def fit_phase0(config, topo: topo_lib.Topology, feats_NxD: np.ndarray) -> router_lib.Router:
+  """k-means or product k-means with one cluster per path (or worker), on router features."""
+  r = config.routing
+  kw = dict(restarts=r.get("kmeans_restarts", 4), iters=r.get("kmeans_iters", 100),
+            seed=r.get("seed", 0))
+  grid = phase0_grid(config, topo)
+  if r.router == "kmeans":
+    return router_lib.fit_kmeans_router(feats_NxD, grid, **kw)
+  if r.router == "product_kmeans":
     return router_lib.fit_product_kmeans_router(feats_NxD, grid, **kw)
-  raise ValueError(f"config.routing.router={r.router!r}: choose one of {PHASE0_ROUTERS}.")
+  raise ValueError(f"config.routing.router={r.router!r}: phase 0 fits 'kmeans' or "
+                   "'product_kmeans' ('random' needs no fit).")
 
 
 def phase0_router(config, workdir: str, topo: topo_lib.Topology,
                   extractor: features_lib.FeatureExtractor | None) -> assign_lib.PathRouter:
   """The configured phase-0 router: loaded from the workdir, else fitted and saved."""
   kind = config.routing.get("router", "random")
-  if kind not in PHASE0_ROUTERS:
-    raise ValueError(f"config.routing.router={kind!r}: choose one of {PHASE0_ROUTERS}.")
+  grid = phase0_grid(config, topo)
   if kind == "random":
     return assign_lib.PathRouter(topo, None, seed=config.data.seed)
   by_worker = replicas_by_router(config, topo)
   directory = router_dir(workdir, 0)
   if os.path.exists(os.path.join(directory, router_lib.META_FILE)):
-    router = router_lib.Router.load(directory, grid=assign_lib.router_grid(topo, by_worker),
-                                    feature_dim=extractor.dim)
+    router = router_lib.Router.load(directory, grid=grid, feature_dim=extractor.dim)
     if router.kind != kind or router.info.get("features") != extractor.fingerprint:
       raise ValueError(f"{directory} holds a {router.kind} router on features "
                        f"{router.info.get('features')}, but the config asks for {kind} on "
