@@ -51,13 +51,13 @@ def optimizer(cfg: OuterConfig) -> optax.GradientTransformation:
                    nesterov=cfg.nesterov and cfg.momentum > 0)
 
 
-def module_deltas(store: PyTree, worker_params: PyTree, alpha_W: jax.Array,
+def module_deltas(store: PyTree, params_W: PyTree, alpha_W: jax.Array,
                   topo: topo_lib.Topology, sqrt_paths: str = "multiply"):
   """Averaged outer gradient per module, which modules were trained, counts.
 
   Args:
     store: global modules, leaves [K, ...] per group.
-    worker_params: params after the inner phase, leaves [W, ...].
+    params_W: params after the inner phase, leaves [W, ...].
     alpha_W: weight of each worker (0 = did not train this phase).
     topo: the grid.
     sqrt_paths: how to rescale by √P_{l,e}.
@@ -85,7 +85,7 @@ def module_deltas(store: PyTree, worker_params: PyTree, alpha_W: jax.Array,
       d_W = x_K[idx_W].astype(jnp.float32) - x_W.astype(jnp.float32)
       return jnp.einsum("kw,w...->k...", w_KxW, d_W).astype(x_K.dtype)
 
-    deltas[s.name] = jax.tree.map(reduce, store[s.name], worker_params[s.name])
+    deltas[s.name] = jax.tree.map(reduce, store[s.name], params_W[s.name])
     trained[s.name] = norm_K > 0
     counts[s.name] = count_K
   return deltas, trained, counts
@@ -101,12 +101,12 @@ def _where_trained(new: PyTree, old: PyTree, masks: PyTree) -> PyTree:
   return jax.tree.unflatten(jax.tree.structure(new), kept)
 
 
-def outer_step(store: PyTree, opt_state: PyTree, worker_params: PyTree,
+def outer_step(store: PyTree, opt_state: PyTree, params_W: PyTree,
                alpha_W: jax.Array, *, topo: topo_lib.Topology,
                cfg: OuterConfig):
   """One outer step; returns (store, opt_state, worker params, metrics)."""
   tx = optimizer(cfg)
-  deltas, trained, _ = module_deltas(store, worker_params, alpha_W, topo,
+  deltas, trained, _ = module_deltas(store, params_W, alpha_W, topo,
                                      cfg.sqrt_paths)
   updates, new_opt_state = tx.update(deltas, opt_state, store)
   # An untrained module keeps its params and momentum (its Δ is 0, but

@@ -31,7 +31,7 @@ def assemble(store: PyTree, topo: topo_lib.Topology) -> PyTree:
           for s in topo.store_groups()}
 
 
-def disassemble(path_params: PyTree, topo: topo_lib.Topology) -> PyTree:
+def disassemble(params_W: PyTree, topo: topo_lib.Topology) -> PyTree:
   """Store from worker params, reading each module from its first worker."""
   out = {}
   for s in topo.store_groups():
@@ -42,5 +42,5 @@ def disassemble(path_params: PyTree, topo: topo_lib.Topology) -> PyTree:
       raise ValueError(
           f"modules {np.flatnonzero(first < 0).tolist()} of group {s.name} are "
           "on no path; a store cannot be rebuilt for them from paths.")
-    out[s.name] = jax.tree.map(lambda x, i=first: x[i], path_params[s.name])
+    out[s.name] = jax.tree.map(lambda x, i=first: x[i], params_W[s.name])
   return out
