@@ -94,6 +94,7 @@ def base() -> ml_collections.ConfigDict:
   c.routing.discriminative_phases = 1  # Number of discriminative re-shards (paper: 1).
   c.routing.discriminative_every = 1  # Outer steps between successive re-shards (phases > 1).
   c.routing.discriminative_target = "labels"  # Shard sizes the bias matches: "labels" | "uniform".
+  c.routing.discriminative_min_share = 0.0  # Floor of every path's target share, x 1/P (0 = none; 1 = uniform).
   c.routing.restart_schedule = True  # Restart the inner warmup+cosine at a re-shard (paper Fig. 10).
   c.routing.score_len = 0  # Tokens per router document each path scores (0 = eval.seq_len).
 

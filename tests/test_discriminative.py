@@ -112,3 +112,32 @@ def test_bad_inputs():
     dm.fit_logistic(np.zeros((3, 2)), [0, 1, 5], 3)
   with pytest.raises(ValueError, match="rows but scores"):
     dm.fit_discriminative(np.zeros((3, 2)), np.zeros((4, 3)))
+
+
+def test_min_share_floors_every_target_at_a_fraction_of_the_uniform_share():
+  # Label shares [0.7, 0.2, 0.1, 0] (0 floored at 1/N = 0.1 first: [0.7, 0.2, 0.1, 0.1] / 1.1).
+  labels = [0] * 7 + [1] * 2 + [2]
+  base = dm.target_distribution("labels", labels, 4)
+  np.testing.assert_allclose(base, np.array([0.7, 0.2, 0.1, 0.1]) / 1.1)
+  # min_share 0.5 -> floor 0.5 / 4 = 0.125 for paths 2 and 3 (0.0909 each); the other two
+  # share 1 - 0.25 = 0.75 in proportion 7 : 2 -> 0.58333, 0.16667 (both above the floor).
+  t = dm.target_distribution("labels", labels, 4, min_share=0.5)
+  np.testing.assert_allclose(t, [0.75 * 7 / 9, 0.75 * 2 / 9, 0.125, 0.125], rtol=1e-12)
+  # Scaling the rest down can push another share under the floor: [0.9, 0.06, 0.02, 0.02]
+  # with min_share 1 (uniform floor 0.25) ends uniform.
+  np.testing.assert_allclose(
+      dm.target_distribution([90, 6, 2, 2], [0], 4, min_share=1.0), [0.25] * 4)
+  np.testing.assert_allclose(dm.target_distribution("labels", labels, 4, min_share=0.0), base)
+  with pytest.raises(ValueError, match="min_share must lie in"):
+    dm.target_distribution("labels", labels, 4, min_share=1.5)
+
+
+def test_min_share_calibrated_router_feeds_the_starved_path():
+  x, s = _skewed()  # Label counts [1806, 48, 49, 11, 58, 18, 7, 3]: path 7 starves.
+  _, plain = dm.fit_discriminative(x, s)
+  _, floored = dm.fit_discriminative(x, s, min_share=0.8)
+  n, p = s.shape
+  # Calibrated to within tol = 0.1 (+1 doc each side) of a target >= 0.8 / P of the documents.
+  assert floored["docs_min"] + 1 >= (0.8 * n / p + 1) / 1.1
+  assert plain["docs_min"] < 0.05 * n / p and floored["docs_min"] >= 0.7 * n / p
+  assert 0.0 <= floored["moved_off_label"] <= 1.0 and floored["docs_max"] <= n

@@ -99,11 +99,16 @@ def fit_logistic(x_NxD, labels_N, num_paths: int, *, l2: float = 1e-4, steps: in
   return {"w": np.asarray(w), "b": np.asarray(b), "mean": mean_D, "std": std_D}
 
 
-def target_distribution(target: str | Sequence[float], labels_N, num_paths: int) -> np.ndarray:
+def target_distribution(target: str | Sequence[float], labels_N, num_paths: int, *,
+                        min_share: float = 0.0) -> np.ndarray:
   """'labels' (label frequencies), 'uniform', or given shard sizes -> fractions [P], none 0.
 
   Each path's share is floored at one document (1/N) before normalising, so a
   path that won no label still gets a (tiny) shard instead of an empty one.
+  `min_share` in [0, 1] floors every share at min_share / P (a fraction of the
+  uniform share, so a path that lost the label vote still trains on a useful
+  shard; 1 = uniform), taking the difference from the larger shares in
+  proportion to their size.
   """
   n = len(labels_N)
   if isinstance(target, str):
@@ -119,6 +124,18 @@ def target_distribution(target: str | Sequence[float], labels_N, num_paths: int)
       raise ValueError(f"target shard sizes must be {num_paths} non-negative numbers with a "
                        f"positive sum; got shape {t_P.shape}.")
   t_P = np.maximum(t_P / t_P.sum(), 1.0 / n)
+  t_P = t_P / t_P.sum()
+  if not 0.0 <= min_share <= 1.0:
+    raise ValueError(f"min_share must lie in [0, 1] (a fraction of the uniform share); got "
+                     f"{min_share}.")
+  floor = min_share / num_paths
+  floored = np.zeros(num_paths, bool)
+  for _ in range(num_paths):  # Scaling the rest down can put another share under the floor.
+    floored |= t_P < floor - 1e-15
+    rest = t_P[~floored].sum()
+    t_P = np.where(floored, floor, t_P * (1.0 - floor * floored.sum()) / max(rest, 1e-300))
+    if not (t_P < floor - 1e-12).any():
+      break
   return t_P / t_P.sum()
 
 
@@ -209,7 +226,7 @@ def calibrate_bias(logits_NxP, target_P, *, tol: float = 0.1, max_iters: int = 5
 
 
 def fit_discriminative(x_NxD, scores_NxP, *, target: str | Sequence[float] = "labels",
-                       tol: float = 0.1, l2: float = 1e-4, steps: int = 500,
+                       min_share: float = 0.0, tol: float = 0.1, l2: float = 1e-4, steps: int = 500,
                        learning_rate: float = 0.05, batch_size: int | None = None,
                        seed: int = 0) -> tuple[LinearParams, dict[str, float]]:
   """Labels from scores, logistic regression, bias calibration -> (params, info)."""
@@ -221,11 +238,14 @@ def fit_discriminative(x_NxD, scores_NxP, *, target: str | Sequence[float] = "la
   labels_N = labels_from_scores(scores_NxP)
   params = fit_logistic(x_NxD, labels_N, num_paths, l2=l2, steps=steps,
                         learning_rate=learning_rate, batch_size=batch_size, seed=seed)
-  t_P = target_distribution(target, labels_N, num_paths)
+  t_P = target_distribution(target, labels_N, num_paths, min_share=min_share)
   shift_P, info = calibrate_bias(linear_logits(x_NxD, params), t_P, tol=tol)
   params["b"] = params["b"] + shift_P
   # Report what the saved router does (float32, batched), not the numpy copy calibrated on.
   pred_N = predict_top_k(x_NxD, params)[:, 0]
-  info.update(shard_stats(np.bincount(pred_N, minlength=num_paths), t_P),
-              train_accuracy=float(np.mean(pred_N == labels_N)))
+  c_P = np.bincount(pred_N, minlength=num_paths)
+  # Shard sizes on the router split, and the share of documents routed off their best path.
+  info.update(shard_stats(c_P, t_P), train_accuracy=float(np.mean(pred_N == labels_N)),
+              moved_off_label=float(np.mean(pred_N != labels_N)),
+              docs_min=int(c_P.min()), docs_median=float(np.median(c_P)), docs_max=int(c_P.max()))
   return params, info

@@ -182,7 +182,8 @@ def fit_discriminative_router(config, scorer: scoring.PathScorer,
   x_NxD, s_NxP = np.concatenate(feats), np.concatenate(scores)
   router = router_lib.fit_linear_router(
       x_NxD, s_NxP, assign_lib.router_grid(scorer.topo),
-      target=config.routing.discriminative_target, seed=config.routing.seed)
+      target=config.routing.discriminative_target,
+      min_share=config.routing.discriminative_min_share, seed=config.routing.seed)
   router.info["features"] = extractor.fingerprint
   return router
 
