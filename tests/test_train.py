@@ -10,6 +10,10 @@ import pytest
 import helpers
 from dipaco_jax import checkpoint, experiment, metrics, train
 
+# Training runs on the embedded corpus, whose shards are tokenized first: minutes, outside the
+# fast suite (-m "not slow").
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def shard_dir(tmp_path_factory):
@@ -29,7 +33,6 @@ def _params(workdir, cfg):
   return jax.tree.map(np.asarray, state), data_state
 
 
-@pytest.mark.slow  # 30 steps of training: ~30 s
 def test_short_run_loss_falls(tmp_path, shard_dir):
   cfg = _config(shard_dir, **{"dipaco.inner_steps": 10, "dipaco.outer_steps": 3,
                               "inner.lr": 1e-2, "inner.warmup_steps": 5,
@@ -46,7 +49,6 @@ def test_short_run_loss_falls(tmp_path, shard_dir):
   assert len(lines[0]["train_loss"]) == 4
 
 
-@pytest.mark.slow  # three runs per case: ~25 s each
 @pytest.mark.parametrize("stop_at", [3, 4])  # mid-phase, and at a phase boundary
 def test_resume_is_bit_exact(tmp_path, shard_dir, stop_at):
   kw = {"dipaco.inner_steps": 2, "dipaco.outer_steps": 3}
@@ -87,7 +89,6 @@ def test_resuming_with_another_grid_is_refused(tmp_path, shard_dir):
   assert checkpoint.Checkpointer(str(tmp_path)).latest_step() == 1
 
 
-@pytest.mark.slow  # a dense run, then the fork: ~15 s
 def test_init_from_dense_checkpoint_forks_every_module(tmp_path, shard_dir):
   # A dense run (one path, no outer step), then a 2x2 grid forked from it:
   # every module of every level starts as the dense model's params (θ̄).
