@@ -31,7 +31,10 @@ setuptools.setup(
     python_requires=">=3.10",
     install_requires=_CORE,
     extras_require={
-        "test": ["pytest", "pytest-timeout", "nbclient", "nbformat", "ipykernel", "matplotlib"],
+        "test": [
+            "pytest", "pytest-timeout", "nbclient", "nbformat", "ipykernel", "matplotlib",
+            "ruff==0.17.6",  # the formatter: pinned, as its output changes between releases
+        ],
         "tpu": ["jax[tpu]"],
     },
 )

@@ -7,3 +7,35 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              " --xla_force_host_platform_device_count=4").strip()
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
+import jax
+import pytest
+
+from dipaco_jax import experiment
+from dipaco_jax import model as model_lib
+from dipaco_jax.routing import features
+
+import helpers
+
+
+@pytest.fixture(scope="session")
+def micro_extractor():
+  """θ̄'s 5-token prefix features on micro_config's model, built once for every test file."""
+  cfg = helpers.micro_config()
+  params = model_lib.init_params(experiment.model_config(cfg), jax.random.key(0))
+  return features.FeatureExtractor(experiment.model_config(cfg), params, prefix_len=5,
+                                   batch_size=4)
+
+
+@pytest.fixture
+def micro(micro_extractor):
+  """A fresh micro_config (tests may change it) and the shared prefix extractor."""
+  return helpers.micro_config(), micro_extractor
+
+
+@pytest.fixture(scope="session")
+def independent():
+  """A micro run whose modules each have their own random init, so paths differ: (exp, state)."""
+  exp = experiment.Experiment(helpers.micro_config(**{"dipaco.init": "independent"}))
+  return exp, exp.init_state(0)

@@ -6,10 +6,15 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEYS = ("dipaco_vs_plain_tokens_ratio", "inner_flops_fraction_of_gemm_peak",
         "outer_step_fraction_of_inner_phase", "cross_path_bytes_inner_step",
         "cross_path_bytes_outer_step", "module_bytes")
+
+# A child process runs the benchmark end to end: outside the fast suite (-m "not slow").
+pytestmark = pytest.mark.slow
 
 
 def test_throughput_quick(tmp_path):

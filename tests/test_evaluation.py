@@ -17,29 +17,6 @@ from dipaco_jax import routing
 L, T = 4, 16
 
 
-def test_window_labels_by_hand():
-  # Per-token log-likelihoods of 2 paths: path 1 wins token 1 by 5, path 0 the others by 1.
-  s = np.array([[[0, -1], [-5, 0], [0, -1], [0, -1]]], np.float32)
-  np.testing.assert_array_equal(rerouting.window_labels(s, np.array([4]), 0), [[1, 1, 0, 0]])
-  np.testing.assert_array_equal(rerouting.window_labels(s, np.array([4]), 1), [[0, 1, 0, 0]])
-  np.testing.assert_array_equal(rerouting.window_labels(s, np.array([4]), 2), [[1, 1, 0, 0]])
-  # A shorter sequence ignores the padding after its end.
-  np.testing.assert_array_equal(rerouting.window_labels(s, np.array([1]), 0)[0, 0], 0)
-
-
-def test_chunk_paths_by_hand():
-  # Prefix 2, W = 3: the prefix's path scores [2, 5); chunks start at 5 and 8.
-  out = rerouting.chunk_paths(np.array([3]), np.array([10]), 2, 3,
-                              lambda rows, b: np.full(len(rows), b))
-  np.testing.assert_array_equal(out[0], [3, 3, 3, 3, 3, 5, 5, 5, 8, 8])
-
-
-@pytest.mark.parametrize("w", [0, -16, 2.5, True])
-def test_bad_window_is_refused(w):
-  with pytest.raises(ValueError, match="re-routing window W must be an integer > 0"):
-    rerouting.check_window(w)
-
-
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
   """A run whose 4 paths differ (independent inits), 40 validation docs on random shards."""
@@ -82,6 +59,7 @@ def _by_hand(r, docs):
   return nll, count
 
 
+@pytest.mark.slow  # routed evaluation at 4 windows, re-routing and oracles: ~25 s
 def test_routed_eval_excludes_exactly_the_prefix_and_long_windows_equal_once(run):
   r, docs = run
   rep = evaluation.evaluate(r, windows=(4, T - L, T, 1000))
@@ -120,6 +98,7 @@ def test_evaluation_bad_inputs(run):
                         windows=())
 
 
+@pytest.mark.slow  # evaluation with both re-routers (linear, transformer): ~20 s
 def test_dense_model_has_a_trivial_router_and_the_same_report_keys(tmp_path):
   cfg = helpers.micro_config(**{"dipaco.level_groups": ("embed,block_0,block_1,head",),
                                 "dipaco.modules_per_level": (1,), "outer.enabled": False,

@@ -3,7 +3,9 @@
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 
 import helpers
 from dipaco_jax import experiment, inner, model, sharding
@@ -83,3 +85,23 @@ def test_h1_with_outer_sgd_lr1_equals_plain_adamw():
 
 def _maxdiff(a, b):
   return [np.max(np.abs(x - y)) for x, y in zip(_leaves(a), _leaves(b))]
+
+
+def test_restart_schedule_resets_only_the_schedule_count(independent):
+  exp, state = independent
+  state = jax.tree.map(jnp.copy, state)  # The inner step donates its inputs.
+  batch = exp.put_batch(helpers.synthetic_batch(np.random.default_rng(0), 4, 2, 16, 256))
+  p, o, m = exp.inner_step(state.params, state.inner_opt, batch)
+  jax.block_until_ready(m)
+  out = inner.restart_schedule(o)
+  is_s = lambda x: isinstance(x, (optax.ScaleByScheduleState, optax.ScaleByAdamState))
+  before = [x for x in jax.tree.leaves(o, is_leaf=is_s) if is_s(x)]
+  after = [x for x in jax.tree.leaves(out, is_leaf=is_s) if is_s(x)]
+  for b, a in zip(before, after):
+    if isinstance(b, optax.ScaleByScheduleState):
+      assert np.all(np.asarray(b.count) == 1) and np.all(np.asarray(a.count) == 0)
+    else:  # Adam keeps its moments and bias-correction count.
+      np.testing.assert_array_equal(a.count, b.count)
+      for x, y in zip(jax.tree.leaves(a.mu), jax.tree.leaves(b.mu)):
+        np.testing.assert_array_equal(x, y)
+  assert jnp.asarray(after[0].count).sharding == jnp.asarray(before[0].count).sharding

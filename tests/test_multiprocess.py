@@ -18,6 +18,10 @@ import pytest
 from helpers import ROOT
 from dipaco_jax import checkpoint
 
+# Three runs of two trainer processes and one of one process: minutes, outside the fast suite
+# (-m "not slow").
+pytestmark = pytest.mark.slow
+
 # Float tolerance: the outer step's cross-path sum runs through gloo across
 # processes instead of in one XLA program, so the summation order may differ.
 ATOL = 1e-6

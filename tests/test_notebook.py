@@ -4,6 +4,7 @@ import os
 
 import nbclient
 import nbformat
+import pytest
 
 import helpers
 import routing_testlib
@@ -13,6 +14,10 @@ from dipaco_jax.routing import scoring
 from dipaco_jax import train
 
 NOTEBOOK = os.path.join(helpers.ROOT, "notebooks", "evaluate.ipynb")
+
+# Trains a routed model, then runs the notebook in a Jupyter kernel: minutes, outside the fast
+# suite (-m "not slow").
+pytestmark = pytest.mark.slow
 
 
 def test_evaluate_notebook_executes(tmp_path, monkeypatch):

@@ -6,9 +6,15 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import reproduce  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+# A child process trains and evaluates every model of the smoke run: minutes, outside the fast
+# suite (-m "not slow").
+pytestmark = pytest.mark.slow
 
 
 def test_smoke_run_tables_every_model_with_finite_numbers(tmp_path):

@@ -6,7 +6,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# A child process runs the benchmark end to end: outside the fast suite (-m "not slow").
+pytestmark = pytest.mark.slow
 
 
 def _positive(row: dict, keys) -> None:

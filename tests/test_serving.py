@@ -91,7 +91,7 @@ def test_early_stopping_set_serves_one_paths_row(saved, tmp_path):
   assert meta["step"][5] == 6 and meta["step"][4] == 4 and meta["loss"][5] == better[5]
   for p, delta in ((5, 1.0), (4, 0.0)):
     got, info = serving.load_path_params(str(tmp_path), cfg, p, source="best")
-    want = jax.tree.map(lambda x, p=p: x[p] + delta, state.params)
+    want = jax.tree.map(lambda x, p=p, delta=delta: x[p] + delta, state.params)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
       np.testing.assert_array_equal(a, b)
     assert info["bytes_read"] <= 1.1 * info["bytes"] + 65536

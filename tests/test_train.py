@@ -10,6 +10,10 @@ import pytest
 import helpers
 from dipaco_jax import checkpoint, experiment, metrics, train
 
+# Training runs on the embedded corpus, whose shards are tokenized first: minutes, outside the
+# fast suite (-m "not slow").
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def shard_dir(tmp_path_factory):

@@ -1,4 +1,4 @@
-"""Tests for routing quality numbers (dipaco_jax/router_report.py)."""
+"""Tests for routing quality numbers (dipaco_jax/routing/report.py)."""
 
 import math
 

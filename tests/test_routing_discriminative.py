@@ -1,4 +1,4 @@
-"""Tests for the discriminative router (dipaco_jax/discriminative.py)."""
+"""Tests for the discriminative router (dipaco_jax/routing/discriminative.py)."""
 
 import numpy as np
 import pytest

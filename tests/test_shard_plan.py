@@ -17,6 +17,10 @@ from dipaco_jax.routing import router as router_lib
 from dipaco_jax import routing
 from dipaco_jax import train
 
+# Three training runs through a re-shard and an evaluation: ~45 s, outside the fast suite
+# (-m "not slow").
+pytestmark = pytest.mark.slow
+
 KW = {"routing.router": "kmeans", "routing.discriminative_at_outer_step": 1,
       "eval.rerouters": ("linear",),
       "dipaco.inner_steps": 2, "dipaco.outer_steps": 3}

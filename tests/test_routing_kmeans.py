@@ -1,4 +1,4 @@
-"""Tests for k-means and product k-means (dipaco_jax/kmeans.py)."""
+"""Tests for k-means and product k-means (dipaco_jax/routing/kmeans.py)."""
 
 import itertools
 

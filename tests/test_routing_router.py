@@ -1,4 +1,4 @@
-"""Tests for the saved Router (dipaco_jax/router.py)."""
+"""Tests for the saved Router (dipaco_jax/routing/router.py)."""
 
 import json
 import os

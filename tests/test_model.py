@@ -1,0 +1,294 @@
+"""The path model: causality, segment isolation, RoPE, parameter layout, remat and dtypes."""
+# pylint: disable=invalid-name
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dipaco_jax import inner
+from dipaco_jax import model as model_lib
+
+V, D, H, K, T = 13, 8, 2, 4, 12  # vocab, d_model, heads, head_dim, sequence length
+
+
+def _cfg(**overrides):
+  base = dict(vocab_size=V, d_model=D, num_layers=2, num_heads=H, head_dim=K, mlp_ratio=2.0,
+              max_len=64)
+  base.update(overrides)
+  return model_lib.ModelConfig(**base)
+
+
+@functools.lru_cache(maxsize=None)
+def _apply(cfg):
+  """One jitted apply per config, so compared runs share a compiled program."""
+  return jax.jit(model_lib.Transformer(cfg).apply, static_argnames="return_hidden")
+
+
+def _logits(cfg, params, tokens, segment_ids=None, positions=None, return_hidden=False):
+  """The model's output, segment ids and positions always explicit (one program per shape)."""
+  B, T_ = tokens.shape
+  if segment_ids is None:
+    segment_ids = jnp.ones((B, T_), jnp.int32)
+  if positions is None:
+    positions = jnp.broadcast_to(jnp.arange(T_, dtype=jnp.int32), (B, T_))
+  return _apply(cfg)({"params": params}, tokens, segment_ids, positions,
+                     return_hidden=return_hidden)
+
+
+def _shapes(cfg):
+  """init_params' output as shapes and dtypes, traced without running (no compile)."""
+  return jax.eval_shape(functools.partial(model_lib.init_params, cfg), jax.random.key(0))
+
+
+def _params(cfg, seed=0):
+  """Random parameters in init_params' layout, drawn in numpy so no init program compiles.
+
+  Norm scales are 1 as at init (the hand-derived checks use that); the rest are N(0, 1/2).
+  """
+  rng = np.random.default_rng(seed)
+  def draw(path, leaf):
+    if path[-1].key == "scale":
+      return jnp.ones(leaf.shape, leaf.dtype)
+    return jnp.asarray(0.5 * rng.normal(size=leaf.shape), leaf.dtype)
+  return jax.tree_util.tree_map_with_path(draw, _shapes(cfg))
+
+
+def _tokens(seed, shape=(2, T)):
+  return jnp.asarray(np.random.default_rng(seed).integers(1, V, size=shape), jnp.int32)
+
+
+def _rms_norm(x):
+  """flax's RMSNorm at init (scale 1, epsilon 1e-6), in numpy."""
+  return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+
+
+@pytest.mark.parametrize("positions", ["rope", "learned"])
+def test_causal_future_tokens_never_change_past_logits(positions):
+  cfg = _cfg(positions=positions)
+  params = _params(cfg)
+  tokens = _tokens(0)
+  logits = _logits(cfg, params, tokens)
+  for t in (0, 5, T - 2):
+    changed = tokens.at[:, t + 1:].set((tokens[:, t + 1:] + 1 + t) % V)
+    logits_changed = _logits(cfg, params, changed)
+    # Masked scores become exactly 0 after the softmax and 0 * v adds exactly 0: bit-equal.
+    np.testing.assert_array_equal(logits[:, :t + 1], logits_changed[:, :t + 1])
+    # The test can fail: the changed future does move the logits right after t.
+    assert np.abs(logits[:, t + 1] - logits_changed[:, t + 1]).max() > 1e-3
+
+
+@pytest.mark.parametrize("positions", ["rope", "learned"])
+def test_packed_segment_sees_only_itself(positions):
+  # One row packed as PathBatcher packs it: segment 1 at 0..4, segment 2 at 5..11, positions
+  # restarting at each segment start.
+  cfg = _cfg(positions=positions)
+  params = _params(cfg)
+  n1 = 5
+  segment_ids = jnp.asarray([[1] * n1 + [2] * (T - n1)], jnp.int32)
+  positions_1xT = jnp.asarray([list(range(n1)) + list(range(T - n1))], jnp.int32)
+  tokens = _tokens(1, (1, T))
+  other_first = tokens.at[:, :n1].set((tokens[:, :n1] + 3) % V)
+  logits = _logits(cfg, params, tokens, segment_ids, positions_1xT)
+  logits_other = _logits(cfg, params, other_first, segment_ids, positions_1xT)
+  # Same program, segment 1's keys masked to exact zeros: segment 2's logits are bit-equal.
+  np.testing.assert_array_equal(logits[:, n1:], logits_other[:, n1:])
+  assert np.abs(logits[:, :n1] - logits_other[:, :n1]).max() > 1e-3  # segment 1 itself moved
+
+  # Segment 2 run alone (length 7, positions 0..6) gives the same logits. Only close, not equal:
+  # a length-7 program reduces its softmax and matmuls in another order (float32, ~1e-7 per op;
+  # measured 4e-7 on logits of size ~1.5).
+  alone = _logits(cfg, params, tokens[:, n1:])
+  np.testing.assert_allclose(logits[:, n1:], alone, rtol=1e-5, atol=1e-6)
+
+  # Without segment ids the same tokens do leak across the boundary: the mask is what isolates.
+  unpacked = _logits(cfg, params, tokens, None, positions_1xT)
+  unpacked_other = _logits(cfg, params, other_first, None, positions_1xT)
+  assert np.abs(unpacked[:, n1:] - unpacked_other[:, n1:]).max() > 1e-3
+
+
+def test_rope_rotates_pairs_of_halves_by_position_times_frequency():
+  # head_dim 2: one frequency, 10000**0 = 1, so position p rotates (x1, x2) by p radians.
+  x_1x3x1x2 = jnp.asarray([[[[1.0, 0.0]], [[1.0, 0.0]], [[0.0, 2.0]]]])
+  positions_1x3 = jnp.asarray([[0, 1, 3]])
+  out = np.asarray(model_lib._rope(x_1x3x1x2, positions_1x3))  # pylint: disable=protected-access
+  expected = [[1.0, 0.0], [np.cos(1.0), np.sin(1.0)], [-2 * np.sin(3.0), 2 * np.cos(3.0)]]
+  np.testing.assert_allclose(out[0, :, 0], expected, rtol=1e-6, atol=1e-6)
+
+
+def test_rope_scores_depend_on_relative_position_only():
+  # q(p) . k(s) after RoPE is a function of p - s: shifting both by 37 keeps every score.
+  rng = np.random.default_rng(2)
+  q_1x1x1xK = jnp.asarray(rng.normal(size=(1, 1, 1, 8)), jnp.float32)
+  k_1x1x1xK = jnp.asarray(rng.normal(size=(1, 1, 1, 8)), jnp.float32)
+  rope = model_lib._rope  # pylint: disable=protected-access
+  score = lambda p, s: float(jnp.sum(rope(q_1x1x1xK, jnp.asarray([[p]])) *
+                                     rope(k_1x1x1xK, jnp.asarray([[s]]))))
+  for p, s in [(5, 2), (9, 9), (3, 0)]:
+    # float32 angles p * freq round to a relative 6e-8 (< 3e-6 rad at p < 50); times |q||k| ~ 8
+    # that moves a score by < 3e-5, under the 1e-4 allowed.
+    np.testing.assert_allclose(score(p + 37, s + 37), score(p, s), rtol=1e-4, atol=1e-4)
+  assert abs(score(5, 2) - score(5, 0)) > 1e-3  # the relative offset itself does matter
+
+
+def test_rope_logits_invariant_to_a_shift_of_all_positions_learned_not():
+  tokens = _tokens(3)
+  base_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (2, T))
+  cfg = _cfg(positions="rope")
+  params = _params(cfg)
+  logits = _logits(cfg, params, tokens, None, base_BxT)
+  shifted = _logits(cfg, params, tokens, None, base_BxT + 1000)
+  # In exact arithmetic the scores see only p - s. In float32 the angles p * freq round to a
+  # relative 6e-8, i.e. at most ~1011 * 6e-8 = 6e-5 rad at these positions, so 1e-4 bounds the
+  # change (measured: ~5e-7, as the frequency-1 angles are exact integers).
+  np.testing.assert_allclose(shifted, logits, rtol=1e-4, atol=1e-4)
+
+  cfg = _cfg(positions="learned")
+  params = _params(cfg)
+  logits = _logits(cfg, params, tokens, None, base_BxT)
+  shifted = _logits(cfg, params, tokens, None, base_BxT + 40)  # 51 < max_len 64
+  # Learned positions are absolute: other rows of the position table give other logits.
+  assert np.abs(shifted - logits).max() > 1e-3
+
+
+def _shape_tree(cfg):
+  return jax.tree.map(lambda x: tuple(x.shape), _shapes(cfg))
+
+
+def _block_shapes(F):
+  return {
+      "attn_norm": {"scale": (D,)}, "mlp_norm": {"scale": (D,)},
+      "attn": {"query": {"kernel": (D, H, K)}, "key": {"kernel": (D, H, K)},
+               "value": {"kernel": (D, H, K)}, "out": {"kernel": (H, K, D)}},
+      "mlp_in": {"kernel": (D, F)}, "mlp_out": {"kernel": (F, D)},
+  }
+
+
+def test_param_groups_and_shapes_tied_untied_learned():
+  F = 16  # d_model 8 * mlp_ratio 2
+  tied = _shape_tree(_cfg(num_layers=1))
+  assert tied == {"embed": {"token": (V, D)}, "block_0": _block_shapes(F),
+                  "head": {"norm": {"scale": (D,)}}}
+  untied = _shape_tree(_cfg(num_layers=1, tie_embeddings=False))
+  assert untied == {"embed": {"token": (V, D)}, "block_0": _block_shapes(F),
+                    "head": {"norm": {"scale": (D,)}, "unembed": {"kernel": (D, V)}}}
+  learned = _shape_tree(_cfg(num_layers=1, positions="learned"))
+  assert learned["embed"] == {"token": (V, D), "position": (64, D)}
+  assert set(_shapes(_cfg(num_layers=3))) == {"embed", "block_0", "block_1", "block_2", "head"}
+  # Count by hand: token 13*8 = 104; block 4 attention kernels 4*8*2*4 = 256, two norms 16,
+  # MLP 2*8*16 = 256, so 528; head norm 8. Untied adds 8*13 = 104.
+  count = lambda p: sum(x.size for x in jax.tree.leaves(p))
+  assert count(_shapes(_cfg(num_layers=1))) == 104 + 528 + 8
+  assert count(_shapes(_cfg(num_layers=1, tie_embeddings=False))) == 104 + 528 + 8 + 104
+
+
+def _zero(params, *paths):
+  """A copy of params with the leaves at the given key paths set to zero."""
+  params = jax.tree.map(lambda x: x, params)  # fresh dicts
+  for path in paths:
+    node = params
+    for key in path[:-1]:
+      node = node[key]
+    node[path[-1]] = jnp.zeros_like(node[path[-1]])
+  return params
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_identity_block_gives_logits_of_the_embedding_alone(tied):
+  # Zero attention out and MLP out: the block adds 0, so logits are the head on the embedding:
+  # tied, logits[t, v] = rms_norm(E[x_t]) . E[v] / sqrt(D); untied, rms_norm(E[x_t]) @ W.
+  cfg = _cfg(num_layers=1, tie_embeddings=tied)
+  params = _zero(_params(cfg), ("block_0", "attn", "out", "kernel"),
+                 ("block_0", "mlp_out", "kernel"))
+  tokens = _tokens(4)
+  logits = np.asarray(_logits(cfg, params, tokens))
+  table_VxD = np.asarray(params["embed"]["token"])
+  h_BxTxD = _rms_norm(table_VxD[np.asarray(tokens)])
+  if tied:
+    expected = h_BxTxD @ table_VxD.T / np.sqrt(D)
+  else:
+    expected = h_BxTxD @ np.asarray(params["head"]["unembed"]["kernel"])
+  np.testing.assert_allclose(logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_zero_query_attends_uniformly_within_segment_and_past():
+  # Zero query kernel: every allowed score is 0, so attention is the plain mean of the values
+  # over s <= t in t's segment. With the MLP zeroed, hidden = x + out(mean v), checked by hand.
+  cfg = _cfg(num_layers=1)
+  params = _zero(_params(cfg), ("block_0", "attn", "query", "kernel"),
+                 ("block_0", "mlp_out", "kernel"))
+  tokens = _tokens(5, (1, T))
+  segment_ids = jnp.asarray([[1, 1, 1, 2, 2, 2, 2, 2, 3, 3, 3, 3]], jnp.int32)
+  positions = jnp.asarray([[0, 1, 2, 0, 1, 2, 3, 4, 0, 1, 2, 3]], jnp.int32)
+  _, hidden = _logits(cfg, params, tokens, segment_ids, positions, return_hidden=True)
+  att = params["block_0"]["attn"]
+  x_TxD = np.asarray(params["embed"]["token"])[np.asarray(tokens[0])]
+  v_TxHxK = np.einsum("td,dhk->thk", _rms_norm(x_TxD), np.asarray(att["value"]["kernel"]))
+  seg = np.asarray(segment_ids[0])
+  allowed_TxT = np.tril(np.ones((T, T), bool)) & (seg[:, None] == seg[None, :])
+  mean_v_TxHxK = np.einsum("ts,shk->thk", allowed_TxT / allowed_TxT.sum(1, keepdims=True),
+                           v_TxHxK)
+  expected = x_TxD + np.einsum("thk,hkd->td", mean_v_TxHxK, np.asarray(att["out"]["kernel"]))
+  np.testing.assert_allclose(hidden[0], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_default_segments_and_positions_are_one_segment_counting_from_zero():
+  cfg = _cfg()
+  params = _params(cfg)
+  tokens = _tokens(6)
+  defaults = jax.jit(model_lib.Transformer(cfg).apply)({"params": params}, tokens)
+  np.testing.assert_array_equal(defaults, _logits(cfg, params, tokens))
+
+
+def _batch(tokens):
+  B, T_ = tokens.shape
+  return {"inputs": tokens, "targets": jnp.roll(tokens, -1, axis=1),
+          "segment_ids": jnp.ones((B, T_), jnp.int32),
+          "positions": jnp.broadcast_to(jnp.arange(T_, dtype=jnp.int32), (B, T_)),
+          "weights": jnp.ones((B, T_), jnp.float32)}
+
+
+def _loss_and_grads(cfg, params, batch, trace_only=False):
+  fn = jax.value_and_grad(inner.loss_fn, has_aux=True)
+  if trace_only:
+    return jax.eval_shape(functools.partial(fn, model=model_lib.Transformer(cfg)), params, batch)
+  (loss, _), grads = jax.jit(fn, static_argnums=2)(params, batch, model_lib.Transformer(cfg))
+  return loss, grads
+
+
+def test_remat_same_params_loss_and_grads():
+  cfg, cfg_remat = _cfg(num_layers=1), _cfg(num_layers=1, remat=True)  # 1 block: half the compile
+  # Remat wraps the block class without renaming it: init gives the same tree.
+  assert _shapes(cfg_remat) == _shapes(cfg)
+  params = _params(cfg)
+  batch = _batch(_tokens(7))
+  loss, grads = _loss_and_grads(cfg, params, batch)
+  loss_remat, grads_remat = _loss_and_grads(cfg_remat, params, batch)
+  # Recomputing the forward pass runs the same float32 ops (bit-equal on CPU today), but XLA may
+  # fuse the recomputed graph differently elsewhere, so allow a few ulps.
+  np.testing.assert_allclose(loss_remat, loss, rtol=1e-6)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
+               grads_remat, grads)
+  assert jax.tree.structure(grads_remat) == jax.tree.structure(params)
+  assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(grads)) > 1e-3  # not all zero
+
+
+def test_bfloat16_compute_keeps_float32_params_logits_and_grads():
+  cfg32, cfg16 = _cfg(), _cfg(dtype="bfloat16")
+  shapes16 = _shapes(cfg16)
+  assert {x.dtype for x in jax.tree.leaves(shapes16)} == {jnp.dtype(jnp.float32)}
+  assert shapes16 == _shapes(cfg32)
+  params = _params(cfg16)
+  tokens = _tokens(8)
+  logits16, hidden16 = _logits(cfg16, params, tokens, return_hidden=True)
+  logits32 = _logits(cfg32, params, tokens)
+  assert logits16.dtype == jnp.float32 and hidden16.dtype == jnp.bfloat16
+  # bf16 keeps 8 mantissa bits (relative step 2**-8 = 0.4%); through 2 blocks logits of size ~2
+  # agree to ~0.04 (measured), and they do differ, so the bf16 path really computes in bf16.
+  np.testing.assert_allclose(logits16, logits32, atol=0.1)
+  assert np.abs(logits16 - logits32).max() > 1e-4
+  # Gradients land on the float32 parameters: traced only, the dtypes need no compile.
+  _, grads = _loss_and_grads(cfg16, params, _batch(tokens), trace_only=True)
+  assert {x.dtype for x in jax.tree.leaves(grads)} == {jnp.dtype(jnp.float32)}

@@ -1,0 +1,70 @@
+"""Phase-0 router, the discriminative schedule, saved routers (dipaco_jax/routing/phases.py)."""
+
+import numpy as np
+import pytest
+
+from dipaco_jax import routing
+from dipaco_jax import topology
+from dipaco_jax.routing import phases
+from dipaco_jax.routing import router as router_lib
+
+import helpers
+
+
+def test_replica_shards_router_gives_each_worker_its_own_cluster():
+  """DiLoCo non-i.i.d.: one path, 3 replicas, the k-means clusters are the workers' shards."""
+  t = topology.build(("embed,block_0,block_1,head",), (1,), 2, replicas=3)
+  rng = np.random.default_rng(0)
+  centres = np.array([[9, 0], [0, 9], [-9, -9]], np.float32)
+  x = (centres[np.arange(90) % 3] + rng.normal(size=(90, 2))).astype(np.float32)
+  cfg = helpers.micro_config(**{"routing.router": "kmeans", "routing.replica_shards": "router"})
+  assert phases.replicas_by_router(cfg, t)
+  router = phases.fit_phase0(cfg, t, x)
+  assert router.grid == (3,)
+  pr = routing.PathRouter(t, router, by_worker=True)
+  w = pr.workers(np.arange(90), x)[:, 0]
+  # Each well-separated blob lands on exactly one worker, and each worker holds one blob.
+  blob_of_worker = {int(wk): {int(i % 3) for i in np.flatnonzero(w == wk)} for wk in range(3)}
+  assert sorted(len(v) for v in blob_of_worker.values()) == [1, 1, 1]
+  assert set().union(*blob_of_worker.values()) == {0, 1, 2}
+  np.testing.assert_array_equal(pr.paths(np.arange(90), x)[:, 0], np.zeros(90))
+  # A path-grid router is refused where workers are routed, and vice versa.
+  with pytest.raises(ValueError, match="router from another grid"):
+    routing.PathRouter(t, router)
+  cfg.routing.replica_shards = "cluster"
+  with pytest.raises(ValueError, match="replica_shards='cluster'"):
+    phases.replicas_by_router(cfg, t)
+  cfg.routing.replica_shards = "router"
+  cfg.dipaco.outer_steps, cfg.routing.discriminative_at_outer_step = 4, 2
+  with pytest.raises(ValueError, match="phase 0 only"):
+    phases.replicas_by_router(cfg, t)
+
+
+@pytest.mark.parametrize("at,phases,every,want", [
+    (-1, 1, 1, []), (1, 1, 1, [1]), (1, 2, 2, [1, 3]), (0, 1, 1, "fit"), (2, 3, 1, "fit"),
+    (1, 2, 0, "between")])
+def test_discriminative_steps(at, phases, every, want):
+  cfg = helpers.micro_config(**{"dipaco.outer_steps": 4,
+                                "routing.discriminative_at_outer_step": at,
+                                "routing.discriminative_phases": phases,
+                                "routing.discriminative_every": every})
+  if isinstance(want, str):
+    with pytest.raises(ValueError, match=want):
+      routing.discriminative_steps(cfg)
+  else:
+    assert routing.discriminative_steps(cfg) == want
+
+
+def test_unknown_router_kind_is_refused(tmp_path):
+  cfg = helpers.micro_config(**{"routing.router": "hash"})
+  with pytest.raises(ValueError, match="routing.router='hash'"):
+    routing.phase0_router(cfg, str(tmp_path), topology.from_config(cfg), None)
+
+
+def test_a_saved_router_of_another_grid_is_refused(micro, tmp_path):
+  cfg, ex = micro
+  cfg = helpers.micro_config(**{"routing.router": "kmeans"})
+  x = np.random.default_rng(0).normal(size=(40, ex.dim)).astype(np.float32)
+  router_lib.fit_kmeans_router(x, (2, 3), restarts=1).save(routing.router_dir(str(tmp_path), 0))
+  with pytest.raises(ValueError, match="router from another grid"):
+    routing.phase0_router(cfg, str(tmp_path), topology.from_config(cfg), ex)
