@@ -34,7 +34,9 @@ setuptools.setup(
         "test": [
             "pytest", "pytest-timeout", "nbclient", "nbformat", "ipykernel", "matplotlib",
             "ruff==0.17.6",  # the formatter: pinned, as its output changes between releases
+            "ray==2.*",  # CI runs the elastic mode for real (tests/test_elastic.py)
         ],
+        "elastic": ["ray==2.*"],  # dipaco.mode="elastic" (docs/elastic.md)
         "tpu": ["jax[tpu]"],
     },
 )

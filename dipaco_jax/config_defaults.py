@@ -56,6 +56,7 @@ def base() -> ml_collections.ConfigDict:
   c.dipaco.outer_steps = 427  # T (≈ 64k / 150 after 24k dense pretraining).
   c.dipaco.init = "shared"  # "shared": every module from one θ̄ (paper) | "independent".
   c.dipaco.init_from = ""  # Workdir of a dense run whose params are θ̄ ("" = random).
+  c.dipaco.mode = "spmd"  # "spmd": all paths in one lock-step program | "elastic": Ray task pool (docs/elastic.md).
 
   c.data = ml_collections.ConfigDict()
   c.data.task = "dipaco_embedded"  # seqio task: "dipaco_embedded" | "c4_en".
@@ -113,6 +114,18 @@ def base() -> ml_collections.ConfigDict:
 
   c.early_stopping = ml_collections.ConfigDict()  # Per-path early stopping (paper §2.7).
   c.early_stopping.enabled = True  # Keep each worker's best params by own-shard val loss (+1 params copy).
+
+  c.elastic = ml_collections.ConfigDict()  # dipaco.mode="elastic" only (docs/elastic.md).
+  c.elastic.address = ""  # "" = a local Ray cluster on 127.0.0.1 inside the command; "auto" or "HOST:PORT" joins one.
+  c.elastic.num_workers = 2  # Worker actors; each runs one (phase, worker) task of H inner steps at a time.
+  c.elastic.num_executors = 1  # Outer executors; store groups are dealt to them round-robin.
+  c.elastic.worker_resources = ""  # JSON of Ray resources one worker actor needs, e.g. '{"TPU": 4}' ("" = 1 CPU).
+  c.elastic.task_timeout_s = 600.0  # A task not reported after this long goes back on the queue (its worker restarts).
+  c.elastic.step_delay_s = ()  # Injected sleep per inner step of worker actor i (heterogeneity tests, benchmarks).
+  c.elastic.chaos_worker_kills = 0  # Fault injection: SIGKILL a busy worker process this many times at random moments.
+  c.elastic.chaos_executor_kills = 0  # Fault injection: SIGKILL an outer executor process this many times.
+  c.elastic.chaos_seed = 0  # Seed of the fault-injection schedule.
+  c.elastic.stop_after_tasks = -1  # Driver exits after this many accepted task results (rerun resumes); -1 = never.
   return c
 
 

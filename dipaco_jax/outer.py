@@ -18,6 +18,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from dipaco_jax import paths as paths_lib
@@ -130,3 +131,28 @@ def delta_norms(deltas: PyTree, topo: topo_lib.Topology) -> dict[str, jax.Array]
                       axis=tuple(range(1, x.ndim))) for x in leaves)
     sq[s.level] = sq.get(s.level, 0.0) + g_K
   return {lvl: jnp.sqrt(v) for lvl, v in sq.items()}
+
+
+class _OneModule:
+  """A topology of one store group with one module that all N given workers read."""
+
+  def __init__(self, group: str, level: str, num_workers: int):
+    self._group = topo_lib.StoreGroup(group, level, np.zeros(num_workers, np.int32), 1)
+
+  def store_groups(self):
+    return (self._group,)
+
+
+def module_outer_step(theta: PyTree, opt_state: PyTree, params_N: PyTree,
+                      alpha_N: jax.Array, *, group: str, level: str, cfg: OuterConfig):
+  """`outer_step` of ONE module from the N workers through it (the elastic executors).
+
+  theta: {group: leaves [1, ...]}; opt_state: `optimizer(cfg).init(theta)`;
+  params_N: {group: leaves [N, ...]}, the workers' params in worker order.
+  The same code as `outer_step`, so α, √P (P = N active workers) and Nesterov
+  are the synchronous mode's; returns (theta, opt_state, metrics).
+  """
+  topo = _OneModule(group, level, jax.tree.leaves(params_N)[0].shape[0])
+  new_theta, new_opt, _, metrics = outer_step(theta, opt_state, params_N, alpha_N,
+                                              topo=topo, cfg=cfg)
+  return new_theta, new_opt, metrics

@@ -18,6 +18,7 @@ from etils import epath
 from dipaco_jax import checkpoint as ckpt_lib
 from dipaco_jax import config_defaults
 from dipaco_jax import early_stopping
+from dipaco_jax import elastic
 from dipaco_jax import experiment as exp_lib
 from dipaco_jax import feed as feed_lib
 from dipaco_jax import inner as inner_lib
@@ -52,6 +53,9 @@ def _initial_theta(config):
 
 def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   """Trains (or resumes) the run in `workdir`; returns the final metrics."""
+  if elastic.mode(config) == "elastic":  # The Ray worker pool (dipaco_jax/elastic/).
+    return elastic.run(config, workdir)
+  elastic.check_workdir_mode(workdir, "spmd")
   config_defaults.check_init_from(config)  # Before anything is written to the workdir.
   workdir_path = epath.Path(workdir)
   workdir_path.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,139 @@
+"""The task queue: one task per (phase, worker), ready once the worker's modules hold that phase.
+
+Task (t, w) runs worker w's H inner steps of phase t; it becomes ready when
+every module worker w reads holds version t (t outer updates applied). Tasks
+are leased to worker actors; a lease whose actor dies or passes its deadline
+goes back to the FRONT of the queue. A result is accepted once per (t, w);
+a duplicate (a timed-out task that finished after all) is refused. Every
+change is snapshotted to `<workdir>/elastic/coordinator.json` (atomic), so a
+coordinator restarted by Ray, or a rerun of the whole command, resumes where
+it stood; leases are not kept (their tasks are requeued on restore).
+"""
+
+import os
+import time
+
+from dipaco_jax.elastic import grid as grid_lib
+from dipaco_jax.elastic import storage
+
+SNAPSHOT = "coordinator.json"
+
+
+def _task_key(phase: int, worker: int) -> str:
+  return f"{phase}/{worker}"
+
+
+class Coordinator:
+  """Queue, leases, accepted results and module versions of an elastic run."""
+
+  def __init__(self, config, workdir: str):
+    self.grid = grid_lib.Grid(config)
+    self.timeout_s = float(config.elastic.task_timeout_s)
+    self._path = storage.root(workdir) / SNAPSHOT
+    if self._path.exists():
+      s = storage.load_json(self._path)
+      self.versions = dict(s["versions"])
+      self.done = dict(s["done"])
+      self.pending = [tuple(t) for t in s["pending"]] + [tuple(t) for t in s["leased"]]
+      self.requeued = int(s.get("requeued", 0)) + len(s["leased"])
+    else:
+      self.versions = {grid_lib.module_key(g, e): 0 for g, e in self.grid.used_modules()}
+      self.done, self.pending, self.requeued = {}, [], 0
+    self.leases = {}  # task key -> (task, actor, deadline); not snapshotted.
+    self._enqueue_ready()
+    self._save()
+
+  def pid(self) -> int:
+    return os.getpid()
+
+  def _save(self) -> None:
+    storage.save_json(self._path, {
+        "versions": self.versions, "done": self.done,
+        "pending": [list(t) for t in self.pending],
+        "leased": [list(v[0]) for v in self.leases.values()],
+        "requeued": self.requeued})
+
+  def _ready(self, phase: int, worker: int) -> bool:
+    return all(self.versions[grid_lib.module_key(g, e)] >= phase
+               for g, e in self.grid.modules_of_worker(worker))
+
+  def _enqueue_ready(self) -> None:
+    """Appends each worker's next phase once its modules hold it (phase order, then worker)."""
+    known = {_task_key(*t) for t in self.pending} | set(self.leases) | set(self.done)
+    new = []
+    for w in range(self.grid.W):
+      phase = min((t for t in range(self.grid.T) if _task_key(t, w) not in self.done),
+                  default=None)
+      if phase is not None and _task_key(phase, w) not in known and self._ready(phase, w):
+        new.append((phase, w))
+    self.pending.extend(sorted(new))
+
+  def lease(self, actor: int):
+    """The next ready task for `actor` ((phase, worker)), or None."""
+    if not self.pending:
+      return None
+    task = self.pending.pop(0)
+    self.leases[_task_key(*task)] = (task, int(actor), time.time() + self.timeout_s)
+    self._save()
+    return task
+
+  def complete(self, phase: int, worker: int, result: dict) -> bool:
+    """Accepts task (phase, worker)'s result once; False for a duplicate."""
+    key = _task_key(phase, worker)
+    self.leases.pop(key, None)
+    if key in self.done:
+      return False
+    self.pending = [t for t in self.pending if _task_key(*t) != key]
+    self.done[key] = result
+    self._save()
+    return True
+
+  def failed(self, phase: int, worker: int) -> bool:
+    """The task's actor died or timed out: back to the front of the queue (unless done)."""
+    key = _task_key(phase, worker)
+    if self.leases.pop(key, None) is None or key in self.done:
+      return False
+    self.pending.insert(0, (int(phase), int(worker)))
+    self.requeued += 1
+    self._save()
+    return True
+
+  def expired(self) -> list:
+    """Leases past their deadline: requeued; returns [(task, actor)]."""
+    now = time.time()
+    late = [(task, actor) for task, actor, deadline in self.leases.values() if deadline < now]
+    for task, _ in late:
+      self.failed(*task)
+    return late
+
+  def modules_updated(self, phase: int, keys) -> None:
+    """Modules `keys` took phase `phase`'s outer step; enqueues the tasks that became ready."""
+    changed = False
+    for key in keys:
+      if self.versions[key] < phase + 1:
+        self.versions[key] = phase + 1
+        changed = True
+    if changed:
+      self._enqueue_ready()
+      self._save()
+
+  def unreported(self) -> list:
+    """Accepted tasks whose modules have not all stepped yet (to re-report after a restart)."""
+    out = []
+    for key in self.done:
+      phase, w = (int(x) for x in key.split("/"))
+      if any(self.versions[grid_lib.module_key(g, e)] <= phase
+             for g, e in self.grid.modules_of_worker(w)):
+        out.append((phase, w))
+    return sorted(out)
+
+  def finished(self) -> bool:
+    return (len(self.done) == self.grid.T * self.grid.W and
+            all(v >= self.grid.T for v in self.versions.values()))
+
+  def status(self) -> dict:
+    return {"done": len(self.done), "pending": len(self.pending), "leased": len(self.leases),
+            "requeued": self.requeued, "min_version": min(self.versions.values())}
+
+  def results(self) -> dict:
+    return dict(self.done)

@@ -1,0 +1,322 @@
+"""The elastic driver: Ray cluster, actors, the dispatch loop and the final checkpoint.
+
+`run(config, workdir)` is `train_and_evaluate` for `dipaco.mode="elastic"`.
+The driver holds no training state: the coordinator (queue), the executors
+(outer steps) and storage do; killing the command and rerunning it resumes.
+The final store, momentum, worker params, AdamW states and data positions are
+written as one orbax checkpoint in the synchronous mode's layout, so
+evaluation and serving read an elastic workdir like any other.
+"""
+# pylint: disable=invalid-name
+
+import json
+import os
+import random
+import signal
+import threading
+import time
+
+import jax
+import numpy as np
+from absl import logging
+from etils import epath
+
+from dipaco_jax import checkpoint as ckpt_lib
+from dipaco_jax import config_defaults
+from dipaco_jax import experiment as exp_lib
+from dipaco_jax import metrics as metrics_lib
+from dipaco_jax import paths as paths_lib
+from dipaco_jax import shard_plan
+from dipaco_jax import sharding
+from dipaco_jax.elastic import coordinator as coord_lib
+from dipaco_jax.elastic import executor as exec_lib
+from dipaco_jax.elastic import grid as grid_lib
+from dipaco_jax.elastic import storage
+from dipaco_jax.elastic import worker as worker_lib
+from dipaco_jax.elastic.errors import check_config
+from dipaco_jax.elastic.errors import check_workdir_mode
+from dipaco_jax.elastic.errors import ElasticConfigError
+
+META = "meta.json"  # Under <workdir>/elastic (errors.META).
+
+
+def _by_path(tree) -> dict:
+  return {jax.tree_util.keystr(kp): x for kp, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _group_of(key: str, groups) -> str | None:
+  return next((g for g in groups if f"['{g}']" in key), None)
+
+
+def _module_rows(full, template, group: str, module: int):
+  """Module `module`'s rows of a store-shaped tree (params or momentum), shaped like `template`."""
+  rows = _by_path(full)
+  leaves = []
+  for kp, t in jax.tree_util.tree_flatten_with_path(template)[0]:
+    x = np.asarray(rows[jax.tree_util.keystr(kp)])
+    leaves.append(x[module:module + 1] if t.shape and t.shape[0] == 1 and x.ndim == len(t.shape)
+                  else x)
+  return jax.tree.unflatten(jax.tree.structure(template), leaves)
+
+
+def _init_storage(config, workdir: str, exp, grid: grid_lib.Grid, alpha_W) -> None:
+  """Version 0 of every module and its momentum (θ̄ as the synchronous mode builds it)."""
+  src = config.dipaco.get("init_from", "")
+  theta = ckpt_lib.restore_worker_params(src) if src else None
+  state = exp.init_state(config.seed, theta)
+  store, outer_opt = jax.device_get((state.store, state.outer_opt))
+  for s in grid.groups:
+    for e in range(s.num_modules):
+      storage.save_tree(storage.module_file(workdir, s.name, e, 0),
+                        _module_rows(store, grid.module_template(s.name), s.name, e))
+      storage.save_tree(storage.module_file(workdir, s.name, e, 0, "opt"),
+                        _module_rows(outer_opt, grid.module_opt_template(s.name), s.name, e))
+  storage.save_json(storage.root(workdir) / META, {
+      "mode": "elastic", "workers": grid.W, "alpha_W": [float(a) for a in alpha_W]})
+
+
+def _final_state(config, workdir: str, exp, grid: grid_lib.Grid):
+  """The synchronous mode's TrainState after T outer steps, from storage (the one full copy)."""
+  def latest(g, e, kind):
+    for v in range(grid.T, -1, -1):
+      path = storage.module_file(workdir, g, e, v, kind)
+      if path.exists():
+        return path
+    raise FileNotFoundError(f"no version of module {g}/{e} under {storage.root(workdir)}")
+  store, opt_parts = {}, {}
+  for s in grid.groups:
+    mods = [storage.load_tree(latest(s.name, e, "v"), grid.module_template(s.name))
+            for e in range(s.num_modules)]
+    store[s.name] = jax.tree.map(lambda *xs: np.concatenate(xs), *[m[s.name] for m in mods])
+    opt_parts[s.name] = [_by_path(storage.load_tree(latest(s.name, e, "opt"),
+                                                    grid.module_opt_template(s.name)))
+                         for e in range(s.num_modules)]
+  groups = [s.name for s in grid.groups]
+  full_opt = jax.eval_shape(grid.outer_tx.init, store)
+  leaves = []
+  for kp, t in jax.tree_util.tree_flatten_with_path(full_opt)[0]:
+    key = jax.tree_util.keystr(kp)
+    g = _group_of(key, groups)
+    parts = [p[key] for p in opt_parts[g]] if g else [opt_parts[groups[0]][0][key]]
+    leaves.append(np.concatenate(parts) if g and t.shape else np.asarray(parts[0]))
+  outer_opt = jax.tree.unflatten(jax.tree.structure(full_opt), leaves)
+  opts = [storage.load_tree(storage.worker_opt_file(workdir, w, grid.T), grid.inner_opt_template())
+          for w in range(grid.W)]
+  inner_opt = jax.tree.map(lambda *xs: np.concatenate(xs), *opts)
+  data = {str(w): storage.load_json(storage.worker_data_file(workdir, w, grid.T))
+          for w in range(grid.W)}
+  state = exp_lib.TrainState(
+      step=np.asarray(grid.H * grid.T, np.int32),
+      rng=np.asarray(jax.random.key_data(jax.random.key(config.seed))),
+      store=store, outer_opt=outer_opt, params=paths_lib.assemble(store, grid.topo),
+      inner_opt=inner_opt)
+  state = jax.device_put(state, exp.state_sharding)
+  return state, data
+
+
+def _connect(config, num_cpus: int) -> bool:
+  """Starts a local Ray cluster on loopback, or joins config.elastic.address; True if started."""
+  import ray  # pylint: disable=g-import-not-at-top
+  if ray.is_initialized():
+    return False
+  address = config.elastic.get("address", "")
+  if address:
+    try:
+      ray.init(address=address, log_to_driver=False)
+    except Exception as e:  # ConnectionError and Ray's own errors alike.
+      raise ElasticConfigError(
+          f"config.elastic.address={address!r} does not answer ({type(e).__name__}: {e}); start "
+          "the cluster (`ray start --head`) or pass --config.elastic.address='' for a local "
+          "one.") from None
+  else:
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
+             _node_ip_address="127.0.0.1", log_to_driver=False)
+  return True
+
+
+class _Chaos:
+  """Fault injection: SIGKILLs of actor processes at random moments (tests, benchmarks)."""
+
+  def __init__(self, kills: int, slots: int, seed: int):
+    self.rng = random.Random(seed)
+    self.at = set(self.rng.sample(range(slots), min(kills, slots))) if kills else set()
+    self.count, self.killed = 0, 0
+
+  def maybe_kill(self, actor, max_delay_s: float) -> None:
+    """Kills `actor`'s process after a random delay if this event is scheduled."""
+    n, self.count = self.count, self.count + 1
+    if n not in self.at:
+      return
+    import ray  # pylint: disable=g-import-not-at-top
+
+    def kill():
+      try:
+        pid = ray.get(actor.pid.remote(), timeout=30)
+        os.kill(pid, signal.SIGKILL)
+        self.killed += 1
+        logging.info("chaos: SIGKILL pid %d", pid)
+      except Exception as e:  # pylint: disable=broad-except
+        logging.warning("chaos: kill failed: %s", e)
+    threading.Timer(self.rng.uniform(0, max_delay_s), kill).start()
+
+
+def run(config, workdir: str) -> dict:
+  """Trains (or resumes) `workdir` on a Ray pool; returns a summary."""
+  check_config(config)
+  try:
+    import ray  # pylint: disable=g-import-not-at-top
+    from ray import exceptions as ray_errors  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    raise ElasticConfigError("config.dipaco.mode='elastic' needs Ray: pip install "
+                             "'dipaco_jax[elastic]'.") from None
+  from dipaco_jax import train  # pylint: disable=g-import-not-at-top
+  config_defaults.check_init_from(config)
+  workdir = str(workdir)
+  epath.Path(workdir).mkdir(parents=True, exist_ok=True)
+  check_workdir_mode(workdir, "elastic")
+  train._check_config_matches(epath.Path(workdir), config)  # pylint: disable=protected-access
+  e = config.elastic
+  # The driver's Experiment on one device: it only builds θ̄, the shards and α (and the final state).
+  exp = exp_lib.Experiment(config, mesh=sharding.make_mesh(
+      {"path": 1, "data": 1, "model": 1}, 1, devices=jax.devices()[:1]))
+  grid = grid_lib.Grid(config)
+  plan = shard_plan.ShardPlan(config, workdir, exp)  # Phase-0 shards and α, as the SPMD loop.
+  alpha_W = np.asarray(jax.device_get(plan.alpha_W), np.float32)
+  if not (storage.root(workdir) / META).exists():
+    _init_storage(config, workdir, exp, grid, alpha_W)
+  logging.info("elastic: %s; %d worker actors, %d executors", grid.topo.describe(),
+               e.num_workers, e.num_executors)
+  started = _connect(config, num_cpus=e.num_workers + 1)
+  resources = json.loads(e.worker_resources) if e.get("worker_resources") else {}
+  worker_opts = dict(max_restarts=-1, max_concurrency=2, num_cpus=resources.pop("CPU", 1),
+                     resources=resources or None)
+  actors, log_path = [], storage.root(workdir) / "tasks.jsonl"
+  try:
+    coord = ray.remote(coord_lib.Coordinator).options(max_restarts=-1, num_cpus=0).remote(
+        config, workdir)
+    actors.append(coord)
+    owned = exec_lib.assign_groups([s.name for s in grid.groups], e.num_executors)
+    executors = [ray.remote(exec_lib.OuterExecutor).options(
+        max_restarts=-1, max_concurrency=2, num_cpus=0).remote(
+            config, workdir, j, owned[j], alpha_W.tolist()) for j in range(e.num_executors)]
+    workers = [ray.remote(worker_lib.PathWorker).options(**worker_opts).remote(
+        config, workdir, i) for i in range(e.num_workers)]
+    actors += executors + workers
+    return _loop(config, workdir, grid, coord, executors, owned, workers, log_path,
+                 ray, ray_errors, exp)
+  finally:
+    for a in actors:
+      ray.kill(a, no_restart=True)
+    if started:
+      ray.shutdown()
+
+
+def _call(ray, ray_errors, method, *args):
+  """A coordinator call, retried once if the actor died (it restores from its snapshot)."""
+  for attempt in range(3):
+    try:
+      return ray.get(method.remote(*args))
+    except ray_errors.RayActorError:
+      if attempt == 2:
+        raise
+      time.sleep(1.0)
+
+
+def _loop(config, workdir, grid, coord, executors, owned, workers, log_path, ray, ray_errors,
+          exp) -> dict:
+  """Leases tasks to idle workers, forwards results to executors, versions to the queue."""
+  e = config.elastic
+  call = lambda m, *a: _call(ray, ray_errors, m, *a)
+  log = lambda **kw: storage.append_line(log_path, {"t": time.time(), **kw})
+  running, outer = {}, {}  # future -> (actor, task, start); future -> (executor, phase, worker)
+  chaos_w = _Chaos(e.chaos_worker_kills, grid.T * grid.W, e.chaos_seed)
+  chaos_x = _Chaos(e.chaos_executor_kills, grid.T * grid.W * len(executors), e.chaos_seed + 1)
+  task_time = [1.0]
+  accepted_here = 0
+  results = call(coord.results)
+  phases_logged = sum(all(f"{t}/{w}" in results for w in range(grid.W)) for t in range(grid.T))
+  mlog = metrics_lib.MetricsLogger(workdir, resume_step=phases_logged * grid.H)
+  if phases_logged == 0 and not results:
+    mlog.write_hparams(config.to_dict())
+
+  def report(phase, worker):
+    for j, ex in enumerate(executors):
+      if owned[j]:
+        outer[ex.report.remote(phase, worker)] = (j, phase, worker)
+        chaos_x.maybe_kill(ex, 0.2)
+
+  for phase, worker in call(coord.unreported):  # After a restart: executors are idempotent.
+    report(phase, worker)
+  try:
+    while True:
+      for task, actor in call(coord.expired):
+        log(event="timeout", phase=task[0], worker=task[1], actor=actor)
+        ray.kill(workers[actor], no_restart=False)  # Comes back; its future raises.
+      busy = {a for a, _, _ in running.values()}
+      for i in range(len(workers)):
+        if i in busy:
+          continue
+        task = call(coord.lease, i)
+        if task is None:
+          break
+        running[workers[i].run.remote(*task)] = (i, tuple(task), time.time())
+        log(event="start", phase=task[0], worker=task[1], actor=i)
+        chaos_w.maybe_kill(workers[i], task_time[0])
+      if not running and not outer:
+        if call(coord.finished):
+          break
+        raise RuntimeError(f"elastic: no task ready and none running: {call(coord.status)}")
+      ready, _ = ray.wait(list(running) + list(outer), num_returns=1, timeout=1.0)
+      for f in ready:
+        if f in running:
+          actor, task, start = running.pop(f)
+          try:
+            result = ray.get(f)
+          except ray_errors.RayActorError as err:
+            call(coord.failed, *task)
+            log(event="failed", phase=task[0], worker=task[1], actor=actor,
+                error=type(err).__name__)
+            continue
+          except ray_errors.RayTaskError as err:  # The task's own error (e.g. NaN): stop.
+            raise err.as_instanceof_cause() from None
+          task_time[0] = time.time() - start
+          if call(coord.complete, task[0], task[1], result):
+            accepted_here += 1
+            log(event="done", phase=task[0], worker=task[1], actor=actor,
+                seconds=result["end"] - result["start"], pid=result["pid"])
+            report(*task)
+          else:
+            log(event="duplicate", phase=task[0], worker=task[1], actor=actor)
+        else:
+          j, phase, worker = outer.pop(f)
+          try:
+            keys = ray.get(f)
+          except ray_errors.RayActorError:
+            log(event="executor_failed", executor=j, phase=phase, worker=worker)
+            outer[executors[j].report.remote(phase, worker)] = (j, phase, worker)
+            continue
+          call(coord.modules_updated, phase, keys)
+          if keys:
+            log(event="outer", phase=phase, executor=j, modules=keys)
+      results = call(coord.results)
+      while phases_logged < grid.T and all(f"{phases_logged}/{w}" in results
+                                           for w in range(grid.W)):
+        t = phases_logged
+        mlog.write((t + 1) * grid.H, {
+            "phase": t, "train_loss": [results[f"{t}/{w}"]["loss"][-1] for w in range(grid.W)],
+            "grad_norm": [results[f"{t}/{w}"]["grad_norm"] for w in range(grid.W)]})
+        phases_logged += 1
+      if 0 <= e.stop_after_tasks <= accepted_here:
+        logging.info("elastic: stopping after %d accepted tasks (stop_after_tasks)",
+                     accepted_here)
+        return {"stopped": True, "status": call(coord.status)}
+  finally:
+    mlog.close()
+  ckpt = ckpt_lib.Checkpointer(workdir, max_to_keep=config.ckpt.max_to_keep, async_save=False)
+  if ckpt.latest_step() != grid.H * grid.T:
+    state, data = _final_state(config, workdir, exp, grid)
+    ckpt.save(grid.H * grid.T, state, {"train": data, "routing": {"phase": 0}})
+  ckpt.close()
+  status = call(coord.status)
+  status.update(worker_kills=chaos_w.killed, executor_kills=chaos_x.killed)
+  return {"step": grid.H * grid.T, "status": status}

@@ -1,0 +1,63 @@
+"""Elastic mode's config checks: one clear error per unsupported or bad setting (no Ray import)."""
+
+from etils import epath
+
+MODES = ("spmd", "elastic")
+META = "elastic/meta.json"  # Written when an elastic run initializes its storage.
+
+
+class ElasticConfigError(ValueError):
+  """A config or workdir the elastic mode cannot run; the message names the field and the fix."""
+
+
+def check_config(config) -> None:
+  """Refuses what the elastic mode cannot run, before anything starts."""
+  e, m = config.elastic, config.mesh
+  if e.num_workers < 1:
+    raise ElasticConfigError(f"config.elastic.num_workers={e.num_workers}: the pool needs at "
+                             "least 1 worker actor.")
+  if e.num_executors < 1:
+    raise ElasticConfigError(f"config.elastic.num_executors={e.num_executors}: at least 1 "
+                             "outer executor is needed.")
+  if m.path not in (-1, 1):
+    raise ElasticConfigError(f"config.mesh.path={m.path}: an elastic worker runs one path; a mesh "
+                             "spanning paths is the spmd mode's. Set --config.mesh.path=1.")
+  if m.data > 1 or m.model > 1:
+    raise ElasticConfigError(f"config.mesh.data={m.data}, mesh.model={m.model}: elastic workers "
+                             "run a path on one device for now; set both to 1 (or -1).")
+  if e.task_timeout_s <= 0:
+    raise ElasticConfigError(f"config.elastic.task_timeout_s={e.task_timeout_s}: must be > 0.")
+  if config.routing.discriminative_at_outer_step >= 0:
+    raise ElasticConfigError(
+        "config.routing.discriminative_at_outer_step="
+        f"{config.routing.discriminative_at_outer_step}: discriminative re-shards are not "
+        "implemented in elastic mode; set it to -1 or use --config.dipaco.mode=spmd.")
+  if config.early_stopping.enabled:
+    raise ElasticConfigError("config.early_stopping.enabled=True: per-path early stopping is not "
+                             "implemented in elastic mode; pass "
+                             "--config.early_stopping.enabled=False or use dipaco.mode=spmd.")
+  if config.get("stop_at_step", -1) >= 0:
+    raise ElasticConfigError(f"config.stop_at_step={config.stop_at_step}: elastic runs stop on "
+                             "config.elastic.stop_after_tasks instead; set stop_at_step=-1.")
+
+
+def mode(config) -> str:
+  """config.dipaco.mode, checked."""
+  value = config.dipaco.get("mode", "spmd")
+  if value not in MODES:
+    raise ElasticConfigError(f"config.dipaco.mode={value!r}: choose one of {MODES}.")
+  return value
+
+
+def check_workdir_mode(workdir: str, run_mode: str) -> None:
+  """Refuses a workdir written by the other mode (its state would be ignored)."""
+  wd = epath.Path(workdir)
+  elastic = (wd / META).exists()
+  if run_mode == "elastic" and not elastic and (wd / "checkpoints").exists():
+    raise ElasticConfigError(
+        f"{workdir} holds a run of config.dipaco.mode='spmd'; elastic cannot resume it. Use a new "
+        "--workdir or rerun with --config.dipaco.mode=spmd.")
+  if run_mode != "elastic" and elastic:
+    raise ElasticConfigError(
+        f"{workdir} holds a run of config.dipaco.mode='elastic'; rerun with "
+        "--config.dipaco.mode=elastic or use a new --workdir.")

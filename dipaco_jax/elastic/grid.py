@@ -1,0 +1,68 @@
+"""What every elastic process derives from the config: modules, who reads them, array templates.
+
+A *module* is one row e of one store group g (`"g/e"`); worker w reads module
+`(g, module_of_worker[w])` of every group. Templates are abstract shapes, so a
+process holds only the arrays it loads.
+"""
+# pylint: disable=invalid-name
+
+import functools
+
+import jax
+import numpy as np
+
+from dipaco_jax import experiment as exp_lib
+from dipaco_jax import inner as inner_lib
+from dipaco_jax import model as model_lib
+from dipaco_jax import outer as outer_lib
+from dipaco_jax import topology
+from dipaco_jax.types import PyTree
+
+
+def module_key(group: str, module: int) -> str:
+  return f"{group}/{module}"
+
+
+class Grid:
+  """The run's grid, modules and the abstract shapes of every stored item."""
+
+  def __init__(self, config):
+    self.config = config
+    self.topo = topology.from_config(config)
+    self.groups = self.topo.store_groups()
+    self.group = {s.name: s for s in self.groups}
+    self.W = self.topo.num_workers
+    self.H, self.T = config.dipaco.inner_steps, config.dipaco.outer_steps
+    self.model_cfg = exp_lib.model_config(config)
+    self.inner_tx = inner_lib.optimizer(exp_lib.inner_config(config))
+    self.outer_cfg = exp_lib.outer_config(config)
+    self.outer_tx = outer_lib.optimizer(self.outer_cfg)
+    self.theta = jax.eval_shape(functools.partial(model_lib.init_params, self.model_cfg),
+                                jax.random.key(0))
+
+  def modules_of_worker(self, w: int) -> list[tuple[str, int]]:
+    return [(s.name, int(s.module_of_worker[w])) for s in self.groups]
+
+  def workers_through(self, group: str, module: int) -> list[int]:
+    """Workers that read module `module` of `group`, in worker order."""
+    return [int(w) for w in np.flatnonzero(self.group[group].module_of_worker == module)]
+
+  def used_modules(self) -> list[tuple[str, int]]:
+    """Every module some worker reads (others never change)."""
+    return [(s.name, e) for s in self.groups for e in range(s.num_modules)
+            if self.workers_through(s.name, e)]
+
+  def module_template(self, group: str) -> PyTree:
+    """One module of `group` as a one-row store: {group: leaves [1, ...]}."""
+    return {group: jax.tree.map(lambda x: jax.ShapeDtypeStruct((1,) + x.shape, x.dtype),
+                                self.theta[group])}
+
+  def module_opt_template(self, group: str) -> PyTree:
+    return jax.eval_shape(self.outer_tx.init, self.module_template(group))
+
+  def params_template(self) -> PyTree:
+    """One worker's params with a leading axis of 1 (as the SPMD program's per-device block)."""
+    return {s.name: self.module_template(s.name)[s.name] for s in self.groups}
+
+  def inner_opt_template(self) -> PyTree:
+    return jax.eval_shape(jax.vmap(self.inner_tx.init), self.params_template())

@@ -1,0 +1,115 @@
+"""Elastic mode's shared storage: per-module and per-worker items under `<workdir>/elastic/`.
+
+Every item is written whole to a temporary name and renamed into place, so a
+reader sees the old item or the new one, never half of one. Arrays go to
+`.npz` files read with `allow_pickle=False`; small records are JSON. Nothing
+here unpickles. Layout (t = outer steps applied, i.e. the phase that reads it):
+
+  store/<group>/m<e>/v<t>.npz      module e of a store group after t outer steps
+  store/<group>/m<e>/opt<t>.npz    its outer momentum
+  workers/w<w>/opt<t>.npz          worker w's AdamW state at the start of phase t
+  workers/w<w>/data<t>.json        its data position at the start of phase t
+  workers/w<w>/out<t>/<group>.npz  its params after phase t-1's inner steps
+  workers/w<w>/out<t>/done.json    written last: the task's outputs are complete
+  coordinator.json, executors/x<i>.json, meta.json, tasks.jsonl
+"""
+
+import io
+import json
+import uuid
+
+import jax
+import numpy as np
+from etils import epath
+
+from dipaco_jax.types import PyTree
+
+ROOT = "elastic"
+
+
+def root(workdir: str) -> epath.Path:
+  return epath.Path(workdir) / ROOT
+
+
+def module_file(workdir: str, group: str, module: int, version: int, kind: str = "v") -> epath.Path:
+  """Module params (kind "v") or its outer momentum (kind "opt") at a version."""
+  return root(workdir) / "store" / group / f"m{module}" / f"{kind}{version:05d}.npz"
+
+
+def worker_dir(workdir: str, worker: int) -> epath.Path:
+  return root(workdir) / "workers" / f"w{worker}"
+
+
+def worker_opt_file(workdir: str, worker: int, phase: int) -> epath.Path:
+  return worker_dir(workdir, worker) / f"opt{phase:05d}.npz"
+
+
+def worker_data_file(workdir: str, worker: int, phase: int) -> epath.Path:
+  return worker_dir(workdir, worker) / f"data{phase:05d}.json"
+
+
+def worker_out_dir(workdir: str, worker: int, phase: int) -> epath.Path:
+  """Outputs of task (phase - 1, worker): the params that start phase `phase`."""
+  return worker_dir(workdir, worker) / f"out{phase:05d}"
+
+
+def _write_atomic(path: epath.Path, data: bytes) -> None:
+  path.parent.mkdir(parents=True, exist_ok=True)
+  tmp = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
+  tmp.write_bytes(data)
+  tmp.replace(path)  # Atomic on a local file system; several writers of the same bytes are fine.
+
+
+def _keys(tree: PyTree) -> list[str]:
+  return [jax.tree_util.keystr(kp) for kp, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def save_tree(path: epath.Path, tree: PyTree) -> None:
+  """Leaves of `tree` to one .npz, keyed by their tree path."""
+  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+  buf = io.BytesIO()
+  np.savez(buf, **{jax.tree_util.keystr(kp): np.asarray(x) for kp, x in flat})
+  _write_atomic(path, buf.getvalue())
+
+
+def load_tree(path: epath.Path, template: PyTree) -> PyTree:
+  """The .npz at `path` as a tree shaped like `template` (shapes and dtypes checked)."""
+  with np.load(io.BytesIO(path.read_bytes()), allow_pickle=False) as z:
+    arrays = {k: z[k] for k in z.files}
+  leaves = []
+  for key, t in zip(_keys(template), jax.tree.leaves(template)):
+    if key not in arrays:
+      raise ValueError(f"{path} has no array {key}: it was written by another model or grid; "
+                       "use a new --workdir.")
+    x = arrays[key]
+    if tuple(x.shape) != tuple(t.shape) or x.dtype != np.dtype(t.dtype):
+      raise ValueError(f"{path}: {key} is {x.dtype}{list(x.shape)}, expected "
+                       f"{np.dtype(t.dtype)}{list(t.shape)}; use a new --workdir.")
+    leaves.append(x)
+  return jax.tree.unflatten(jax.tree.structure(template), leaves)
+
+
+def save_json(path: epath.Path, obj) -> None:
+  _write_atomic(path, json.dumps(obj, sort_keys=True).encode())
+
+
+def load_json(path: epath.Path):
+  return json.loads(path.read_text())
+
+
+def append_line(path: epath.Path, obj) -> None:
+  """One JSON line appended to a log (the task log; a torn last line is skipped by readers)."""
+  path.parent.mkdir(parents=True, exist_ok=True)
+  with path.open("a") as f:
+    f.write(json.dumps(obj, sort_keys=True) + "\n")
+
+
+def read_lines(path: epath.Path) -> list[dict]:
+  out = []
+  if path.exists():
+    for line in path.read_text().splitlines():
+      try:
+        out.append(json.loads(line))
+      except json.JSONDecodeError:
+        continue  # A line torn by a kill mid-write.
+  return out

@@ -1,0 +1,88 @@
+"""Worker actors: run tasks (phase, worker) — H inner steps of one path — from and to storage.
+
+A worker jits the single-path inner step once (`inner.train_step`, mapped over
+a leading axis of 1: the per-device block of the synchronous program) and
+reuses it for every task of every path. A task reads only versioned inputs
+(the path's modules at version `phase`, the worker's AdamW state and data
+position at `phase`) and writes versioned outputs for `phase + 1`, so
+running a task twice (a retry after a kill or a timeout) writes the same bytes.
+"""
+# pylint: disable=invalid-name
+
+import functools
+import os
+import time
+
+import jax
+import numpy as np
+
+from dipaco_jax import data as data_lib
+from dipaco_jax import inner as inner_lib
+from dipaco_jax import metrics as metrics_lib
+from dipaco_jax import model as model_lib
+from dipaco_jax import routing
+from dipaco_jax.elastic import grid as grid_lib
+from dipaco_jax.elastic import storage
+
+
+class PathWorker:
+  """One worker actor: any (phase, worker) task, one at a time."""
+
+  def __init__(self, config, workdir: str, index: int):
+    self.config, self.workdir, self.index = config, str(workdir), int(index)
+    self.grid = grid_lib.Grid(config)
+    model = model_lib.Transformer(self.grid.model_cfg)
+    self._step = jax.jit(jax.vmap(functools.partial(
+        inner_lib.train_step, model=model, tx=self.grid.inner_tx)), donate_argnums=(0, 1))
+    self._init_opt = jax.jit(jax.vmap(self.grid.inner_tx.init))
+    self._shards = data_lib.ShardSet(routing.shard_dir(config, workdir, 0))
+    delays = tuple(config.elastic.get("step_delay_s", ()))
+    self._delay = float(delays[self.index]) if self.index < len(delays) else 0.0
+
+  def pid(self) -> int:
+    return os.getpid()
+
+  def _batcher(self, worker: int) -> data_lib.WorkerBatcher:
+    d = self.config.data
+    return data_lib.WorkerBatcher(self._shards, "train", [worker], seq_len=d.seq_len,
+                                  batch_size=d.batch_size, seed=d.seed)
+
+  def _load_params(self, phase: int, worker: int):
+    parts = {}
+    for g, e in self.grid.modules_of_worker(worker):
+      parts.update(storage.load_tree(storage.module_file(self.workdir, g, e, phase),
+                                     self.grid.module_template(g)))
+    return parts
+
+  def run(self, phase: int, worker: int) -> dict:
+    """H inner steps of task (phase, worker); writes its outputs; returns its metrics."""
+    start = time.time()
+    wd, phase, worker = self.workdir, int(phase), int(worker)
+    params = self._load_params(phase, worker)
+    batcher = self._batcher(worker)
+    if phase == 0:
+      opt = self._init_opt(params)
+    else:
+      opt = storage.load_tree(storage.worker_opt_file(wd, worker, phase),
+                              self.grid.inner_opt_template())
+      batcher.set_state(storage.load_json(storage.worker_data_file(wd, worker, phase)))
+    losses = []
+    for i in range(self.grid.H):
+      params, opt, m = self._step(params, opt, batcher.next_batch())
+      m = jax.device_get(m)  # Blocks every step (NOTES.md) and feeds the NaN guard.
+      step = phase * self.grid.H + i + 1
+      metrics_lib.guard_losses(step, m["loss"], [f"worker {worker}"])
+      losses.append(float(m["loss"][0]))
+      if self._delay:
+        time.sleep(self._delay)
+    params, opt = jax.device_get((params, opt))
+    out = storage.worker_out_dir(wd, worker, phase + 1)
+    for g, _ in self.grid.modules_of_worker(worker):
+      storage.save_tree(out / f"{g}.npz", {g: params[g]})
+    storage.save_tree(storage.worker_opt_file(wd, worker, phase + 1), opt)
+    storage.save_json(storage.worker_data_file(wd, worker, phase + 1), batcher.get_state())
+    result = {"phase": phase, "worker": worker, "actor": self.index, "pid": os.getpid(),
+              "start": start, "end": time.time(), "loss": losses,
+              "grad_norm": float(np.asarray(m["grad_norm"])[0])}
+    storage.save_json(out / "done.json", result)
+    return result
