@@ -13,6 +13,7 @@ import json
 import os
 import random
 import signal
+import socket
 import threading
 import time
 
@@ -122,6 +123,9 @@ def _connect(config, num_cpus: int) -> bool:
   address = config.elastic.get("address", "")
   if address:
     try:
+      if address != "auto":  # Fail in seconds, not after Ray's long connect retries.
+        host, port = address.rsplit(":", 1)
+        socket.create_connection((host, int(port)), timeout=5).close()
       ray.init(address=address, log_to_driver=False)
     except Exception as e:  # ConnectionError and Ray's own errors alike.
       raise ElasticConfigError(
@@ -176,22 +180,22 @@ def run(config, workdir: str) -> dict:
   check_workdir_mode(workdir, "elastic")
   train._check_config_matches(epath.Path(workdir), config)  # pylint: disable=protected-access
   e = config.elastic
-  # The driver's Experiment on one device: it only builds θ̄, the shards and α (and the final state).
-  exp = exp_lib.Experiment(config, mesh=sharding.make_mesh(
-      {"path": 1, "data": 1, "model": 1}, 1, devices=jax.devices()[:1]))
-  grid = grid_lib.Grid(config)
-  plan = shard_plan.ShardPlan(config, workdir, exp)  # Phase-0 shards and α, as the SPMD loop.
-  alpha_W = np.asarray(jax.device_get(plan.alpha_W), np.float32)
-  if not (storage.root(workdir) / META).exists():
-    _init_storage(config, workdir, exp, grid, alpha_W)
-  logging.info("elastic: %s; %d worker actors, %d executors", grid.topo.describe(),
-               e.num_workers, e.num_executors)
-  started = _connect(config, num_cpus=e.num_workers + 1)
-  resources = json.loads(e.worker_resources) if e.get("worker_resources") else {}
-  worker_opts = dict(max_restarts=-1, max_concurrency=2, num_cpus=resources.pop("CPU", 1),
-                     resources=resources or None)
+  started = _connect(config, num_cpus=e.num_workers + 1)  # A bad address fails before any work.
   actors, log_path = [], storage.root(workdir) / "tasks.jsonl"
   try:
+    # The driver's Experiment on one device: it only builds θ̄, the shards and α (and the final state).
+    exp = exp_lib.Experiment(config, mesh=sharding.make_mesh(
+        {"path": 1, "data": 1, "model": 1}, 1, devices=jax.devices()[:1]))
+    grid = grid_lib.Grid(config)
+    plan = shard_plan.ShardPlan(config, workdir, exp)  # Phase-0 shards and α, as the SPMD loop.
+    alpha_W = np.asarray(jax.device_get(plan.alpha_W), np.float32)
+    if not (storage.root(workdir) / META).exists():
+      _init_storage(config, workdir, exp, grid, alpha_W)
+    logging.info("elastic: %s; %d worker actors, %d executors", grid.topo.describe(),
+                 e.num_workers, e.num_executors)
+    resources = json.loads(e.worker_resources) if e.get("worker_resources") else {}
+    worker_opts = dict(max_restarts=-1, max_concurrency=2, num_cpus=resources.pop("CPU", 1),
+                       resources=resources or None)
     coord = ray.remote(coord_lib.Coordinator).options(max_restarts=-1, num_cpus=0).remote(
         config, workdir)
     actors.append(coord)
@@ -309,7 +313,9 @@ def _loop(config, workdir, grid, coord, executors, owned, workers, log_path, ray
       if 0 <= e.stop_after_tasks <= accepted_here:
         logging.info("elastic: stopping after %d accepted tasks (stop_after_tasks)",
                      accepted_here)
-        return {"stopped": True, "status": call(coord.status)}
+        status = call(coord.status)
+        status.update(worker_kills=chaos_w.killed, executor_kills=chaos_x.killed)
+        return {"stopped": True, "status": status}
   finally:
     mlog.close()
   ckpt = ckpt_lib.Checkpointer(workdir, max_to_keep=config.ckpt.max_to_keep, async_save=False)
