@@ -1,6 +1,7 @@
 """The task queue: one task per (phase, worker), ready once the worker's modules hold that phase.
 
-Task (t, w) runs worker w's H inner steps of phase t; it becomes ready when
+Task (t, w) runs worker w's H inner steps of phase t (t < T; tasks (T, w)
+only evaluate the final params); it becomes ready when
 every module worker w reads holds version t (t outer updates applied). Tasks
 are leased to worker actors; a lease whose actor dies or passes its deadline
 goes back to the FRONT of the queue. A result is accepted once per (t, w);
@@ -62,7 +63,7 @@ class Coordinator:
     known = {_task_key(*t) for t in self.pending} | set(self.leases) | set(self.done)
     new = []
     for w in range(self.grid.W):
-      phase = min((t for t in range(self.grid.T) if _task_key(t, w) not in self.done),
+      phase = min((t for t in range(self.grid.T + 1) if _task_key(t, w) not in self.done),
                   default=None)
       if phase is not None and _task_key(phase, w) not in known and self._ready(phase, w):
         new.append((phase, w))
@@ -122,13 +123,13 @@ class Coordinator:
     out = []
     for key in self.done:
       phase, w = (int(x) for x in key.split("/"))
-      if any(self.versions[grid_lib.module_key(g, e)] <= phase
+      if phase < self.grid.T and any(self.versions[grid_lib.module_key(g, e)] <= phase
              for g, e in self.grid.modules_of_worker(w)):
         out.append((phase, w))
     return sorted(out)
 
   def finished(self) -> bool:
-    return (len(self.done) == self.grid.T * self.grid.W and
+    return (len(self.done) == (self.grid.T + 1) * self.grid.W and
             all(v >= self.grid.T for v in self.versions.values()))
 
   def status(self) -> dict:

@@ -14,7 +14,6 @@ import os
 import random
 import signal
 import socket
-import threading
 import time
 
 import jax
@@ -139,29 +138,41 @@ def _connect(config, num_cpus: int) -> bool:
 
 
 class _Chaos:
-  """Fault injection: SIGKILLs of actor processes at random moments (tests, benchmarks)."""
+  """Fault injection: SIGKILLs of actor processes while they work (tests, benchmarks).
+
+  `kills` of the first `slots` dispatches (seeded) arm a kill at a random
+  moment of that call; if the call ends first, the actor's next call takes it.
+  """
 
   def __init__(self, kills: int, slots: int, seed: int):
     self.rng = random.Random(seed)
     self.at = set(self.rng.sample(range(slots), min(kills, slots))) if kills else set()
     self.count, self.killed = 0, 0
+    self.due, self._carry = {}, set()  # actor index -> kill time; actors owed a kill.
 
-  def maybe_kill(self, actor, max_delay_s: float) -> None:
-    """Kills `actor`'s process after a random delay if this event is scheduled."""
+  def on_dispatch(self, index: int, est_s: float) -> None:
     n, self.count = self.count, self.count + 1
-    if n not in self.at:
-      return
-    import ray  # pylint: disable=g-import-not-at-top
+    if n in self.at or index in self._carry:
+      self._carry.discard(index)
+      self.due[index] = time.time() + self.rng.uniform(0, est_s)
 
-    def kill():
+  def fire(self, ray, handles, busy) -> None:
+    """Kills the actors whose time has come and that are still busy."""
+    for index, when in list(self.due.items()):
+      if time.time() < when:
+        continue
+      del self.due[index]
+      if index not in busy:
+        self._carry.add(index)
+        continue
       try:
-        pid = ray.get(actor.pid.remote(), timeout=30)
+        pid = ray.get(handles[index].pid.remote(), timeout=120)
         os.kill(pid, signal.SIGKILL)
         self.killed += 1
-        logging.info("chaos: SIGKILL pid %d", pid)
+        logging.info("chaos: SIGKILL actor %d (pid %d)", index, pid)
       except Exception as e:  # pylint: disable=broad-except
-        logging.warning("chaos: kill failed: %s", e)
-    threading.Timer(self.rng.uniform(0, max_delay_s), kill).start()
+        logging.warning("chaos: kill of actor %d failed (%s); owed to its next call", index, e)
+        self._carry.add(index)
 
 
 def run(config, workdir: str) -> dict:
@@ -233,21 +244,27 @@ def _loop(config, workdir, grid, coord, executors, owned, workers, log_path, ray
   call = lambda m, *a: _call(ray, ray_errors, m, *a)
   log = lambda **kw: storage.append_line(log_path, {"t": time.time(), **kw})
   running, outer = {}, {}  # future -> (actor, task, start); future -> (executor, phase, worker)
-  chaos_w = _Chaos(e.chaos_worker_kills, grid.T * grid.W, e.chaos_seed)
-  chaos_x = _Chaos(e.chaos_executor_kills, grid.T * grid.W * len(executors), e.chaos_seed + 1)
+  results = call(coord.results)
+  left = (grid.T + 1) * grid.W - len(results)  # Kills are drawn among this invocation's tasks.
+  chaos_w = _Chaos(e.chaos_worker_kills, left, e.chaos_seed)
+  chaos_x = _Chaos(e.chaos_executor_kills, left * len(executors), e.chaos_seed + 1)
   task_time = [1.0]
   accepted_here = 0
-  results = call(coord.results)
-  phases_logged = sum(all(f"{t}/{w}" in results for w in range(grid.W)) for t in range(grid.T))
+  probes = {}  # future of pid() -> worker actor coming back from a failure (busy until it answers).
+  # Record of step (t+1)*H: phase t's training losses and tasks t+1's validation (train.py's).
+  complete = lambda t: all(f"{t}/{w}" in results for w in range(grid.W))
+  phases_logged = sum(complete(t) and complete(t + 1) for t in range(grid.T))
   mlog = metrics_lib.MetricsLogger(workdir, resume_step=phases_logged * grid.H)
   if phases_logged == 0 and not results:
     mlog.write_hparams(config.to_dict())
 
   def report(phase, worker):
+    if phase == grid.T:  # Evaluation only: nothing to average.
+      return
     for j, ex in enumerate(executors):
       if owned[j]:
         outer[ex.report.remote(phase, worker)] = (j, phase, worker)
-        chaos_x.maybe_kill(ex, 0.2)
+        chaos_x.on_dispatch(j, 0.2)
 
   for phase, worker in call(coord.unreported):  # After a restart: executors are idempotent.
     report(phase, worker)
@@ -256,7 +273,7 @@ def _loop(config, workdir, grid, coord, executors, owned, workers, log_path, ray
       for task, actor in call(coord.expired):
         log(event="timeout", phase=task[0], worker=task[1], actor=actor)
         ray.kill(workers[actor], no_restart=False)  # Comes back; its future raises.
-      busy = {a for a, _, _ in running.values()}
+      busy = {a for a, _, _ in running.values()} | set(probes.values())
       for i in range(len(workers)):
         if i in busy:
           continue
@@ -265,14 +282,24 @@ def _loop(config, workdir, grid, coord, executors, owned, workers, log_path, ray
           break
         running[workers[i].run.remote(*task)] = (i, tuple(task), time.time())
         log(event="start", phase=task[0], worker=task[1], actor=i)
-        chaos_w.maybe_kill(workers[i], task_time[0])
-      if not running and not outer:
+        chaos_w.on_dispatch(i, task_time[0])
+      if not running and not outer and not probes:
         if call(coord.finished):
           break
         raise RuntimeError(f"elastic: no task ready and none running: {call(coord.status)}")
-      ready, _ = ray.wait(list(running) + list(outer), num_returns=1, timeout=1.0)
+      chaos_w.fire(ray, workers, {a for a, _, _ in running.values()})
+      chaos_x.fire(ray, executors, {j for j, _, _ in outer.values()})
+      ready, _ = ray.wait(list(running) + list(outer) + list(probes), num_returns=1,
+                          timeout=0.05 if chaos_w.due or chaos_x.due else 1.0)
       for f in ready:
-        if f in running:
+        if f in probes:
+          actor = probes.pop(f)
+          try:
+            ray.get(f)
+          except ray_errors.RayActorError:  # Still restarting: ask again shortly.
+            time.sleep(0.5)
+            probes[workers[actor].pid.remote()] = actor
+        elif f in running:
           actor, task, start = running.pop(f)
           try:
             result = ray.get(f)
@@ -280,6 +307,7 @@ def _loop(config, workdir, grid, coord, executors, owned, workers, log_path, ray
             call(coord.failed, *task)
             log(event="failed", phase=task[0], worker=task[1], actor=actor,
                 error=type(err).__name__)
+            probes[workers[actor].pid.remote()] = actor  # No new task until it is back.
             continue
           except ray_errors.RayTaskError as err:  # The task's own error (e.g. NaN): stop.
             raise err.as_instanceof_cause() from None
@@ -297,18 +325,16 @@ def _loop(config, workdir, grid, coord, executors, owned, workers, log_path, ray
             keys = ray.get(f)
           except ray_errors.RayActorError:
             log(event="executor_failed", executor=j, phase=phase, worker=worker)
+            time.sleep(0.5)  # Ray is restarting it (from its snapshot); send the report again.
             outer[executors[j].report.remote(phase, worker)] = (j, phase, worker)
             continue
           call(coord.modules_updated, phase, keys)
           if keys:
             log(event="outer", phase=phase, executor=j, modules=keys)
       results = call(coord.results)
-      while phases_logged < grid.T and all(f"{phases_logged}/{w}" in results
-                                           for w in range(grid.W)):
+      while phases_logged < grid.T and complete(phases_logged) and complete(phases_logged + 1):
         t = phases_logged
-        mlog.write((t + 1) * grid.H, {
-            "phase": t, "train_loss": [results[f"{t}/{w}"]["loss"][-1] for w in range(grid.W)],
-            "grad_norm": [results[f"{t}/{w}"]["grad_norm"] for w in range(grid.W)]})
+        mlog.write((t + 1) * grid.H, _record(grid, results, t))
         phases_logged += 1
       if 0 <= e.stop_after_tasks <= accepted_here:
         logging.info("elastic: stopping after %d accepted tasks (stop_after_tasks)",
@@ -318,6 +344,7 @@ def _loop(config, workdir, grid, coord, executors, owned, workers, log_path, ray
         return {"stopped": True, "status": status}
   finally:
     mlog.close()
+  out = {"step": grid.H * grid.T, **_record(grid, results, grid.T - 1)}
   ckpt = ckpt_lib.Checkpointer(workdir, max_to_keep=config.ckpt.max_to_keep, async_save=False)
   if ckpt.latest_step() != grid.H * grid.T:
     state, data = _final_state(config, workdir, exp, grid)
@@ -325,4 +352,15 @@ def _loop(config, workdir, grid, coord, executors, owned, workers, log_path, ray
   ckpt.close()
   status = call(coord.status)
   status.update(worker_kills=chaos_w.killed, executor_kills=chaos_x.killed)
-  return {"step": grid.H * grid.T, "status": status}
+  return {**out, "status": status}
+
+
+def _record(grid, results, t: int) -> dict:
+  """metrics.jsonl record of step (t+1)*H: phase t's train losses, tasks t+1's validation."""
+  train_W = [results[f"{t}/{w}"]["loss"][-1] for w in range(grid.W)]
+  rec = {"phase": t, "train_loss": train_W, "train_loss_mean": float(np.mean(train_W)),
+         "grad_norm": [results[f"{t}/{w}"]["grad_norm"] for w in range(grid.W)]}
+  val = [results[f"{t + 1}/{w}"].get("val_loss") for w in range(grid.W)]
+  if all(v is not None for v in val):
+    rec.update(val_loss=val, val_loss_mean=metrics_lib.nan_mean(val))
+  return rec

@@ -1,5 +1,9 @@
 """Worker actors: run tasks (phase, worker) — H inner steps of one path — from and to storage.
 
+Task (t, w) also evaluates the path on its own validation shard at step t*H
+when train.py would (after outer step t: every eval.every_steps, and at the
+end); tasks (T, w) only evaluate.
+
 A worker jits the single-path inner step once (`inner.train_step`, mapped over
 a leading axis of 1: the per-device block of the synchronous program) and
 reuses it for every task of every path. A task reads only versioned inputs
@@ -35,6 +39,8 @@ class PathWorker:
     self._step = jax.jit(jax.vmap(functools.partial(
         inner_lib.train_step, model=model, tx=self.grid.inner_tx)), donate_argnums=(0, 1))
     self._init_opt = jax.jit(jax.vmap(self.grid.inner_tx.init))
+    self._eval = jax.jit(jax.vmap(functools.partial(inner_lib.eval_step, model=model)))
+    self._val = {}  # worker -> its validation batches (the same at every evaluation).
     self._shards = data_lib.ShardSet(routing.shard_dir(config, workdir, 0))
     delays = tuple(config.elastic.get("step_delay_s", ()))
     self._delay = float(delays[self.index]) if self.index < len(delays) else 0.0
@@ -54,11 +60,39 @@ class PathWorker:
                                      self.grid.module_template(g)))
     return parts
 
+  def _val_batches(self, worker: int) -> list:
+    """The first eval.batches validation batches of the worker's shard (train.py's eval_batches)."""
+    if worker not in self._val:
+      d = self.config.data
+      if self._shards.num_docs("validation")[worker] == 0:  # allow_validation: loss reads NaN.
+        self._val[worker] = []
+      else:
+        it = data_lib.WorkerBatcher(self._shards, "validation", [worker], seq_len=d.seq_len,
+                                    batch_size=d.batch_size, seed=d.seed, shuffle=False)
+        self._val[worker] = [it.next_batch() for _ in range(self.config.eval.batches)]
+    return self._val[worker]
+
+  def _evaluate(self, params, worker: int) -> float:
+    """Token-weighted validation loss on the worker's own shard (Experiment.evaluate's)."""
+    loss_sum = weight = 0.0
+    for batch in self._val_batches(worker):
+      out = jax.device_get(self._eval(params, batch))
+      loss_sum, weight = loss_sum + out["loss_sum"], weight + out["weight"]
+    weight = np.asarray(weight)
+    return float(np.where(weight > 0, np.asarray(loss_sum) / np.maximum(weight, 1.0), np.nan)[0])
+
   def run(self, phase: int, worker: int) -> dict:
-    """H inner steps of task (phase, worker); writes its outputs; returns its metrics."""
+    """Task (phase, worker): validation at step phase*H if due, then H inner steps (none at T)."""
     start = time.time()
     wd, phase, worker = self.workdir, int(phase), int(worker)
     params = self._load_params(phase, worker)
+    result = {"phase": phase, "worker": worker, "actor": self.index, "pid": os.getpid()}
+    step0 = phase * self.grid.H
+    every = self.config.eval.get("every_steps", self.grid.H)
+    if phase > 0 and (step0 % every == 0 or phase == self.grid.T):
+      result["val_loss"] = self._evaluate(params, worker)  # After outer step `phase`, as train.py.
+    if phase == self.grid.T:  # The last evaluation: nothing left to train.
+      return {**result, "start": start, "end": time.time(), "loss": [], "grad_norm": None}
     batcher = self._batcher(worker)
     if phase == 0:
       opt = self._init_opt(params)
@@ -81,8 +115,7 @@ class PathWorker:
       storage.save_tree(out / f"{g}.npz", {g: params[g]})
     storage.save_tree(storage.worker_opt_file(wd, worker, phase + 1), opt)
     storage.save_json(storage.worker_data_file(wd, worker, phase + 1), batcher.get_state())
-    result = {"phase": phase, "worker": worker, "actor": self.index, "pid": os.getpid(),
-              "start": start, "end": time.time(), "loss": losses,
-              "grad_norm": float(np.asarray(m["grad_norm"])[0])}
+    result.update(start=start, end=time.time(), loss=losses,
+                  grad_norm=float(np.asarray(m["grad_norm"])[0]))
     storage.save_json(out / "done.json", result)
     return result
