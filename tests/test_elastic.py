@@ -10,13 +10,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import helpers
-from dipaco_jax import checkpoint, outer, paths, train
+from dipaco_jax import checkpoint
+from dipaco_jax import outer
+from dipaco_jax import paths
+from dipaco_jax import train
 from dipaco_jax.elastic import coordinator as coord_lib
 from dipaco_jax.elastic import errors
 from dipaco_jax.elastic import executor as exec_lib
 from dipaco_jax.elastic import grid as grid_lib
 from dipaco_jax.elastic import storage
+
+import helpers
 
 
 def _config(**kw):

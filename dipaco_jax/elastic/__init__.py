@@ -4,8 +4,8 @@ docs/elastic.md. Ray is imported only when a run starts, so importing this
 package (the spmd trainer does, for the workdir check) needs no Ray.
 """
 
-from dipaco_jax.elastic.errors import check_workdir_mode
 from dipaco_jax.elastic.errors import ElasticConfigError
+from dipaco_jax.elastic.errors import check_workdir_mode
 from dipaco_jax.elastic.errors import mode
 
 

@@ -33,9 +33,9 @@ from dipaco_jax.elastic import executor as exec_lib
 from dipaco_jax.elastic import grid as grid_lib
 from dipaco_jax.elastic import storage
 from dipaco_jax.elastic import worker as worker_lib
+from dipaco_jax.elastic.errors import ElasticConfigError
 from dipaco_jax.elastic.errors import check_config
 from dipaco_jax.elastic.errors import check_workdir_mode
-from dipaco_jax.elastic.errors import ElasticConfigError
 
 META = "meta.json"  # Under <workdir>/elastic (errors.META).
 
@@ -194,7 +194,7 @@ def run(config, workdir: str) -> dict:
   started = _connect(config, num_cpus=e.num_workers + 1)  # A bad address fails before any work.
   actors, log_path = [], storage.root(workdir) / "tasks.jsonl"
   try:
-    # The driver's Experiment on one device: it only builds θ̄, the shards and α (and the final state).
+    # The driver's Experiment on one device: it builds θ̄, the shards, α and the final state.
     exp = exp_lib.Experiment(config, mesh=sharding.make_mesh(
         {"path": 1, "data": 1, "model": 1}, 1, devices=jax.devices()[:1]))
     grid = grid_lib.Grid(config)

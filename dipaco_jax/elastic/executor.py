@@ -76,7 +76,7 @@ class OuterExecutor:
     return self._cache[key]
 
   def _apply(self, phase: int, group: str, module: int, workers: list[int]) -> None:
-    """Module (group, module): version phase -> phase + 1 from `workers`' params, in worker order."""
+    """Module (group, module): version phase -> phase + 1 from the workers, in worker order."""
     wd = self.workdir
     theta = storage.load_tree(storage.module_file(wd, group, module, phase),
                               self.grid.module_template(group))
@@ -93,7 +93,7 @@ class OuterExecutor:
     storage.save_tree(storage.module_file(wd, group, module, phase + 1), theta)
 
   def report(self, phase: int, worker: int) -> list[str]:
-    """Task (phase, worker) is complete; returns this executor's modules stepped for `phase` so far."""
+    """Task (phase, worker) is done; returns the modules this executor stepped in `phase`."""
     phase, worker = int(phase), int(worker)
     received = self.received.setdefault(phase, set())
     applied = self.applied.setdefault(phase, set())
