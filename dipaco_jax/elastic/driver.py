@@ -251,6 +251,7 @@ def _loop(config, workdir, grid, coord, executors, owned, workers, log_path, ray
   task_time = [1.0]
   accepted_here = 0
   probes = {}  # future of pid() -> worker actor coming back from a failure (busy until it answers).
+  ex_probes, held = {}, {}  # The same for executors; reports held for a restarting executor.
   # Record of step (t+1)*H: phase t's training losses and tasks t+1's validation (train.py's).
   complete = lambda t: all(f"{t}/{w}" in results for w in range(grid.W))
   phases_logged = sum(complete(t) and complete(t + 1) for t in range(grid.T))
@@ -283,21 +284,32 @@ def _loop(config, workdir, grid, coord, executors, owned, workers, log_path, ray
         running[workers[i].run.remote(*task)] = (i, tuple(task), time.time())
         log(event="start", phase=task[0], worker=task[1], actor=i)
         chaos_w.on_dispatch(i, task_time[0])
-      if not running and not outer and not probes:
+      if not running and not outer and not probes and not ex_probes:
         if call(coord.finished):
           break
         raise RuntimeError(f"elastic: no task ready and none running: {call(coord.status)}")
       chaos_w.fire(ray, workers, {a for a, _, _ in running.values()})
       chaos_x.fire(ray, executors, {j for j, _, _ in outer.values()})
-      ready, _ = ray.wait(list(running) + list(outer) + list(probes), num_returns=1,
+      ready, _ = ray.wait(list(running) + list(outer) + list(probes) + list(ex_probes),
+                          num_returns=1,
                           timeout=0.05 if chaos_w.due or chaos_x.due else 1.0)
       for f in ready:
-        if f in probes:
+        if f in ex_probes:
+          j = ex_probes.pop(f)
+          try:
+            ray.get(f)
+          except ray_errors.RayActorError:  # Still restarting: ask again shortly.
+            time.sleep(0.2)
+            ex_probes[executors[j].pid.remote()] = j
+            continue
+          for phase, worker in held.pop(j, []):
+            outer[executors[j].report.remote(phase, worker)] = (j, phase, worker)
+        elif f in probes:
           actor = probes.pop(f)
           try:
             ray.get(f)
           except ray_errors.RayActorError:  # Still restarting: ask again shortly.
-            time.sleep(0.5)
+            time.sleep(0.2)
             probes[workers[actor].pid.remote()] = actor
         elif f in running:
           actor, task, start = running.pop(f)
@@ -325,8 +337,10 @@ def _loop(config, workdir, grid, coord, executors, owned, workers, log_path, ray
             keys = ray.get(f)
           except ray_errors.RayActorError:
             log(event="executor_failed", executor=j, phase=phase, worker=worker)
-            time.sleep(0.5)  # Ray is restarting it (from its snapshot); send the report again.
-            outer[executors[j].report.remote(phase, worker)] = (j, phase, worker)
+            # Ray restarts it (from its snapshot); the report goes again once it answers.
+            held.setdefault(j, []).append((phase, worker))
+            if j not in set(ex_probes.values()):
+              ex_probes[executors[j].pid.remote()] = j
             continue
           call(coord.modules_updated, phase, keys)
           if keys:
