@@ -152,6 +152,7 @@ def test_queue_timeout_requeues(tmp_path):
     ("elastic.num_workers", 0, "config.elastic.num_workers=0"),
     ("routing.discriminative_at_outer_step", 1, "discriminative_at_outer_step"),
     ("early_stopping.enabled", True, "early_stopping.enabled"),
+    ("elastic.worker_resources", "TPU=4", "worker_resources='TPU=4'"),
 ])
 def test_bad_config_is_refused(tmp_path, field, value, match):
   with pytest.raises(errors.ElasticConfigError, match=match):

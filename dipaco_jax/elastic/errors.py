@@ -1,5 +1,7 @@
 """Elastic mode's config checks: one clear error per unsupported or bad setting (no Ray import)."""
 
+import json
+
 from etils import epath
 
 MODES = ("spmd", "elastic")
@@ -25,6 +27,15 @@ def check_config(config) -> None:
   if m.data > 1 or m.model > 1:
     raise ElasticConfigError(f"config.mesh.data={m.data}, mesh.model={m.model}: elastic workers "
                              "run a path on one device for now; set both to 1 (or -1).")
+  if e.get("worker_resources"):
+    try:
+      res = json.loads(e.worker_resources)
+    except json.JSONDecodeError:
+      res = None
+    if not isinstance(res, dict) or not all(
+        isinstance(v, (int, float)) and v >= 0 for v in res.values()):
+      raise ElasticConfigError(f"config.elastic.worker_resources={e.worker_resources!r}: give a "
+                               'JSON object of Ray resources, e.g. {"TPU": 4} or {"GPU": 1}.')
   if e.task_timeout_s <= 0:
     raise ElasticConfigError(f"config.elastic.task_timeout_s={e.task_timeout_s}: must be > 0.")
   if config.routing.discriminative_at_outer_step >= 0:
