@@ -115,22 +115,32 @@ def _final_state(config, workdir: str, exp, grid: grid_lib.Grid):
 
 
 def _connect(config, num_cpus: int) -> bool:
-  """Starts a local Ray cluster on loopback, or joins config.elastic.address; True if started."""
+  """Starts a local Ray cluster on loopback, or joins config.elastic.address; True if started.
+
+  A process already connected (a test, a notebook) keeps its connection; a given
+  address is still checked first.
+  """
   import ray  # pylint: disable=g-import-not-at-top
+  address = config.elastic.get("address", "")
+
+  def unreachable(e):
+    return ElasticConfigError(
+        f"config.elastic.address={address!r} does not answer ({type(e).__name__}: {e}); start "
+        "the cluster (`ray start --head`) or pass --config.elastic.address='' for a local one.")
+
+  if address and address != "auto":  # Fail in seconds, not after Ray's long connect retries.
+    try:
+      host, port = address.rsplit(":", 1)
+      socket.create_connection((host, int(port)), timeout=5).close()
+    except (OSError, ValueError) as e:
+      raise unreachable(e) from None
   if ray.is_initialized():
     return False
-  address = config.elastic.get("address", "")
   if address:
     try:
-      if address != "auto":  # Fail in seconds, not after Ray's long connect retries.
-        host, port = address.rsplit(":", 1)
-        socket.create_connection((host, int(port)), timeout=5).close()
       ray.init(address=address, log_to_driver=False)
     except Exception as e:  # ConnectionError and Ray's own errors alike.
-      raise ElasticConfigError(
-          f"config.elastic.address={address!r} does not answer ({type(e).__name__}: {e}); start "
-          "the cluster (`ray start --head`) or pass --config.elastic.address='' for a local "
-          "one.") from None
+      raise unreachable(e) from None
   else:
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
              _node_ip_address="127.0.0.1", log_to_driver=False)
