@@ -1,10 +1,17 @@
-"""Defaults shared by every `configs/*.py`: one commented field each.
+"""Every config field and its default (`base()`, one comment each); `load()`.
 
-A config file calls `base()` and overrides what differs. Paper numbers:
-shared/reference/dipaco-paper.md (Table 4, §3, §4).
+A config file calls `base()` and overrides what differs; it may not add a
+field. config_check.validate checks every field and the relations between
+them. Paper numbers: shared/reference/dipaco-paper.md (Table 4, §3, §4).
 """
 
+import dataclasses
+
 import ml_collections
+
+
+class ConfigError(ValueError):
+  """A config that cannot run: the message names the field, the problem and the fix."""
 
 
 def base() -> ml_collections.ConfigDict:
@@ -16,6 +23,7 @@ def base() -> ml_collections.ConfigDict:
 
   c.model = ml_collections.ConfigDict()
   c.model.vocab_size = 32_000  # Must match the tokenizer (8192 shipped; 32k T5 for C4).
+  c.model.pad_vocab = False  # True: vocab_size may exceed the tokenizer's (unused rows, e.g. a multiple of 128).
   c.model.d_model = 896  # Hidden size (paper 150M path: 896).
   c.model.num_layers = 12  # Transformer blocks (paper: 12).
   c.model.num_heads = 16  # Attention heads (paper: 16).
@@ -36,7 +44,8 @@ def base() -> ml_collections.ConfigDict:
   c.inner.b2 = 0.99  # Adam β2 (paper silent; [SL] uses 0.99).
   c.inner.eps = 1e-8  # Adam ε.
   c.inner.weight_decay = 0.1  # Decoupled weight decay (paper: 0.1), matrices only.
-  c.inner.clip_norm = 1.0  # Global-norm clip per path (paper silent; [SL]: 1.0).
+  c.inner.clip_norm = 1.0  # Global-norm clip per path (paper silent; [SL]: 1.0); 0 disables.
+  c.inner.decay_norms = False  # Weight-decay the norm scales too (default: matrices only).
 
   c.outer = ml_collections.ConfigDict()
   c.outer.enabled = True  # False: no outer step (dense); store mirrors the path.
@@ -190,13 +199,13 @@ def paper_fork(c: ml_collections.ConfigDict, *, router: str,
 
 def check_init_from(config) -> None:
   """Refuses a run whose config requires θ̄ (`dipaco.init_from` is None) but got none."""
-  if config.dipaco.get("init_from", "") is None:
-    raise ValueError(
+  if config.dipaco.init_from is None:
+    raise ConfigError(
         "config.dipaco.init_from is required by this config (the paper forks its DiLoCo and "
         "DiPaCo runs from θ̄, a dense model pretrained for 24k steps, and routes with its "
-        "features): train θ̄ first with\n  "
-        f"{PRETRAIN_COMMAND}\nthen pass --config.dipaco.init_from=DENSE_WORKDIR "
-        "(or --config.dipaco.init_from='' to start from random parameters instead).")
+        f"features): train θ̄ first with `{PRETRAIN_COMMAND}`, then pass "
+        "--config.dipaco.init_from=DENSE_WORKDIR (or --config.dipaco.init_from='' to start "
+        "from random parameters instead).")
 
 
 def paper_grid(k1: int, k2: int, *, path_specific: str = "",
@@ -218,19 +227,47 @@ def paper_grid(k1: int, k2: int, *, path_specific: str = "",
   return paper_fork(c, router="product_kmeans")
 
 
+
 def load(path: str, **overrides) -> ml_collections.ConfigDict:
-  """Loads `configs/NAME.py` (get_config) and applies dotted overrides."""
+  """Loads `configs/NAME.py`, applies dotted overrides, checks and locks it.
+
+  An unknown field is an error. The checks a run adds (θ̄ given, the tokenizer's
+  size, init_from exists) wait for the trainer and the CLIs, which call
+  config_check.validate(config) before they touch the workdir.
+  """
   import importlib.util  # pylint: disable=g-import-not-at-top
+  from dipaco_jax import config_check  # pylint: disable=g-import-not-at-top
   spec = importlib.util.spec_from_file_location("dipaco_config", path)
-  if spec is None or spec.loader is None:
-    raise FileNotFoundError(f"no config file at {path}")
+  if spec is None or spec.loader is None or not path.endswith(".py"):
+    raise ConfigError(f"no config file at {path}: give a configs/NAME.py path.")
   module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
+  try:
+    spec.loader.exec_module(module)
+  except FileNotFoundError as e:
+    raise ConfigError(f"no config file at {path}: give a configs/NAME.py path.") from e
   c = module.get_config()
   for key, value in overrides.items():
+    config_check.check_name(key)
     node = c
     *parents, leaf = key.split(".")
     for p in parents:
       node = node[p]
-    node[leaf] = value
+    try:
+      node[leaf] = value
+    except TypeError as e:
+      raise ConfigError(f"config.{key}={value!r} has the wrong type: "
+                        f"{config_check.requirement(key)}") from e
+  config_check.validate(c, for_run=False)
+  c.lock()
   return c
+
+
+def from_section(cls, section, **given):
+  """`cls(**fields)` with every dataclass field taken from `given` or the config section."""
+  kw = {}
+  for f in dataclasses.fields(cls):
+    if f.name not in given and f.name not in section:
+      raise ConfigError(f"the config section has no field {f.name!r} ({cls.__name__}): build "
+                        "configs on config_defaults.base().")
+    kw[f.name] = given[f.name] if f.name in given else section[f.name]
+  return cls(**kw)

@@ -124,7 +124,7 @@ def fit_rerouters(run: Run, scorer: routing.PathScorer, extractor, *, kinds) -> 
   for d in routing.document_stream(run.config.data)("router"):
     if len(d.tokens) > L:
       docs.append(d.tokens[:T])
-    if cfg.get("router_max_docs", 0) and len(docs) >= cfg.router_max_docs:
+    if cfg.router_max_docs and len(docs) >= cfg.router_max_docs:
       break
   tokens, lengths = routing.pad_rows(docs, T)
   s_NxTxP = scorer.score_all_paths(list(docs))
@@ -132,7 +132,7 @@ def fit_rerouters(run: Run, scorer: routing.PathScorer, extractor, *, kinds) -> 
   if "linear" in todo:
     r = rerouting.fit_linear(extractor.running_means(tokens), labels, lengths, prefix_len=L,
                              stride=ev.reroute_stride,
-                             grid=routing.router_grid(topo), seed=cfg.get("seed", 0))
+                             grid=routing.router_grid(topo), seed=cfg.seed)
     r.info["features"] = extractor.fingerprint
     r.save(os.path.join(directory, "linear"), overwrite=True)
     out["linear"] = r
@@ -141,7 +141,7 @@ def fit_rerouters(run: Run, scorer: routing.PathScorer, extractor, *, kinds) -> 
     tr = rerouting.TransformerRerouter(run.exp.model_cfg, topo.num_paths)
     params = tr.fit(extractor.params, tokens, labels, mask, steps=ev.reroute_steps,
                     lr=ev.reroute_lr, batch_size=ev.reroute_batch_size,
-                    seed=cfg.get("seed", 0))
+                    seed=cfg.seed)
     rerouting.save_transformer(params, os.path.join(directory, "transformer"))
     out["transformer"] = params
   return out
@@ -167,7 +167,7 @@ def evaluate(run: Run, *, params: str = "store", windows=None, rerouters=None,
   """Routed perplexity once per sequence and per W, per-path and own-shard losses."""
   config, topo = run.config, run.exp.topo
   cfg = config.routing
-  L = routing.check_prefix_len(cfg.get("prefix_len", 32))
+  L = routing.check_prefix_len(cfg.prefix_len)
   windows = [rerouting.check_window(w) for w in
              (config.eval.rerouting_windows if windows is None else windows)]
   kinds = tuple(config.eval.rerouters if rerouters is None else rerouters)

@@ -4,7 +4,6 @@
 """
 # pylint: disable=invalid-name
 
-import dataclasses
 import functools
 
 import flax
@@ -14,6 +13,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dipaco_jax import config_check
+from dipaco_jax import config_defaults
 from dipaco_jax import feed
 from dipaco_jax import inner as inner_lib
 from dipaco_jax import model as model_lib
@@ -23,6 +24,7 @@ from dipaco_jax import sharding
 from dipaco_jax import topology
 from dipaco_jax.types import PyTree
 
+INITS = ("shared", "independent")  # config.dipaco.init: every module from one θ̄, or each its own.
 
 
 @flax.struct.dataclass
@@ -37,23 +39,19 @@ class TrainState:
 
 
 def model_config(config) -> model_lib.ModelConfig:
-  fields = {f.name for f in dataclasses.fields(model_lib.ModelConfig)}
-  return model_lib.ModelConfig(**{k: v for k, v in config.model.items() if k in fields})
+  return config_defaults.from_section(model_lib.ModelConfig, config.model)
 
 
 def inner_config(config) -> inner_lib.InnerConfig:
   """Inner settings; the cosine runs over all H*T inner steps unless given."""
-  d = config.dipaco
-  fields = {f.name for f in dataclasses.fields(inner_lib.InnerConfig)}
-  kw = {k: v for k, v in config.inner.items() if k in fields}
-  if kw.get("total_steps") is None:
-    kw["total_steps"] = d.inner_steps * d.outer_steps
-  return inner_lib.InnerConfig(**kw)
+  d, total = config.dipaco, config.inner.total_steps
+  return config_defaults.from_section(
+      inner_lib.InnerConfig, config.inner,
+      total_steps=d.inner_steps * d.outer_steps if total is None else total)
 
 
 def outer_config(config) -> outer_lib.OuterConfig:
-  fields = {f.name for f in dataclasses.fields(outer_lib.OuterConfig)}
-  return outer_lib.OuterConfig(**{k: v for k, v in config.outer.items() if k in fields})
+  return config_defaults.from_section(outer_lib.OuterConfig, config.outer)
 
 
 class Experiment:
@@ -61,21 +59,15 @@ class Experiment:
 
   def __init__(self, config, mesh=None):
     self.config = config
-    if config.dipaco.inner_steps < 1 or config.dipaco.outer_steps < 1:
-      raise ValueError("config.dipaco.inner_steps (H) and outer_steps (T) must "
-                       "be >= 1.")
     self.topo = topology.from_config(config)
     self.model_cfg = model_config(config)
     self.model = model_lib.Transformer(self.model_cfg)
     self.tx = inner_lib.optimizer(inner_config(config))
     self.outer_cfg = outer_config(config)
     self.outer_tx = outer_lib.optimizer(self.outer_cfg)
-    self.outer_enabled = bool(config.outer.get("enabled", True))
+    self.outer_enabled = config.outer.enabled
     self.mesh = mesh or sharding.make_mesh(config.mesh, self.topo.num_workers)
-    if config.data.batch_size % self.mesh.shape["data"]:
-      raise sharding.MeshError(
-          f"config.data.batch_size={config.data.batch_size} is not divisible by "
-          f"the 'data' mesh axis ({self.mesh.shape['data']}).")
+    config_check.check_batch_divides(config.data.batch_size, self.mesh.shape["data"])
     abstract = jax.eval_shape(self._init, jax.random.key(0), None)
     self.state_sharding = sharding.named(self.mesh, self._state_specs(abstract))
     self.abstract_state = jax.tree.map(
@@ -108,8 +100,7 @@ class Experiment:
 
   def _init(self, rng: jax.Array, theta: PyTree | None) -> TrainState:
     """All modules from θ̄ (given, or one random init), or independent inits."""
-    mode = self.config.dipaco.get("init", "shared")
-    if theta is None and mode == "independent":
+    if theta is None and self.config.dipaco.init == "independent":
       kmax = max(s.num_modules for s in self.topo.store_groups())
       thetas = jax.vmap(lambda k: model_lib.init_params(self.model_cfg, k))(
           jax.random.split(rng, kmax))

@@ -20,17 +20,17 @@ from dipaco_jax.types import PyTree
 
 @dataclasses.dataclass(frozen=True)
 class InnerConfig:
-  """Inner optimizer (paper Table 4; β, ε, clip, final LR are our choices)."""
-  lr: float = 4e-4
-  warmup_steps: int = 1000
-  total_steps: int = 88_000  # Length of the cosine decay (inner steps).
-  final_lr_fraction: float = 0.05  # Not in the paper; [SL] decays to 5%.
-  b1: float = 0.9
-  b2: float = 0.99
-  eps: float = 1e-8
-  weight_decay: float = 0.1
-  clip_norm: float = 1.0  # Global-norm clip per path; 0 disables.
-  decay_norms: bool = False  # Weight-decay norm scales too (default: matrices only).
+  """Inner optimizer (config.inner; defaults in config_defaults.base)."""
+  lr: float
+  warmup_steps: int
+  total_steps: int  # Length of the cosine decay (inner steps).
+  final_lr_fraction: float
+  b1: float
+  b2: float
+  eps: float
+  weight_decay: float
+  clip_norm: float  # Global-norm clip per path; 0 disables.
+  decay_norms: bool  # Weight-decay norm scales too (default: matrices only).
 
 
 def schedule(cfg: InnerConfig) -> optax.Schedule:

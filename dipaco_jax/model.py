@@ -14,22 +14,24 @@ import jax.numpy as jnp
 
 from dipaco_jax.types import PyTree
 
+POSITIONS = ("rope", "learned")
+DTYPES = ("float32", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """Hyper-parameters of one path model."""
+  """Hyper-parameters of one path model (config.model; defaults in config_defaults.base)."""
   vocab_size: int
-  d_model: int = 128
-  num_layers: int = 2
-  num_heads: int = 4
-  head_dim: int = 32  # The paper's "key/value size".
-  mlp_ratio: float = 4.0
-  max_len: int = 1024  # Only bounds learned positions; RoPE has no limit.
-  positions: str = "rope"  # "rope" | "learned"
-  tie_embeddings: bool = True
-  dtype: str = "float32"  # Compute dtype; parameters stay float32.
-  remat: bool = False  # Recompute block activations in the backward pass.
+  d_model: int
+  num_layers: int
+  num_heads: int
+  head_dim: int  # The paper's "key/value size".
+  mlp_ratio: float
+  max_len: int  # Only bounds learned positions; RoPE has no limit.
+  positions: str  # One of POSITIONS.
+  tie_embeddings: bool
+  dtype: str  # Compute dtype (one of DTYPES); parameters stay float32.
+  remat: bool  # Recompute block activations in the backward pass.
 
   @property
   def mlp_dim(self) -> int:

@@ -25,22 +25,22 @@ from dipaco_jax import paths as paths_lib
 from dipaco_jax import topology as topo_lib
 from dipaco_jax.types import PyTree
 
-SQRT_MODES = ("multiply", "divide", "none")
+WEIGHTINGS = ("shard_size", "uniform")  # α_p ∝ |D_p|, or equal.
+SQRT_MODES = ("multiply", "divide", "none")  # √P_{l,e} rescale of Δ (paper §2.7).
 
 
 @dataclasses.dataclass(frozen=True)
 class OuterConfig:
-  """Outer optimizer settings (paper §3.3, §3.5)."""
-  lr: float = 0.7
-  momentum: float = 0.9
-  nesterov: bool = True
-  weighting: str = "shard_size"  # "shard_size" (α ∝ |D_p|) | "uniform"
-  sqrt_paths: str = "multiply"  # √P_{l,e} rescale: "multiply" (paper §2.7, inferred direction) | "divide" | "none".
+  """Outer optimizer (config.outer, paper §3.3, §3.5; defaults in config_defaults.base)."""
+  lr: float
+  momentum: float
+  nesterov: bool
+  weighting: str  # One of WEIGHTINGS.
+  sqrt_paths: str  # One of SQRT_MODES ("multiply": the paper's, direction inferred).
 
   def __post_init__(self):
-    if self.weighting not in ("shard_size", "uniform"):
-      raise ValueError(f"outer.weighting={self.weighting!r}: use 'shard_size' "
-                       "or 'uniform'.")
+    if self.weighting not in WEIGHTINGS:
+      raise ValueError(f"outer.weighting={self.weighting!r}: use one of {WEIGHTINGS}.")
     if self.sqrt_paths not in SQRT_MODES:
       raise ValueError(f"outer.sqrt_paths={self.sqrt_paths!r}: use one of "
                        f"{SQRT_MODES}.")

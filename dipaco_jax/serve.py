@@ -3,12 +3,10 @@
   python -m dipaco_jax.serve --config=configs/tiny.py --workdir=DIR --text="..."
 """
 
-from absl import app
 from absl import flags
 
 from dipaco_jax import cli
 
-_CONFIG, _WORKDIR = cli.define_flags()
 _TEXT = flags.DEFINE_string("text", None, "The input text.", required=True)
 _MODE = flags.DEFINE_enum("mode", "generate", ["generate", "score"],
                           "generate: continue the text; score: perplexity after the prefix.")
@@ -20,14 +18,12 @@ _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "Sampling temperature (0: 
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  cli.start(_CONFIG.value)
+  config, workdir = cli.start(argv)
   from dipaco_jax import serving  # pylint: disable=g-import-not-at-top
-  print(serving.serve(_CONFIG.value, _WORKDIR.value, _TEXT.value, mode=_MODE.value,
+  print(serving.serve(config, workdir, _TEXT.value, mode=_MODE.value,
                       source=_SOURCE.value, path=_PATH.value, max_new_tokens=_MAX_NEW.value,
                       temperature=_TEMPERATURE.value))
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

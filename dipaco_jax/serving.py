@@ -138,13 +138,13 @@ class PathServer:
   def __post_init__(self):
     self.topo = topo_lib.from_config(self.config)
     c = self.config
-    self.sp = vocab_lib.load(vocab_lib.resolve(c.data.task, c.data.get("vocab_path")))
+    self.sp = vocab_lib.load(vocab_lib.resolve(c.data.task, c.data.vocab_path))
     self.model = model_lib.Transformer(exp_lib.model_config(c))
     root = epath.Path(self.workdir) / "checkpoints"
     self.step = _latest_step(root) if self.step is None else self.step
     self.phase = active_phase(self.workdir, self.step)
-    self.prefix_len = routing.check_prefix_len(c.routing.get("prefix_len", 32))
-    kind = c.routing.get("router", "random")
+    self.prefix_len = routing.check_prefix_len(c.routing.prefix_len)
+    kind = c.routing.router
     needs = self.phase > 0 or kind != "random"
     self.extractor = routing.extractor_from_config(c) if needs else None
     self.router = routing.load_phase_router(c, self.workdir, self.topo, self.phase,

@@ -17,6 +17,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dipaco_jax import config_defaults
 from dipaco_jax.types import PyTree
 
 AXES = ("path", "data", "model")
@@ -26,8 +27,8 @@ _MODEL_DIM = {"token": 0, "query": 1, "key": 1, "value": 1, "out": 0,
               "mlp_in": 1, "mlp_out": 0, "unembed": 1}
 
 
-class MeshError(ValueError):
-  """A mesh that does not fit the devices or the grid."""
+class MeshError(config_defaults.ConfigError):
+  """A mesh (config.mesh) that does not fit the devices or the grid."""
 
 
 def _num_slices(devices: Sequence[Any], requested: int) -> int:
@@ -40,8 +41,7 @@ def make_mesh(mesh_cfg, num_workers: int, devices=None) -> Mesh:
   """Builds the mesh; the 'path' axis (over DCN on multislice) must divide W."""
   devices = list(devices if devices is not None else jax.devices())
   n = len(devices)
-  path, data = int(mesh_cfg.get("path", -1)), int(mesh_cfg.get("data", -1))
-  model = int(mesh_cfg.get("model", 1))
+  path, data, model = int(mesh_cfg["path"]), int(mesh_cfg["data"]), int(mesh_cfg["model"])
   fixed = model * (data if data > 0 else 1) * (path if path > 0 else 1)
   if model < 1 or n % fixed:
     raise MeshError(
@@ -62,7 +62,7 @@ def make_mesh(mesh_cfg, num_workers: int, devices=None) -> Mesh:
         f"the 'path' mesh axis has {path} device groups, which does not divide "
         f"the {num_workers} workers (paths x replicas): choose config.mesh.path "
         "among the divisors of the worker count, or change the grid.")
-  slices = _num_slices(devices, int(mesh_cfg.get("num_slices", 0)))
+  slices = _num_slices(devices, int(mesh_cfg["num_slices"]))
   if slices > 1:
     if path % slices:
       raise MeshError(

@@ -19,11 +19,13 @@ from typing import Sequence
 
 import numpy as np
 
+from dipaco_jax import config_defaults
+
 PRIVATE = "private"
 
 
-class TopologyError(ValueError):
-  """An invalid grid description."""
+class TopologyError(config_defaults.ConfigError):
+  """An invalid grid description (config.dipaco)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,6 +189,6 @@ def from_config(config) -> Topology:
   d = config.dipaco
   return build(tuple(d.level_groups), tuple(d.modules_per_level),
                config.model.num_layers,
-               path_specific=d.get("path_specific", ""),
-               paths=tuple(d.get("paths", ())),
-               replicas=d.get("replicas", 1))
+               path_specific=d.path_specific, paths=tuple(d.paths),
+               replicas=d.replicas)
+

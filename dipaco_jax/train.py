@@ -16,6 +16,7 @@ from absl import logging
 from etils import epath
 
 from dipaco_jax import checkpoint as ckpt_lib
+from dipaco_jax import config_check
 from dipaco_jax import config_defaults
 from dipaco_jax import early_stopping
 from dipaco_jax import elastic
@@ -33,34 +34,43 @@ _FROZEN_SECTIONS = ("model", "dipaco", "data")
 def _check_config_matches(workdir: epath.Path, config) -> None:
   """Refuses to resume a workdir written by a different grid, model or data."""
   path = workdir / "config.json"
-  new = json.loads(config.to_json_best_effort())
   if path.exists():
-    old = json.loads(path.read_text())
+    old, new = json.loads(path.read_text()), json.loads(config.to_json_best_effort())
     changed = [s for s in _FROZEN_SECTIONS if old.get(s) != new.get(s)]
     if changed:
-      raise ValueError(
+      raise config_defaults.ConfigError(
           f"{workdir} holds a run with different config sections {changed}; "
           "its checkpoints would not fit. Use a new --workdir (nothing was "
           "changed in the old one).")
-  elif jax.process_index() == 0:
-    path.write_text(json.dumps(new, indent=2, sort_keys=True))
+
+
+def _write_config(workdir: epath.Path, config) -> None:
+  """config.json, once the config is valid and the run's shards are ready."""
+  path = workdir / "config.json"
+  if jax.process_index() == 0 and not path.exists():
+    path.write_text(json.dumps(json.loads(config.to_json_best_effort()), indent=2,
+                               sort_keys=True))
 
 
 def _initial_theta(config):
-  src = config.dipaco.get("init_from", "")
+  src = config.dipaco.init_from
   return ckpt_lib.restore_worker_params(src) if src else None
 
 
 def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
-  """Trains (or resumes) the run in `workdir`; returns the final metrics."""
-  if elastic.mode(config) == "elastic":  # The Ray worker pool (dipaco_jax/elastic/).
+  """Trains (or resumes) the run in `workdir`; returns the final metrics.
+
+  The config is validated and the run built before the workdir is touched; a
+  first attempt that fails before its shards are ready leaves no config.json.
+  """
+  config_check.validate(config)
+  if config.dipaco.mode == "elastic":  # The Ray worker pool (dipaco_jax/elastic/).
     return elastic.run(config, workdir)
   elastic.check_workdir_mode(workdir, "spmd")
-  config_defaults.check_init_from(config)  # Before anything is written to the workdir.
-  workdir_path = epath.Path(workdir)
-  workdir_path.mkdir(parents=True, exist_ok=True)
-  _check_config_matches(workdir_path, config)
   exp = exp_lib.Experiment(config)
+  workdir_path = epath.Path(workdir)
+  _check_config_matches(workdir_path, config)
+  workdir_path.mkdir(parents=True, exist_ok=True)
   topo = exp.topo
   W, H, T = topo.num_workers, config.dipaco.inner_steps, config.dipaco.outer_steps
   total = H * T
@@ -75,9 +85,10 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
           if config.early_stopping.enabled else None)
   if best is not None:
     best.restore()
+  _write_config(workdir_path, config)  # The run's inputs are all valid and ready.
 
   ckpt = ckpt_lib.Checkpointer(workdir, max_to_keep=config.ckpt.max_to_keep,
-                               async_save=config.ckpt.get("async_save", True))
+                               async_save=config.ckpt.async_save)
   restored = ckpt.restore(exp.abstract_state)
   if restored is None:
     state = exp.init_state(config.seed, _initial_theta(config))
@@ -91,15 +102,15 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   labels = [topo.path_label(int(p)) + (f"/r{w % topo.replicas}" if topo.replicas > 1
                                         else "") for w, p in enumerate(topo.path_of_worker)]
   tokens_per_step = W * config.data.batch_size * config.data.seq_len
-  log_every = config.get("log_every_steps", 10)
-  eval_every = config.eval.get("every_steps", H)
-  ckpt_every = config.ckpt.get("every_steps", H)
+  log_every = config.log_every_steps
+  eval_every = config.eval.every_steps
+  ckpt_every = config.ckpt.every_steps
   bar = tqdm.tqdm(total=total, initial=step, disable=jax.process_index() > 0,
                   desc="inner steps", unit="step")
   record: dict[str, Any] = {}
   last = {"time": time.perf_counter(), "step": step}
   result: dict[str, Any] = {}
-  stop = total if config.get("stop_at_step", -1) < 0 else min(config.stop_at_step, total)
+  stop = total if config.stop_at_step < 0 else min(config.stop_at_step, total)
   while step < stop:
     batch = exp.put_batch(plan.train_it.next_batch())
     params, inner_opt, m = exp.inner_step(state.params, state.inner_opt, batch)

@@ -2,6 +2,7 @@
 
 import os
 
+from dipaco_jax import config_defaults
 from dipaco_jax import data
 from dipaco_jax.data import corpus
 from dipaco_jax.data import vocab
@@ -19,10 +20,9 @@ def _tfds_dir(tmp_path_factory):
 
 
 def data_cfg(tfds_dir: str, **overrides) -> ml_collections.ConfigDict:
-  cfg = ml_collections.ConfigDict(dict(task="dipaco_embedded", tfds_data_dir=tfds_dir,
-                                       vocab_path=None, seq_len=64, batch_size=2, seed=0, top_k=1,
-                                       empty_shard_policy="error"))
-  cfg.update(overrides)
+  """base()'s config.data on this tfds dir, short sequences."""
+  cfg = config_defaults.base().data
+  cfg.update(dict(tfds_data_dir=tfds_dir, seq_len=64, batch_size=2, **overrides))
   return cfg
 
 

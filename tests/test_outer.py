@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dipaco_jax import outer, topology
+from dipaco_jax import config_defaults, outer, topology
 
 TOPO = topology.build(("embed,head", "block_0"), (1, 2), 1, replicas=2)
 
@@ -28,13 +28,18 @@ def _workers(v):
   return _tree({"embed": v, "block_0": v, "head": v})
 
 
+def _outer_config(**kw):
+  """base()'s config.outer (the paper's lr 0.7, momentum 0.9, Nesterov) with `kw` changed."""
+  return config_defaults.from_section(outer.OuterConfig, config_defaults.base().outer, **kw)
+
+
 def _first(tree, g):
   return np.asarray(tree[g]["w"][:, 0])
 
 
 def _step(store, workers, alpha, **cfg):
   # Plain weighted means unless a test asks for the √P rescale.
-  c = outer.OuterConfig(**{"sqrt_paths": "none", **cfg})
+  c = _outer_config(**{"sqrt_paths": "none", **cfg})
   state = outer.optimizer(c).init(store)
   return outer.outer_step(store, state, workers, jnp.asarray(alpha, jnp.float32),
                           topo=TOPO, cfg=c)
@@ -83,7 +88,7 @@ def test_nesterov_over_two_phases():
   # Phase 1: workers at −1 → Δ1 = 1; m1 = 1; θ1 = −0.7 (1 + 0.9) = −1.33.
   # Phase 2: workers at θ1 − 2 = −3.33 → Δ2 = 2; m2 = 2 + 0.9 = 2.9;
   #          θ2 = −1.33 − 0.7 (2 + 0.9·2.9) = −1.33 − 3.227 = −4.557.
-  c = outer.OuterConfig(sqrt_paths="none")
+  c = _outer_config(sqrt_paths="none")
   store, st = _zero_store(), outer.optimizer(c).init(_zero_store())
   alpha = jnp.ones(4)
   store, st, _, _ = outer.outer_step(store, st, _workers([-1] * 4), alpha,
@@ -101,7 +106,7 @@ def test_untrained_module_keeps_params_and_momentum():
   # Phase 2: w2, w3 (the only workers on module 1) are inactive (α = 0), so
   # module 1 must keep θ1 = −1.33 and m1 = 1 — plain optax would still move it
   # by −0.7·0.9·0.9·1 through momentum.
-  c = outer.OuterConfig(sqrt_paths="none")
+  c = _outer_config(sqrt_paths="none")
   store, st = _zero_store(), outer.optimizer(c).init(_zero_store())
   store, st, _, _ = outer.outer_step(store, st, _workers([-1] * 4), jnp.ones(4),
                                      topo=TOPO, cfg=c)
@@ -118,7 +123,7 @@ def test_untrained_module_keeps_params_and_momentum():
 def test_module_on_no_path_is_untouched():
   t = topology.build(("embed,head", "block_0"), (1, 3), 1, paths=("0-0", "0-2"))
   store = _tree({"embed": [0.0], "block_0": [0.0, 7.0, 0.0], "head": [0.0]})
-  c = outer.OuterConfig(sqrt_paths="none")
+  c = _outer_config(sqrt_paths="none")
   st = outer.optimizer(c).init(store)
   w = _tree({g: [-1.0, -1.0] for g in ("embed", "block_0", "head")})
   new, _, _, _ = outer.outer_step(store, st, w, jnp.ones(2), topo=t, cfg=c)
@@ -133,7 +138,7 @@ def test_private_groups_get_their_own_nesterov_step():
   t = topology.build(("embed,head", "block_0"), (1, 2), 1, replicas=2,
                      path_specific="head")
   store = _tree({"embed": [0.0], "block_0": [0.0, 0.0], "head": [0.0, 0.0]})
-  c = outer.OuterConfig(sqrt_paths="none")
+  c = _outer_config(sqrt_paths="none")
   w = _workers([-1, -1, -2, -2])
   new, _, _, _ = outer.outer_step(store, outer.optimizer(c).init(store), w,
                                   jnp.ones(4), topo=t, cfg=c)
@@ -143,6 +148,6 @@ def test_private_groups_get_their_own_nesterov_step():
 
 def test_config_errors():
   with pytest.raises(ValueError, match="outer.weighting"):
-    outer.OuterConfig(weighting="tokens")
+    _outer_config(weighting="tokens")
   with pytest.raises(ValueError, match="outer.sqrt_paths"):
-    outer.OuterConfig(sqrt_paths="square")
+    _outer_config(sqrt_paths="square")

@@ -29,18 +29,19 @@ import matplotlib.pyplot as plt
 import numpy as np
 from IPython.display import Markdown, display
 
-from dipaco_jax import early_stopping, evaluation
+from dipaco_jax import config_check, early_stopping, evaluation
 from dipaco_jax.routing import report as router_report
 
 config = evaluation.config_from_workdir(WORKDIR)
 for key, value in OVERRIDES.items():
+  config_check.check_name(key)  # A misspelt field is an error, as on the command line.
   *parents, leaf = key.split(".")
   node = config
   for p in parents:
     node = node[p]
   node[leaf] = tuple(value) if isinstance(value, list) else value
 # Before any backend starts (as dipaco_jax.main); GPU/TPU runtimes are unaffected.
-if config.mesh.get("cpu_devices", 0) and "device_count" not in os.environ.get("XLA_FLAGS", ""):
+if config.mesh.cpu_devices and "device_count" not in os.environ.get("XLA_FLAGS", ""):
   jax.config.update("jax_num_cpu_devices", config.mesh.cpu_devices)
 run = evaluation.load_run(config, WORKDIR)
 topo = run.exp.topo

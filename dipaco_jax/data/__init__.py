@@ -13,7 +13,9 @@ from dipaco_jax.data.shards import EmptyShardError
 from dipaco_jax.data.shards import ShardSet
 from dipaco_jax.data.shards import write_shards
 
-__all__ = ["Document", "EmptyShardError", "WorkerBatcher", "ShardSet", "iter_documents",
+TASKS = ("dipaco_embedded", "c4_en")  # The seqio tasks data/tasks.py registers.
+
+__all__ = ["Document", "EmptyShardError", "WorkerBatcher", "ShardSet", "TASKS", "iter_documents",
            "prepare_shards", "random_assignment", "with_description",
            "write_shards"]
 

@@ -33,16 +33,15 @@ def shard_config(data_cfg, num_workers: int, assign: assign_lib.Assignment) -> d
                      "assign.with_description(fn, 'what it is') so shard dirs can be matched.")
   task = data_cfg.task
   return {"task": task, "num_workers": num_workers, "assignment": description,
-          "top_k": data_cfg.get("top_k", 1), "seed": data_cfg.seed,
-          "subsample": data_cfg.get("subsample", 1),
-          "vocab": vocab.fingerprint(vocab.resolve(task, data_cfg.get("vocab_path")))}
+          "top_k": data_cfg.top_k, "seed": data_cfg.seed, "subsample": data_cfg.subsample,
+          "vocab": vocab.fingerprint(vocab.resolve(task, data_cfg.vocab_path))}
 
 
 def prepare_shards(data_cfg, num_workers: int, shard_dir: str, *, assign=None) -> shards.ShardSet:
   """Returns the run's ShardSet, writing train + validation shards first if shard_dir is new."""
   if assign is None:
     assign = assign_lib.random_assignment(num_workers, seed=data_cfg.seed,
-                                          top_k=data_cfg.get("top_k", 1))
+                                          top_k=data_cfg.top_k)
   want = shard_config(data_cfg, num_workers, assign)
   root = epath.Path(shard_dir)
   _check_match(root / shards.META, want, shard_dir)
@@ -58,14 +57,13 @@ def prepare_shards(data_cfg, num_workers: int, shard_dir: str, *, assign=None) -
     if (root / split / shards.META).exists():
       sizes[split] = json.loads((root / split / shards.META).read_text())["tokens"]
       continue
-    docs = iter_documents(data_cfg.task, split, data_dir=data_cfg.get("tfds_data_dir"),
-                          vocab_path=data_cfg.get("vocab_path"),
-                          subsample=data_cfg.get("subsample", 1))
+    docs = iter_documents(data_cfg.task, split, data_dir=data_cfg.tfds_data_dir,
+                          vocab_path=data_cfg.vocab_path, subsample=data_cfg.subsample)
     sizes[split] = shards.write_shards(
         shard_dir, split, docs, split_assign, num_workers,
-        empty_policy=split_policy(data_cfg.get("empty_shard_policy", "error"), split)).tolist()
+        empty_policy=split_policy(data_cfg.empty_shard_policy, split)).tolist()
   meta = {"format": shards.FORMAT, **want, "splits": ["train", "validation"], "tokens": sizes,
-          "tfds_data_dir": data_cfg.get("tfds_data_dir")}
+          "tfds_data_dir": data_cfg.tfds_data_dir}
   (root / shards.META).write_text(json.dumps(meta, indent=1) + "\n")  # last: the dir is complete
   (root / PENDING).unlink()
   return shards.ShardSet(shard_dir)

@@ -2,6 +2,7 @@
 
 from typing import Iterator
 
+from dipaco_jax.data import TASKS
 from dipaco_jax.data import corpus
 from dipaco_jax.data import tf_setup  # pylint: disable=unused-import
 from dipaco_jax.data import tfds_builder
@@ -12,7 +13,6 @@ import seqio
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
-TASKS = ("dipaco_embedded", "c4_en")
 C4_TFDS_NAME = "c4/en:3.1.0"
 # seqio split -> C4 split. The router data is a held-out 1% of train, so validation stays intact.
 C4_SPLITS = {"train": "train[1%:]", "router": "train[:1%]", "validation": "validation"}

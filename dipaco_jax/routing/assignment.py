@@ -159,8 +159,8 @@ class RouterAssignment:
 def document_stream(data_cfg) -> Callable[[str], Iterator]:
   """split -> the split's documents, read exactly as prepare_shards reads them."""
   return lambda split: data_lib.iter_documents(
-      data_cfg.task, split, data_dir=data_cfg.get("tfds_data_dir"),
-      vocab_path=data_cfg.get("vocab_path"), subsample=data_cfg.get("subsample", 1))
+      data_cfg.task, split, data_dir=data_cfg.tfds_data_dir, vocab_path=data_cfg.vocab_path,
+      subsample=data_cfg.subsample)
 
 
 def make_assignment(config, path_router: PathRouter,
@@ -169,7 +169,7 @@ def make_assignment(config, path_router: PathRouter,
   if path_router.router is None:
     return None
   return RouterAssignment(path_router, extractor, document_stream(config.data),
-                    top_k=config.data.get("top_k", 1))
+                    top_k=config.data.top_k)
 
 
 def collect(extractor: features_lib.FeatureExtractor | None, documents) -> dict[str, np.ndarray]:

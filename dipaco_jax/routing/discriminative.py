@@ -19,6 +19,7 @@ import optax
 from dipaco_jax.routing import kmeans
 
 LinearParams = dict[str, np.ndarray]  # w [D, P], b [P], mean [D], std [D].
+TARGETS = ("labels", "uniform")  # Shard sizes the bias matches: label frequencies, or equal.
 
 
 def labels_from_scores(scores_NxP) -> np.ndarray:
@@ -112,12 +113,12 @@ def target_distribution(target: str | Sequence[float], labels_N, num_paths: int,
   """
   n = len(labels_N)
   if isinstance(target, str):
+    if target not in TARGETS:
+      raise ValueError(f"target must be one of {TARGETS} or P shard sizes; got {target!r}.")
     if target == "labels":
       t_P = np.bincount(np.asarray(labels_N), minlength=num_paths).astype(np.float64)
-    elif target == "uniform":
-      t_P = np.ones(num_paths)
     else:
-      raise ValueError(f"target must be 'labels', 'uniform' or P shard sizes; got {target!r}.")
+      t_P = np.ones(num_paths)
   else:
     t_P = np.asarray(target, np.float64)
     if t_P.shape != (num_paths,) or (t_P < 0).any() or not t_P.sum() > 0:

@@ -39,7 +39,7 @@ def check_prefix_len(prefix_len: int) -> int:
 
 def base_params(config) -> tuple[PyTree, str]:
   """θ̄ (config.dipaco.init_from's params, else the run's initial params) and its identity."""
-  src = config.dipaco.get("init_from", "")
+  src = config.dipaco.init_from
   if src:
     return ckpt_lib.restore_worker_params(src), f"init_from:{src}"
   cfg = exp_lib.model_config(config)
@@ -140,7 +140,6 @@ def extractor_from_config(config, params: PyTree | None = None) -> FeatureExtrac
     params, identity = base_params(config)
   else:
     identity = "given"
-  r = config.get("routing", {})
-  return FeatureExtractor(exp_lib.model_config(config), params,
-                          prefix_len=r.get("prefix_len", 32),
-                          batch_size=r.get("feature_batch_size", 64), identity=identity)
+  r = config.routing
+  return FeatureExtractor(exp_lib.model_config(config), params, prefix_len=r.prefix_len,
+                          batch_size=r.feature_batch_size, identity=identity)

@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from dipaco_jax import data as data_lib
+from dipaco_jax.config_defaults import ConfigError
 from dipaco_jax import topology as topo_lib
 from dipaco_jax.routing import assignment as assign_lib
 from dipaco_jax.routing import features as features_lib
@@ -37,19 +38,19 @@ def router_dir(workdir: str, phase: int) -> str:
 def shard_dir(config, workdir: str, phase: int) -> str:
   """Phase 0: config.data.shard_dir or <workdir>/shards; phase k: <workdir>/shards_phase_<k>."""
   if phase == 0:
-    return config.data.get("shard_dir") or os.path.join(str(workdir), "shards")
+    return config.data.shard_dir or os.path.join(str(workdir), "shards")
   return os.path.join(str(workdir), f"shards_phase_{phase}")
 
 
 def replicas_by_router(config, topo: topo_lib.Topology) -> bool:
   """Whether phase 0 routes documents to workers (config.routing.replica_shards="router")."""
-  how = config.routing.get("replica_shards", "hash")
+  how = config.routing.replica_shards
   if how not in REPLICA_SHARDS:
-    raise ValueError(f"config.routing.replica_shards={how!r}: choose one of {REPLICA_SHARDS}.")
+    raise ConfigError(f"config.routing.replica_shards={how!r}: choose one of {REPLICA_SHARDS}.")
   if how == "hash" or topo.replicas == 1:
     return False
   if discriminative_steps(config):
-    raise ValueError("config.routing.replica_shards='router' clusters documents per worker in "
+    raise ConfigError("config.routing.replica_shards='router' clusters documents per worker in "
                      "phase 0 only; discriminative re-shards route paths. Set "
                      "discriminative_at_outer_step=-1 or replica_shards='hash'.")
   return True
@@ -60,18 +61,18 @@ def phase0_grid(config, topo: topo_lib.Topology) -> tuple[int, ...]:
 
   The check before any fitting (fit_phase0 and phase0_router call it).
   """
-  kind = config.routing.get("router", "random")
+  kind = config.routing.router
   if kind not in PHASE0_ROUTERS:
-    raise ValueError(f"config.routing.router={kind!r}: choose one of {PHASE0_ROUTERS}.")
+    raise ConfigError(f"config.routing.router={kind!r}: choose one of {PHASE0_ROUTERS}.")
   if kind == "random":  # Nothing is fitted; shards and replicas follow a hash of the doc id.
     return assign_lib.router_grid(topo)
   grid = assign_lib.router_grid(topo, replicas_by_router(config, topo))
   if kind == "product_kmeans":
     if grid == (topo.num_paths,) and len(topo.modules_per_level) > 1:
-      raise ValueError("product_kmeans needs the full grid of paths; this run lists an explicit "
+      raise ConfigError("product_kmeans needs the full grid of paths; this run lists an explicit "
                        "path subset (config.dipaco.paths): use config.routing.router='kmeans'.")
     if grid == (topo.num_workers,) and topo.replicas > 1:
-      raise ValueError("product_kmeans routes over the grid of paths; replica_shards='router' "
+      raise ConfigError("product_kmeans routes over the grid of paths; replica_shards='router' "
                        "clusters per worker: use config.routing.router='kmeans'.")
   return grid
 
@@ -79,8 +80,7 @@ def phase0_grid(config, topo: topo_lib.Topology) -> tuple[int, ...]:
 def fit_phase0(config, topo: topo_lib.Topology, feats_NxD: np.ndarray) -> router_lib.Router:
   """k-means or product k-means with one cluster per path (or worker), on router features."""
   r = config.routing
-  kw = dict(restarts=r.get("kmeans_restarts", 4), iters=r.get("kmeans_iters", 100),
-            seed=r.get("seed", 0))
+  kw = dict(restarts=r.kmeans_restarts, iters=r.kmeans_iters, seed=r.seed)
   grid = phase0_grid(config, topo)
   if r.router == "kmeans":
     return router_lib.fit_kmeans_router(feats_NxD, grid, **kw)
@@ -93,7 +93,7 @@ def fit_phase0(config, topo: topo_lib.Topology, feats_NxD: np.ndarray) -> router
 def phase0_router(config, workdir: str, topo: topo_lib.Topology,
                   extractor: features_lib.FeatureExtractor | None) -> assign_lib.PathRouter:
   """The configured phase-0 router: loaded from the workdir, else fitted and saved."""
-  kind = config.routing.get("router", "random")
+  kind = config.routing.router
   grid = phase0_grid(config, topo)
   if kind == "random":
     return assign_lib.PathRouter(topo, None, seed=config.data.seed)
@@ -102,9 +102,9 @@ def phase0_router(config, workdir: str, topo: topo_lib.Topology,
   if os.path.exists(os.path.join(directory, router_lib.META_FILE)):
     router = router_lib.Router.load(directory, grid=grid, feature_dim=extractor.dim)
     if router.kind != kind or router.info.get("features") != extractor.fingerprint:
-      raise ValueError(f"{directory} holds a {router.kind} router on features "
-                       f"{router.info.get('features')}, but the config asks for {kind} on "
-                       f"{extractor.fingerprint}; use a new --workdir (nothing was changed).")
+      raise ConfigError(f"{directory} holds a {router.kind} router on features "
+                        f"{router.info.get('features')}, but the config asks for {kind} on "
+                        f"{extractor.fingerprint}; use a new --workdir (nothing was changed).")
   else:
     split = assign_lib.collect(extractor, assign_lib.document_stream(config.data)("router"))
     router = fit_phase0(config, topo, split["features"])
@@ -128,17 +128,17 @@ def load_phase_router(config, workdir: str, topo: topo_lib.Topology, phase: int,
 def discriminative_steps(config) -> list[int]:
   """Outer steps after which a discriminative re-shard runs (empty: never)."""
   r = config.routing
-  at, phases = r.get("discriminative_at_outer_step", -1), r.get("discriminative_phases", 1)
+  at, phases, every = (r.discriminative_at_outer_step, r.discriminative_phases,
+                       r.discriminative_every)
   if at < 0 or phases < 1:
     return []
-  every = r.get("discriminative_every", 1)
   if phases > 1 and every < 1:
-    raise ValueError(f"config.routing.discriminative_every={every}: successive phases need >= 1 "
+    raise ConfigError(f"config.routing.discriminative_every={every}: successive phases need >= 1 "
                      "outer step between them.")
   steps = [at + k * every for k in range(phases)]
   T = config.dipaco.outer_steps
   if not 1 <= at or steps[-1] >= T:
-    raise ValueError(f"discriminative re-shards at outer steps {steps} do not fit in 1..{T - 1}: "
+    raise ConfigError(f"discriminative re-shards at outer steps {steps} do not fit in 1..{T - 1}: "
                      "set config.routing.discriminative_at_outer_step (and _every) so that "
                      "training continues after each re-shard.")
   return steps
@@ -196,7 +196,7 @@ def score_len(config) -> int:
 def route_run(config, workdir: str) -> str:
   """Fits (or loads) the phase-0 router, writes the shards, returns and saves its report."""
   topo = topo_lib.from_config(config)
-  kind = config.routing.get("router", "random")
+  kind = config.routing.router
   extractor = features_lib.extractor_from_config(config) if kind != "random" else None
   pr = phase0_router(config, workdir, topo, extractor)
   shard_set = data_lib.prepare_shards(config.data, topo.num_workers, shard_dir(config, workdir, 0),
