@@ -14,8 +14,8 @@ import platform
 import tempfile
 import time
 
+from dipaco_jax import config_defaults
 from dipaco_jax import data
-import ml_collections
 
 
 def time_batcher(shard_set, seq_len: int, batch_size: int, seconds: float) -> dict:
@@ -43,8 +43,7 @@ def main() -> None:
   parser.add_argument("--out", default=None, help="write the results as JSON here")
   args = parser.parse_args()
   shard_dir = args.shard_dir or os.path.join(tempfile.mkdtemp(), "shards")
-  cfg = ml_collections.ConfigDict(dict(task="dipaco_embedded", tfds_data_dir=None, vocab_path=None,
-                                       seed=0, top_k=1))
+  cfg = config_defaults.base().data  # The embedded corpus, its tokenizer, seed 0, top-1.
   start = time.perf_counter()
   shard_set = data.prepare_shards(cfg, args.num_workers, shard_dir)
   prepare_s = time.perf_counter() - start

@@ -253,18 +253,11 @@ def validate(config, *, for_run: bool = True) -> None:
     _check_run_inputs(config)
 
 
-def check_batch_divides(batch_size: int, data_axis: int) -> None:
-  """The 'data' mesh axis splits every path's batch evenly."""
-  if batch_size % data_axis:
-    raise ConfigError(f"config.data.batch_size={batch_size} is not divisible by the 'data' mesh "
-                      f"axis ({data_axis}): make the batch a multiple of it or set "
-                      "config.mesh.data to a divisor of the batch.")
-
-
 def _check_relations(c) -> None:
   """Relations between fields; the grid and the routing schedule check themselves."""
   # pylint: disable=g-import-not-at-top
   from dipaco_jax import routing
+  from dipaco_jax import sharding
   from dipaco_jax import topology
   # pylint: enable=g-import-not-at-top
   topo = topology.from_config(c)  # TopologyError, a ConfigError.
@@ -282,8 +275,10 @@ def _check_relations(c) -> None:
         raise ConfigError(f"config.{key}={c[section][field]} exceeds config.model.max_len="
                           f"{m.max_len}, the learned positions: raise model.max_len or shorten "
                           "the sequences.")
+  if c.mesh.path > 0:  # The device count is checked when the mesh is built.
+    sharding.check_path_axis(c.mesh.path, topo.num_workers)
   if c.mesh.data > 0:
-    check_batch_divides(c.data.batch_size, c.mesh.data)
+    sharding.check_batch_divides(c.data.batch_size, c.mesh.data)
   if c.dipaco.init == "independent" and c.dipaco.init_from:
     raise ConfigError(f"config.dipaco.init='independent' with config.dipaco.init_from="
                       f"{c.dipaco.init_from!r}: init_from gives every module the same θ̄; set "

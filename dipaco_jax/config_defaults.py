@@ -23,7 +23,7 @@ def base() -> ml_collections.ConfigDict:
 
   c.model = ml_collections.ConfigDict()
   c.model.vocab_size = 32_000  # Must match the tokenizer (8192 shipped; 32k T5 for C4).
-  c.model.pad_vocab = False  # True: vocab_size may exceed the tokenizer's (unused rows, e.g. a multiple of 128).
+  c.model.pad_vocab = False  # True: vocab_size may exceed the tokenizer's (rows never targeted).
   c.model.d_model = 896  # Hidden size (paper 150M path: 896).
   c.model.num_layers = 12  # Transformer blocks (paper: 12).
   c.model.num_heads = 16  # Attention heads (paper: 16).
@@ -225,7 +225,6 @@ def paper_grid(k1: int, k2: int, *, path_specific: str = "",
   c.dipaco.outer_steps = 427
   c.data.top_k = top_k
   return paper_fork(c, router="product_kmeans")
-
 
 
 def load(path: str, **overrides) -> ml_collections.ConfigDict:

@@ -13,7 +13,6 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dipaco_jax import config_check
 from dipaco_jax import config_defaults
 from dipaco_jax import feed
 from dipaco_jax import inner as inner_lib
@@ -24,7 +23,7 @@ from dipaco_jax import sharding
 from dipaco_jax import topology
 from dipaco_jax.types import PyTree
 
-INITS = ("shared", "independent")  # config.dipaco.init: every module from one θ̄, or each its own.
+INITS = ("shared", "independent")  # dipaco.init: every module from one θ̄, or each its own.
 
 
 @flax.struct.dataclass
@@ -67,7 +66,7 @@ class Experiment:
     self.outer_tx = outer_lib.optimizer(self.outer_cfg)
     self.outer_enabled = config.outer.enabled
     self.mesh = mesh or sharding.make_mesh(config.mesh, self.topo.num_workers)
-    config_check.check_batch_divides(config.data.batch_size, self.mesh.shape["data"])
+    sharding.check_batch_divides(config.data.batch_size, self.mesh.shape["data"])
     abstract = jax.eval_shape(self._init, jax.random.key(0), None)
     self.state_sharding = sharding.named(self.mesh, self._state_specs(abstract))
     self.abstract_state = jax.tree.map(

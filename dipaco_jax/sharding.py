@@ -37,6 +37,23 @@ def _num_slices(devices: Sequence[Any], requested: int) -> int:
   return len({getattr(d, "slice_index", 0) for d in devices})
 
 
+def check_path_axis(path: int, num_workers: int) -> None:
+  """Every group of the 'path' axis trains the same number of workers."""
+  if num_workers % path:
+    raise MeshError(
+        f"the 'path' mesh axis has {path} device groups, which does not divide "
+        f"the {num_workers} workers (paths x replicas): choose config.mesh.path "
+        "among the divisors of the worker count, or change the grid.")
+
+
+def check_batch_divides(batch_size: int, data_axis: int) -> None:
+  """The 'data' mesh axis splits every path's batch evenly."""
+  if batch_size % data_axis:
+    raise MeshError(f"config.data.batch_size={batch_size} is not divisible by the 'data' mesh "
+                    f"axis ({data_axis}): make the batch a multiple of it or set "
+                    "config.mesh.data to a divisor of the batch.")
+
+
 def make_mesh(mesh_cfg, num_workers: int, devices=None) -> Mesh:
   """Builds the mesh; the 'path' axis (over DCN on multislice) must divide W."""
   devices = list(devices if devices is not None else jax.devices())
@@ -57,11 +74,7 @@ def make_mesh(mesh_cfg, num_workers: int, devices=None) -> Mesh:
         f"mesh path={path} x data={data} x model={model} = "
         f"{path * data * model} but there are {n} devices: make the product "
         "equal the device count (-1 derives an axis).")
-  if num_workers % path:
-    raise MeshError(
-        f"the 'path' mesh axis has {path} device groups, which does not divide "
-        f"the {num_workers} workers (paths x replicas): choose config.mesh.path "
-        "among the divisors of the worker count, or change the grid.")
+  check_path_axis(path, num_workers)
   slices = _num_slices(devices, int(mesh_cfg["num_slices"]))
   if slices > 1:
     if path % slices:

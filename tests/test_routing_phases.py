@@ -3,6 +3,8 @@
 import numpy as np
 import pytest
 
+from dipaco_jax import config_check
+from dipaco_jax import config_defaults
 from dipaco_jax import routing
 from dipaco_jax import topology
 from dipaco_jax.routing import phases
@@ -44,20 +46,25 @@ def test_replica_shards_router_gives_each_worker_its_own_cluster():
     (-1, 1, 1, []), (1, 1, 1, [1]), (1, 2, 2, [1, 3]), (0, 1, 1, "fit"), (2, 3, 1, "fit"),
     (1, 2, 0, "between")])
 def test_discriminative_steps(at, phases, every, want):
-  cfg = helpers.micro_config(**{"dipaco.outer_steps": 4,
-                                "routing.discriminative_at_outer_step": at,
-                                "routing.discriminative_phases": phases,
-                                "routing.discriminative_every": every})
+  cfg = helpers.micro_config(**{"dipaco.outer_steps": 4})
+  r = cfg.routing  # Set after load: load's config check would refuse the bad ones first.
+  r.discriminative_at_outer_step, r.discriminative_phases, r.discriminative_every = (
+      at, phases, every)
   if isinstance(want, str):
-    with pytest.raises(ValueError, match=want):
+    with pytest.raises(config_defaults.ConfigError, match=want):
       routing.discriminative_steps(cfg)
+    with pytest.raises(config_defaults.ConfigError):
+      config_check.validate(cfg, for_run=False)
   else:
     assert routing.discriminative_steps(cfg) == want
 
 
 def test_unknown_router_kind_is_refused(tmp_path):
-  cfg = helpers.micro_config(**{"routing.router": "hash"})
-  with pytest.raises(ValueError, match="routing.router='hash'"):
+  with pytest.raises(config_defaults.ConfigError, match="routing.router='hash'"):
+    helpers.micro_config(**{"routing.router": "hash"})
+  cfg = helpers.micro_config()
+  cfg.routing.router = "hash"  # After load's check: the router refuses it itself.
+  with pytest.raises(config_defaults.ConfigError, match="routing.router='hash'"):
     routing.phase0_router(cfg, str(tmp_path), topology.from_config(cfg), None)
 
 
