@@ -147,6 +147,10 @@ def build(level_groups: Sequence[str], modules_per_level: Sequence[int],
           num_layers: int, *, path_specific: str = "",
           paths: Sequence[str] = (), replicas: int = 1) -> Topology:
   """Validates a grid description and returns its Topology."""
+  for l, k in enumerate(modules_per_level):  # An integer count: 2.5 is refused, not truncated.
+    if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or k < 1:
+      raise TopologyError(f"level {l} has K={k!r} modules; every level needs an integer K>=1 "
+                          "(config.dipaco.modules_per_level).")
   ks = tuple(int(k) for k in modules_per_level)
   if len(level_groups) != len(ks):
     raise TopologyError(
@@ -154,9 +158,6 @@ def build(level_groups: Sequence[str], modules_per_level: Sequence[int],
         f"{len(ks)} entries in modules_per_level: give one K per level.")
   if not ks:
     raise TopologyError("the grid needs at least one level.")
-  for l, k in enumerate(ks):
-    if k < 1:
-      raise TopologyError(f"level {l} has K={k} modules; every level needs K>=1.")
   if replicas < 1:
     raise TopologyError(f"config.dipaco.replicas={replicas}: must be >= 1.")
   all_groups = tuple(["embed"] + [f"block_{i}" for i in range(num_layers)]

@@ -33,6 +33,7 @@ def test_replicas_and_subset():
     (("embed,block_0-1", "block_1,head"), (2, 2), {}, "block_1' is in level 0 and level 1"),
     (("embed,block_0", "head"), (2, 2), {}, "belong to no level"),
     (("embed,block_0-1,head",), (0,), {}, "K=0"),
+    (("embed,block_0-1,head",), (2.5,), {}, "K=2.5 modules; every level needs an integer K>=1"),
     (("embed,block_0-1,head",), (2,), {"paths": ("0", "2")}, "only 2 modules"),
     (("embed,block_0-1,head",), (2,), {"paths": ("0-1",)}, "one module id per level"),
     (("embed,block_0-1,head",), (2, 2), {}, "one K per level"),
