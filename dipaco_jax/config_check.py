@@ -156,6 +156,7 @@ def _rules() -> dict[str, Rule]:
   from dipaco_jax import model
   from dipaco_jax import outer
   from dipaco_jax.data import prepare
+  from dipaco_jax.elastic import errors as elastic_errors
   from dipaco_jax.routing import discriminative
   from dipaco_jax.routing import phases
   from dipaco_jax.routing import rerouting
@@ -191,6 +192,7 @@ def _rules() -> dict[str, Rule]:
       # None: required, given at run time (config_defaults.check_init_from).
       "dipaco.init_from": ((lambda v: v is None or v == "" or _names_a_folder(v)),
                            "a dense run's workdir, or '' for a random θ̄"),
+      "dipaco.mode": _choice(elastic_errors.MODES),
       "data.task": _choice(data_lib.TASKS),
       "data.tfds_data_dir": _path("tfds's default directory"),
       "data.vocab_path": _path("the task's shipped tokenizer"),
@@ -220,6 +222,13 @@ def _rules() -> dict[str, Rule]:
       "eval.reroute_stride": count, "eval.reroute_steps": count,
       "eval.reroute_lr": _number(0), "eval.reroute_batch_size": count,
       "early_stopping.enabled": _bool(),
+      "elastic.address": _string(), "elastic.num_workers": count,
+      "elastic.num_executors": count,
+      "elastic.worker_resources": _string(),  # Its JSON: elastic check_config.
+      "elastic.task_timeout_s": _number(0),
+      "elastic.step_delay_s": _tuple(_number(0, above=False), "a tuple of seconds >= 0"),
+      "elastic.chaos_worker_kills": count0, "elastic.chaos_executor_kills": count0,
+      "elastic.chaos_seed": count0, "elastic.stop_after_tasks": _integer(1, unset=-1),
   }
 
 
@@ -237,6 +246,14 @@ def field_message(key: str, value) -> str:
 # The pass.
 
 
+def check_fields(config) -> None:
+  """Every field known and set, each by its own rule (no relations between fields)."""
+  flat = _check_names(config)
+  for key, (ok, _) in _rules().items():
+    if not ok(flat[key]):
+      raise ConfigError(field_message(key, flat[key]))
+
+
 def validate(config, *, for_run: bool = True) -> None:
   """Raises ConfigError for the first wrong field or relation; returns when the config can run.
 
@@ -244,10 +261,7 @@ def validate(config, *, for_run: bool = True) -> None:
   (check_init_from), the tokenizer's size against model.vocab_size (unless
   model.pad_vocab) and init_from's existence; those read files.
   """
-  flat = _check_names(config)
-  for key, (ok, _) in _rules().items():
-    if not ok(flat[key]):
-      raise ConfigError(field_message(key, flat[key]))
+  check_fields(config)
   _check_relations(config)
   if for_run:
     _check_run_inputs(config)
@@ -259,6 +273,7 @@ def _check_relations(c) -> None:
   from dipaco_jax import routing
   from dipaco_jax import sharding
   from dipaco_jax import topology
+  from dipaco_jax.elastic import errors as elastic_errors
   # pylint: enable=g-import-not-at-top
   topo = topology.from_config(c)  # TopologyError, a ConfigError.
   if c.data.top_k > topo.num_paths:
@@ -285,12 +300,15 @@ def _check_relations(c) -> None:
                       "init='shared' or init_from=''.")
   routing.discriminative_steps(c)  # The re-shards fit in 1..T-1.
   routing.phase0_grid(c, topo)  # The phase-0 router suits the grid and the replicas.
+  if c.dipaco.mode == "elastic":  # What the Ray pool cannot run (ElasticConfigError).
+    elastic_errors.check_config(c)
 
 
 def _check_run_inputs(c) -> None:
   """θ̄ given and present; the tokenizer's size against model.vocab_size."""
   # pylint: disable=g-import-not-at-top
   from etils import epath
+
   from dipaco_jax.data import vocab
   # pylint: enable=g-import-not-at-top
   config_defaults.check_init_from(c)

@@ -15,10 +15,11 @@ import pytest
 from absl import flags
 from ml_collections import config_flags
 
-import helpers
 from dipaco_jax import cli
 from dipaco_jax import config_check
 from dipaco_jax import main
+
+import helpers
 
 TINY = "configs/tiny.py"
 
@@ -66,6 +67,10 @@ BAD_INPUTS = [
     (["--config.routing.discriminative_target=sizes"], "discriminative_target='sizes' is "
                                                        "invalid"),
     (["--config.eval.rerouters=oracle"], "config.eval.rerouters=('oracle',) is invalid"),
+    (["--config.dipaco.mode=ray"], "config.dipaco.mode='ray' is invalid: it must be one of "
+                                   "'spmd', 'elastic'"),
+    (["--config.dipaco.mode=elastic"], "ElasticConfigError: config.early_stopping.enabled=True: "
+                                       "per-path early stopping is not implemented in elastic"),
     (["--config.data.task=c5"], "config.data.task='c5' is invalid: it must be one of "
                                 "'dipaco_embedded', 'c4_en'"),
     # Paths that name no folder.
@@ -123,7 +128,7 @@ def test_a_bad_flag_is_one_line_and_leaves_no_workdir(args, want, tmp_path, monk
 
 
 @pytest.mark.parametrize("argv,want", [
-    ([f"--config=configs/nope.py", "--workdir=W"], "--config=configs/nope.py: no such config file"),
+    (["--config=configs/nope.py", "--workdir=W"], "--config=configs/nope.py: no such config file"),
     ([f"--config={TINY}"], "flag --workdir=None: Flag --workdir must have a value other than None"),
     ([f"--config={TINY}", "--workdir="], "--workdir='' names no directory"),
     ([f"--config={TINY}", "--workdir=W", "extra"], "unexpected arguments ['extra']"),
@@ -165,11 +170,15 @@ def _logical_lines(text: str):
     first, buf = None, ""
 
 
-def _doc_flags() -> list[tuple[str, str, str, str | None]]:
-  """(file:line, config file, field, value or None) for every --config.a.b in the docs.
+_COMMAND = re.compile(r"python -m dipaco_jax|launch/\w+\.sh|--workdir")
+
+
+def _doc_flags() -> list[tuple[str, str, bool, list[tuple[str, str | None]]]]:
+  """(file:line, config file, is a command, [(field, value or None)]) per line of the docs.
 
   The config is the one the line names, else the run's config the file sets
   first (--config=configs/X.py: launch/README.md's dipaco_2x4), else tiny.
+  A command's flags are checked together; prose names flags one at a time.
   """
   out = []
   for path in _DOCS:
@@ -179,35 +188,48 @@ def _doc_flags() -> list[tuple[str, str, str, str | None]]:
     for n, line in _logical_lines(text):
       named = _CONFIG_FILE.search(line)
       config = named.group(0) if named else first
+      found = []
       for m in _FLAG.finditer(line):
         field, value = m.group(1).rstrip("."), m.group(2)
         if field in _PLACEHOLDERS or field != field.lower() or field.endswith("*"):
           continue
-        out.append((f"{path}:{n}", config, field, value))
+        found.append((field, value.strip("'\"") if value and value[:1] in "'\"" else value))
+      if found:
+        out.append((f"{path}:{n}", config, bool(_COMMAND.search(line)), found))
   return out
 
 
 def test_the_docs_write_config_flags():
-  assert len(_doc_flags()) >= 20  # The scan found them (README, docs/, launch/).
+  lines = _doc_flags()  # README, docs/, launch/.
+  assert sum(len(f) for _, _, _, f in lines) >= 30 and sum(c for _, _, c, _ in lines) >= 10
 
 
-@pytest.mark.parametrize("where,config,field,value", _doc_flags(),
-                         ids=[f"{w}:{f}" for w, _, f, _ in _doc_flags()])
-def test_every_config_flag_in_the_docs_is_accepted(where, config, field, value, monkeypatch):
-  """Parsed as the CLI parses it (absl + config_flags) and checked as load checks it."""
-  assert field in config_check.field_names(), config_check.unknown_name_message(field, "--config.")
-  if value is None:
-    return
-  value = value.strip("'\"") if value[:1] in "'\"" else value
-  fv = flags.FlagValues()
-  argv = ["cmd", f"--config={config}", f"--config.{field}={value}"]
+def _parse(config: str, pairs, monkeypatch):
+  """The config after `--config=config --config.a.b=v ...`, parsed as the CLI parses it."""
+  argv = ["cmd", f"--config={config}", *[f"--config.{f}={v}" for f, v in pairs]]
   monkeypatch.chdir(helpers.ROOT)
-  monkeypatch.setattr(sys, "argv", argv)
+  monkeypatch.setattr(sys, "argv", argv)  # config_flags reads the overrides from sys.argv.
+  fv = flags.FlagValues()
   holder = config_flags.DEFINE_config_file("config", flag_values=fv, lock_config=True)
   cli._check_config_args(argv)  # pylint: disable=protected-access
   fv(argv)
-  # gs:// paths and θ̄ are given at run time: the checks that read files are left out.
-  config_check.validate(holder.value, for_run=False)
+  return holder.value
+
+
+@pytest.mark.parametrize("where,config,command,found", _doc_flags(),
+                         ids=[w for w, _, _, _ in _doc_flags()])
+def test_every_config_flag_in_the_docs_is_accepted(where, config, command, found, monkeypatch):
+  """Names exist; a command's flags pass load's checks together, prose flags each its own rule."""
+  for field, _ in found:
+    assert field in config_check.field_names(), config_check.unknown_name_message(field,
+                                                                                   "--config.")
+  pairs = [(f, v) for f, v in found if v is not None]
+  if command:
+    # gs:// paths and θ̄ are given at run time: the checks that read files are left out.
+    config_check.validate(_parse(config, pairs, monkeypatch), for_run=False)
+  else:
+    for pair in pairs:
+      config_check.check_fields(_parse(config, [pair], monkeypatch))
 
 
 _SUBPROCESS_ENV = {**os.environ, "PYTHONPATH": helpers.ROOT, "JAX_PLATFORMS": "cpu"}

@@ -5,13 +5,14 @@ import os
 
 import pytest
 
-import helpers
 from dipaco_jax import config_check
 from dipaco_jax import config_defaults
 from dipaco_jax import inner
 from dipaco_jax import model
 from dipaco_jax import outer
 from dipaco_jax import train
+
+import helpers
 
 ConfigError = config_defaults.ConfigError
 TINY = os.path.join(helpers.ROOT, "configs", "tiny.py")
@@ -42,7 +43,8 @@ def test_dataclasses_have_no_defaults_and_take_every_field_from_base(cls, sectio
 
 
 @pytest.mark.parametrize("overrides,match", [
-    ({"inner.lrr": 1e-3}, r"config.inner.lrr is not a config field: did you mean config.inner.lr\?"),
+    ({"inner.lrr": 1e-3}, r"config.inner.lrr is not a config field: did you mean "
+                          r"config.inner.lr\?"),
     ({"inner.decay_normz": True}, r"did you mean config.inner.decay_norms\?"),
     ({"modle.d_model": 64}, r"did you mean config.model.d_model\?"),
     ({"routing.early_stopping": False}, r"it moved to config.early_stopping.enabled"),

@@ -10,7 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dipaco_jax import config_defaults, outer, topology
+from dipaco_jax import config_defaults
+from dipaco_jax import outer
+from dipaco_jax import topology
 
 TOPO = topology.build(("embed,head", "block_0"), (1, 2), 1, replicas=2)
 

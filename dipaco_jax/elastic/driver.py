@@ -61,7 +61,7 @@ def _module_rows(full, template, group: str, module: int):
 
 def _init_storage(config, workdir: str, exp, grid: grid_lib.Grid, alpha_W) -> None:
   """Version 0 of every module and its momentum (θ̄ as the synchronous mode builds it)."""
-  src = config.dipaco.get("init_from", "")
+  src = config.dipaco.init_from
   theta = ckpt_lib.restore_worker_params(src) if src else None
   state = exp.init_state(config.seed, theta)
   store, outer_opt = jax.device_get((state.store, state.outer_opt))
@@ -121,7 +121,7 @@ def _connect(config, num_cpus: int) -> bool:
   address is still checked first.
   """
   import ray  # pylint: disable=g-import-not-at-top
-  address = config.elastic.get("address", "")
+  address = config.elastic.address
 
   def unreachable(e):
     return ElasticConfigError(
@@ -206,15 +206,16 @@ def run(config, workdir: str) -> dict:
   try:
     # The driver's Experiment on one device: it builds θ̄, the shards, α and the final state.
     exp = exp_lib.Experiment(config, mesh=sharding.make_mesh(
-        {"path": 1, "data": 1, "model": 1}, 1, devices=jax.devices()[:1]))
+        {"path": 1, "data": 1, "model": 1, "num_slices": 1}, 1, devices=jax.devices()[:1]))
     grid = grid_lib.Grid(config)
     plan = shard_plan.ShardPlan(config, workdir, exp)  # Phase-0 shards and α, as the SPMD loop.
+    train._write_config(epath.Path(workdir), config)  # pylint: disable=protected-access
     alpha_W = np.asarray(jax.device_get(plan.alpha_W), np.float32)
     if not (storage.root(workdir) / META).exists():
       _init_storage(config, workdir, exp, grid, alpha_W)
     logging.info("elastic: %s; %d worker actors, %d executors", grid.topo.describe(),
                  e.num_workers, e.num_executors)
-    resources = json.loads(e.worker_resources) if e.get("worker_resources") else {}
+    resources = json.loads(e.worker_resources) if e.worker_resources else {}
     worker_opts = dict(max_restarts=-1, max_concurrency=2, num_cpus=resources.pop("CPU", 1),
                        resources=resources or None)
     coord = ray.remote(coord_lib.Coordinator).options(max_restarts=-1, num_cpus=0).remote(

@@ -4,11 +4,13 @@ import json
 
 from etils import epath
 
+from dipaco_jax import config_defaults
+
 MODES = ("spmd", "elastic")
 META = "elastic/meta.json"  # Written when an elastic run initializes its storage.
 
 
-class ElasticConfigError(ValueError):
+class ElasticConfigError(config_defaults.ConfigError):
   """A config or workdir the elastic mode cannot run; the message names the field and the fix."""
 
 
@@ -27,7 +29,7 @@ def check_config(config) -> None:
   if m.data > 1 or m.model > 1:
     raise ElasticConfigError(f"config.mesh.data={m.data}, mesh.model={m.model}: elastic workers "
                              "run a path on one device for now; set both to 1 (or -1).")
-  if e.get("worker_resources"):
+  if e.worker_resources:
     try:
       res = json.loads(e.worker_resources)
     except json.JSONDecodeError:
@@ -47,14 +49,14 @@ def check_config(config) -> None:
     raise ElasticConfigError("config.early_stopping.enabled=True: per-path early stopping is not "
                              "implemented in elastic mode; pass "
                              "--config.early_stopping.enabled=False or use dipaco.mode=spmd.")
-  if config.get("stop_at_step", -1) >= 0:
+  if config.stop_at_step >= 0:
     raise ElasticConfigError(f"config.stop_at_step={config.stop_at_step}: elastic runs stop on "
                              "config.elastic.stop_after_tasks instead; set stop_at_step=-1.")
 
 
 def mode(config) -> str:
   """config.dipaco.mode, checked."""
-  value = config.dipaco.get("mode", "spmd")
+  value = config.dipaco.mode
   if value not in MODES:
     raise ElasticConfigError(f"config.dipaco.mode={value!r}: choose one of {MODES}.")
   return value

@@ -44,7 +44,7 @@ class OuterExecutor:
     self.grid = grid_lib.Grid(config)
     self.workdir, self.index, self.groups = str(workdir), int(index), list(groups)
     self.alpha_W = np.asarray(alpha_W, np.float32)
-    self.outer_enabled = bool(config.outer.get("enabled", True))
+    self.outer_enabled = config.outer.enabled
     self._snap = snapshot_file(self.workdir, self.index)
     state = storage.load_json(self._snap) if self._snap.exists() else {}
     self.received = {int(k): set(v) for k, v in state.get("received", {}).items()}

@@ -42,7 +42,7 @@ class PathWorker:
     self._eval = jax.jit(jax.vmap(functools.partial(inner_lib.eval_step, model=model)))
     self._val = {}  # worker -> its validation batches (the same at every evaluation).
     self._shards = data_lib.ShardSet(routing.shard_dir(config, workdir, 0))
-    delays = tuple(config.elastic.get("step_delay_s", ()))
+    delays = tuple(config.elastic.step_delay_s)
     self._delay = float(delays[self.index]) if self.index < len(delays) else 0.0
 
   def pid(self) -> int:
@@ -88,7 +88,7 @@ class PathWorker:
     params = self._load_params(phase, worker)
     result = {"phase": phase, "worker": worker, "actor": self.index, "pid": os.getpid()}
     step0 = phase * self.grid.H
-    every = self.config.eval.get("every_steps", self.grid.H)
+    every = self.config.eval.every_steps
     if phase > 0 and (step0 % every == 0 or phase == self.grid.T):
       result["val_loss"] = self._evaluate(params, worker)  # After outer step `phase`, as train.py.
     if phase == self.grid.T:  # The last evaluation: nothing left to train.
