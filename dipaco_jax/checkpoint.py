@@ -17,10 +17,12 @@ the file and the older checkpoint to resume from; nothing falls back silently.
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import os
 import re
+import sys
 
 import jax
 import numpy as np
@@ -109,7 +111,7 @@ def _bad_json(step_dir: epath.Path) -> str | None:
     try:
       json.loads(p.read_text())
     except ValueError as e:  # JSONDecodeError and UnicodeDecodeError.
-      return f"{p.relative_to(step_dir)}: {getattr(e, 'msg', e)}"
+      return f"{p.relative_to(step_dir)}: {errors.json_problem(e)}"
   return None
 
 
@@ -134,7 +136,8 @@ def _quick_check(step_dir: epath.Path) -> bool:
     return False
   for manifest in step_dir.glob("*/manifest.ocdbt"):
     try:
-      ts.KvStore.open({"driver": "ocdbt", "base": _kv_url(manifest.parent)}).result().list().result()
+      kv = ts.KvStore.open({"driver": "ocdbt", "base": _kv_url(manifest.parent)}).result()
+      kv.list().result()
     except Exception:  # pylint: disable=broad-except
       return False
   return True
@@ -150,6 +153,19 @@ def _damaged(root: epath.Path, step: int, what: str) -> DamagedCheckpointError:
                                 f"aside ({aside}) {then}.")
 
 
+def _quiet_closed_loop(previous, unraisable) -> None:
+  """sys.unraisablehook that drops the echoes of a read that failed on a damaged file.
+
+  orbax stops at the first unreadable array while TensorStore still reads the
+  others; their callbacks then find orbax's event loop closed, during and after
+  the failed call. The error is reported once (one line); the echoes would
+  print a traceback each.
+  """
+  exc = unraisable.exc_value
+  if not (isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"):
+    previous(unraisable)
+
+
 @contextlib.contextmanager
 def _reading(root: epath.Path, step: int):
   """Turns an unreadable file of checkpoint `step` into one DamagedCheckpointError."""
@@ -157,13 +173,17 @@ def _reading(root: epath.Path, step: int):
   bad = _bad_json(step_dir) if step_dir.exists() else None
   if bad is not None:
     raise _damaged(root, step, bad)
+  previous = sys.unraisablehook
+  sys.unraisablehook = functools.partial(_quiet_closed_loop, previous)
   try:
     yield
   except Exception as e:  # pylint: disable=broad-except
     bad = _bad_bytes(e, step_dir)
     if bad is None:
+      sys.unraisablehook = previous
       raise
-    raise _damaged(root, step, bad) from e
+    raise _damaged(root, step, bad) from e  # The hook stays: echoes come later too.
+  sys.unraisablehook = previous
 
 
 class Checkpointer:
@@ -264,13 +284,14 @@ def restore_numpy(workdir: str, step: int | None = None) -> PyTree:
       root, options=ocp.CheckpointManagerOptions(read_only=True),
       item_handlers={"state": ocp.PyTreeCheckpointHandler(),
                      "data": ocp.JsonCheckpointHandler()})
-  with _reading(root, step):
-    meta = manager.item_metadata(step)["state"]
-    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), meta)
-    state = manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.PyTreeRestore(restore_args=restore_args)))["state"]
-  manager.close()
-  return state
+  try:
+    with _reading(root, step):
+      meta = manager.item_metadata(step)["state"]
+      restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), meta)
+      return manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.PyTreeRestore(restore_args=restore_args)))["state"]
+  finally:
+    manager.close()
 
 
 def restore_worker_params(workdir: str, worker: int = 0) -> PyTree:

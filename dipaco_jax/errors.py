@@ -7,3 +7,10 @@ class UserError(Exception):
 
 class DamagedFileError(UserError):
   """A file the run wrote cannot be read (truncated or corrupted); the message names it."""
+
+
+def json_problem(e: ValueError) -> str:
+  """Short reason a file is not valid JSON (JSONDecodeError or UnicodeDecodeError)."""
+  if hasattr(e, "pos"):
+    return f"invalid JSON at byte {e.pos}: {e.msg}"
+  return f"not UTF-8 text: {e}"

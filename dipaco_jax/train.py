@@ -75,7 +75,11 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
           if config.early_stopping.enabled else None)
   ckpt = ckpt_lib.Checkpointer(workdir, max_to_keep=config.ckpt.max_to_keep,
                                async_save=config.ckpt.get("async_save", True))
-  restored = ckpt.restore(exp.abstract_state)
+  try:
+    restored = ckpt.restore(exp.abstract_state)
+  except BaseException:  # E.g. a damaged checkpoint: stop orbax's threads before the error.
+    ckpt.close()
+    raise
   if restored is None:
     state = exp.init_state(config.seed, _initial_theta(config))
   else:

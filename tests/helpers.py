@@ -1,5 +1,6 @@
 """Shared test helpers: a tiny config and synthetic packed batches."""
 
+import contextlib
 import os
 
 import jax
@@ -55,3 +56,19 @@ def truncate(path, keep: float = 0.5) -> None:
   size = os.path.getsize(path)
   with open(path, "r+b") as f:
     f.truncate(int(size * keep))
+
+
+@contextlib.contextmanager
+def compile_cache(directory: str):
+  """A persistent compilation cache, so runs of one config in one test compile once."""
+  cache = {"jax_compilation_cache_dir": str(directory),
+           "jax_persistent_cache_min_compile_time_secs": 0.0,
+           "jax_persistent_cache_min_entry_size_bytes": 0}
+  old = {k: getattr(jax.config, k) for k in cache}
+  for k, v in cache.items():
+    jax.config.update(k, v)
+  try:
+    yield
+  finally:
+    for k, v in old.items():
+      jax.config.update(k, v)

@@ -193,8 +193,10 @@ def test_no_intact_older_checkpoint_says_start_over(saved, tmp_path):
   shutil.copytree(src, workdir)
   for step in (2, 4):
     helpers.truncate(os.path.join(workdir, "checkpoints", str(step), "state", "manifest.ocdbt"))
+  ck = checkpoint.Checkpointer(workdir, async_save=False)
   with pytest.raises(checkpoint.DamagedCheckpointError) as e:
-    checkpoint.Checkpointer(workdir).restore(exp.abstract_state)
+    ck.restore(exp.abstract_state)
+  ck.close()
   _assert_one_line_naming(e.value, workdir, "state/manifest.ocdbt: ",
                           "to start the run over from step 0 (no older checkpoint is intact)")
   del cfg
@@ -205,7 +207,8 @@ def test_the_trainer_stops_on_a_damaged_checkpoint_and_resumes_after_the_mv(tmp_
           "dipaco.outer_steps": 3}
   cfg = helpers.micro_config(**over)
   workdir = str(tmp_path / "run")
-  train.train_and_evaluate(helpers.micro_config(stop_at_step=4, **over), workdir)
+  with helpers.compile_cache(tmp_path / "jax_cache"):
+    train.train_and_evaluate(helpers.micro_config(stop_at_step=4, **over), workdir)
   helpers.truncate(os.path.join(workdir, "checkpoints", "4", "data", "metadata"))
   before = helpers.tree_bytes(workdir)
   with pytest.raises(checkpoint.DamagedCheckpointError) as e:
@@ -214,6 +217,8 @@ def test_the_trainer_stops_on_a_damaged_checkpoint_and_resumes_after_the_mv(tmp_
                           "to resume from step 2, the newest intact checkpoint")
   assert helpers.tree_bytes(workdir) == before
   # The line's own command, then the same run again: it resumes from step 2 and finishes.
-  os.rename(os.path.join(workdir, "checkpoints", "4"), os.path.join(workdir, "damaged_checkpoint_4"))
-  assert train.train_and_evaluate(cfg, workdir)["step"] == 6
+  os.rename(os.path.join(workdir, "checkpoints", "4"),
+            os.path.join(workdir, "damaged_checkpoint_4"))
+  with helpers.compile_cache(tmp_path / "jax_cache"):
+    assert train.train_and_evaluate(cfg, workdir)["step"] == 6
   assert checkpoint.steps(workdir) == [4, 6]

@@ -88,8 +88,9 @@ def _best(workdir, cfg, step=None):
 def test_a_resume_from_step_s_sees_the_best_set_as_of_s(tmp_path):
   shard_dir = str(tmp_path / "shards")
   full, part = str(tmp_path / "full"), str(tmp_path / "part")
-  train.train_and_evaluate(_config(shard_dir), full)
-  train.train_and_evaluate(_config(shard_dir, stop_at_step=4), part)
+  with helpers.compile_cache(tmp_path / "jax_cache"):
+    train.train_and_evaluate(_config(shard_dir), full)
+    train.train_and_evaluate(_config(shard_dir, stop_at_step=4), part)
   later = early_stopping.read_meta(part)
   assert later["checkpoint_step"] == 4 and 4 in later["step"]  # Step 4 improved some worker.
   # Back to step 2, as after a crash that lost checkpoint 4: nothing of step 4 may show.
@@ -101,7 +102,8 @@ def test_a_resume_from_step_s_sees_the_best_set_as_of_s(tmp_path):
   # Every worker improved at the first evaluation: the set is step 2's params.
   for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(state.params)):
     np.testing.assert_array_equal(a, b)
-  train.train_and_evaluate(_config(shard_dir), part)  # Resumes from step 2.
+  with helpers.compile_cache(tmp_path / "jax_cache"):
+    train.train_and_evaluate(_config(shard_dir), part)  # Resumes from step 2.
   pa, ra, _ = _best(full, _config(shard_dir))
   pb, rb, _ = _best(part, _config(shard_dir))
   assert ra == rb and ra["step"] != [2, 2, 2, 2]

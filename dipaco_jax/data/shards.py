@@ -52,7 +52,7 @@ def read_json(path, shard_dir) -> dict:
   try:
     return json.loads(epath.Path(path).read_text())
   except ValueError as e:  # JSONDecodeError and UnicodeDecodeError.
-    raise damaged(path, shard_dir, getattr(e, "msg", str(e))) from e
+    raise damaged(path, shard_dir, errors.json_problem(e)) from e
 
 
 def shard_file(worker: int) -> str:

@@ -153,7 +153,7 @@ class Router:
       with open(paths[1]) as f:
         meta = json.load(f)
     except ValueError as e:  # JSONDecodeError and UnicodeDecodeError.
-      raise _damaged(paths[1], getattr(e, "msg", str(e))) from e
+      raise _damaged(paths[1], errors.json_problem(e)) from e
     if meta.get("format_version") != _FORMAT_VERSION:
       raise ValueError(f"{paths[1]} has router format {meta.get('format_version')}, this code "
                        f"reads {_FORMAT_VERSION}; refit the router with this code.")
