@@ -211,8 +211,8 @@ def _read_json(path: str) -> dict:
 
 
 def _checkpoint_steps(workdir: str) -> list[int]:
-  d = os.path.join(workdir, "checkpoints")
-  return sorted(int(p) for p in os.listdir(d) if p.isdigit()) if os.path.isdir(d) else []
+  from dipaco_jax import checkpoint
+  return checkpoint.steps(workdir)
 
 
 def evaluate_run(config, workdir: str, s: Sizes, *, final_full: bool) -> tuple[dict, int]:

@@ -23,7 +23,6 @@ import numpy as np
 
 from dipaco_jax import checkpoint as ckpt_lib
 from dipaco_jax import data as data_lib
-from dipaco_jax import early_stopping
 from dipaco_jax import experiment as exp_lib
 from dipaco_jax import routing
 from dipaco_jax.routing import report as report_lib
@@ -50,10 +49,11 @@ def load_run(config, workdir: str, step: int | None = None) -> Run:
   restored = ckpt.restore(exp.abstract_state, step)
   ckpt.close()
   if restored is None:
-    raise FileNotFoundError(f"no checkpoint in {workdir}/checkpoints: train the run first "
-                            "(python -m dipaco_jax.main --config=... --workdir=...).")
+    raise ckpt_lib.NoCheckpointError(
+        f"no checkpoint in {ckpt.directory}: train the run first "
+        "(python -m dipaco_jax.main --config=... --workdir=...).")
   state, data_state = restored
-  phase = int(data_state.get("routing", {}).get("phase", 0))
+  phase = ckpt_lib.routing_phase(data_state)
   shard_dir = routing.shard_dir(config, workdir, phase)
   return Run(config, str(workdir), exp, state, int(jax.device_get(state.step)), phase,
              data_lib.ShardSet(shard_dir))
@@ -176,14 +176,14 @@ def evaluate(run: Run, *, params: str = "store", windows=None, rerouters=None,
   if params == "store":
     scorer = store_scorer
   elif params == "best":
-    best = early_stopping.BestPaths(run.workdir, run.exp.state_sharding.params,
-                                    run.exp.abstract_state.params, topo.num_workers)
-    best.restore()
-    best.close()
-    if best.params is None:
-      raise FileNotFoundError(f"no early-stopping set in {run.workdir}/best_paths: train with "
-                              "config.early_stopping.enabled=True.")
-    scorer = routing.PathScorer(run.exp, best.params, seq_len=T)
+    ckpt = ckpt_lib.Checkpointer(run.workdir, async_save=False)
+    best = ckpt.restore_best(run.exp.abstract_state.params, run.step)
+    ckpt.close()
+    if best is None:
+      raise ckpt_lib.NoCheckpointError(
+          f"no early-stopping set in checkpoint step {run.step} of {run.workdir}: train with "
+          "config.early_stopping.enabled=True.")
+    scorer = routing.PathScorer(run.exp, best[0], seq_len=T)
   else:
     raise ValueError(f"params={params!r}: use 'store' (the global modules) or 'best' (per-path "
                      "early stopping).")
@@ -291,7 +291,7 @@ def evaluate_and_write(config, workdir: str, step: int | None = None) -> str:
   """Evaluates the store (and the early-stopping set when saved); writes <workdir>/eval/."""
   run = load_run(config, workdir, step)
   reports = {"store": evaluate(run, params="store")}
-  if early_stopping.read_meta(workdir) is not None:
+  if ckpt_lib.read_best_records(workdir, run.step) is not None:
     reports["best"] = evaluate(run, params="best")
   P = run.exp.topo.num_paths
   text = "\n".join(

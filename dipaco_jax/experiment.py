@@ -94,6 +94,8 @@ class Experiment:
     self.sync_store = jax.jit(
         functools.partial(paths_lib.disassemble, topo=self.topo),
         in_shardings=(ps,), out_shardings=ss)
+    self.group_norms = jax.jit(jax.vmap(inner_lib.group_norms), in_shardings=(ps,),
+                               out_shardings=per_worker)
     self.all_finite = jax.jit(lambda t: jnp.all(jnp.stack(
         [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(t)])))
 

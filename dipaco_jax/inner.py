@@ -75,8 +75,17 @@ def train_step(params: PyTree, opt_state: PyTree, batch: dict, *,
       params, batch, model)
   updates, opt_state = tx.update(grads, opt_state, params)
   params = optax.apply_updates(params, updates)
-  metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+  metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
+             "param_norm": group_norms(params)}
   return params, opt_state, metrics
+
+
+def group_norms(params: PyTree) -> dict:
+  """‖θ_g‖ per top-level group (embed, block_i, head): the divergence guard's input.
+
+  Per group, so a block that blows up shows even beside a much larger embedding.
+  """
+  return {g: optax.tree.norm(sub) for g, sub in params.items()}
 
 
 def eval_step(params: PyTree, batch: dict, *, model: model_lib.Transformer):

@@ -5,6 +5,7 @@ on resume, lines past the resumed step are dropped so the file reads as one
 uninterrupted run.
 """
 
+import collections
 import json
 import math
 from typing import Any, Mapping
@@ -14,6 +15,8 @@ import numpy as np
 from clu import metric_writers
 from etils import epath
 
+from dipaco_jax import errors
+
 
 def nan_mean(values) -> float:
   """Mean that skips NaN entries (e.g. a worker without validation data); NaN if all are."""
@@ -21,18 +24,95 @@ def nan_mean(values) -> float:
   return float("nan") if np.isnan(arr).all() else float(np.nanmean(arr))
 
 
-class NonFiniteLossError(FloatingPointError):
-  """A worker's training loss became NaN or Inf."""
+class DivergenceError(errors.UserError):
+  """Training diverged: a non-finite loss or params, a loss stuck at ln V, exploding params."""
 
 
-def guard_losses(step: int, losses_W: np.ndarray, labels: list[str]) -> None:
-  """Stops the run with a clear message on a non-finite loss."""
-  bad = [labels[i] for i, v in enumerate(np.asarray(losses_W)) if not math.isfinite(v)]
-  if bad:
-    raise NonFiniteLossError(
-        f"non-finite training loss at step {step} on paths {bad}; the last good "
-        "checkpoint is kept. Lower config.inner.lr, raise config.inner.warmup_steps "
-        "or set config.inner.clip_norm, then rerun the same command to resume.")
+class NonFiniteLossError(DivergenceError):
+  """A worker's training loss (or a parameter) became NaN or Inf."""
+
+
+STUCK_MARGIN = 0.01  # Nats: a loss this close to ln V counts as "at" it.
+
+
+class DivergenceGuard:
+  """Stops a diverged run at the step it shows, before that state is saved.
+
+  Three rules, checked after every inner step (per worker):
+    * a non-finite training loss;
+    * a group's parameter norm (embed, block_i, head) above
+      `guard.max_param_norm_ratio` times its norm when this process started
+      (init or resume): AdamW steps far too large blow the params up long before
+      the loss turns NaN (inner.lr=1e6 reaches ~1e13, the loss sits at ln V);
+    * a mean training loss over the last `guard.stuck_steps` inner steps at or
+      above ln V, the loss of predicting uniformly over the vocabulary: a model
+      that learns anything (even unigram counts) is well below it. A random init
+      starts near (or above) ln V, so the window must lie after
+      `inner.warmup_steps`; it counts steps since this process started. "At"
+      allows STUCK_MARGIN: a float32 uniform prediction reads just below ln V.
+  0 turns a rule off. The trainer also checks the params are finite before
+  each save (`not_finite`).
+  """
+
+  def __init__(self, config, labels: list[str], initial_norms: dict[str, np.ndarray],
+               last_saved: int | None):
+    self.labels = labels
+    self.ln_v = math.log(config.model.vocab_size)
+    self.warmup = config.inner.warmup_steps
+    self.stuck_steps = config.guard.stuck_steps
+    self.max_ratio = config.guard.max_param_norm_ratio
+    self.norm0_GxW = np.stack([np.asarray(initial_norms[g], np.float64) for g in initial_norms])
+    self.groups = list(initial_norms)
+    self.last_saved = last_saved
+    self.start = last_saved or 0
+    self._losses = collections.deque(maxlen=max(self.stuck_steps, 1))
+
+  def _stop(self, cls, what: str, fix: str):
+    kept = ("no checkpoint was saved" if self.last_saved is None else
+            f"the last checkpoint, step {self.last_saved}, is kept and nothing later was saved")
+    raise cls(f"{what}: the run diverged; {kept}. {fix}.")
+
+  def _paths(self, bad_W: np.ndarray) -> list[str]:
+    return [self.labels[w] for w in np.flatnonzero(bad_W)]
+
+  def check(self, step: int, loss_W: np.ndarray, norms: dict[str, np.ndarray]) -> None:
+    """Raises DivergenceError when a rule fires at inner step `step`."""
+    lower = ("Lower config.inner.lr, raise config.inner.warmup_steps or set "
+             "config.inner.clip_norm, then rerun the same command to resume")
+    loss_W = np.asarray(loss_W, np.float64)
+    bad_W = ~np.isfinite(loss_W)
+    if bad_W.any():
+      self._stop(NonFiniteLossError,
+                 f"non-finite training loss at step {step} on paths {self._paths(bad_W)}", lower)
+    norm_GxW = np.stack([np.asarray(norms[g], np.float64) for g in self.groups])
+    ratio_GxW = norm_GxW / np.maximum(self.norm0_GxW, 1e-30)
+    bad_GxW = ~(ratio_GxW <= self.max_ratio)  # NaN too.
+    if self.max_ratio > 0 and bad_GxW.any():
+      g, w = np.unravel_index(np.argmax(np.where(bad_GxW, np.nan_to_num(ratio_GxW, nan=np.inf),
+                                                 -np.inf)), ratio_GxW.shape)
+      self._stop(DivergenceError,
+                 f"parameter norm of {self.groups[g]} grew {ratio_GxW[g, w]:.3g}x since step "
+                 f"{self.start} (to {norm_GxW[g, w]:.3g}) on paths "
+                 f"{self._paths(bad_GxW.any(0))} at step {step}, over "
+                 f"config.guard.max_param_norm_ratio={self.max_ratio:g}", lower)
+    if not self.stuck_steps:
+      return
+    self._losses.append(loss_W)
+    if len(self._losses) == self.stuck_steps and step - self.stuck_steps >= self.warmup:
+      mean_W = np.mean(self._losses, axis=0)
+      bad_W = mean_W >= self.ln_v - STUCK_MARGIN
+      if bad_W.any():
+        self._stop(DivergenceError,
+                   f"training loss stayed at or above ln V = {self.ln_v:.3f} (uniform prediction; "
+                   f"mean {np.max(mean_W):.3f}) over steps {step - self.stuck_steps + 1}-{step} "
+                   f"on paths {self._paths(bad_W)}, after warmup",
+                   "Check config.inner.lr (too high blows the model up, too low never leaves "
+                   "ln V) and start again in a new --workdir, or raise config.guard.stuck_steps")
+
+  def not_finite(self, step: int) -> None:
+    """Stops on non-finite params found before the save at `step`."""
+    self._stop(NonFiniteLossError, f"non-finite parameters after step {step}",
+               "Lower config.inner.lr or config.outer.lr, then rerun the same command to resume")
 
 
 def _plain(x: Any) -> Any:

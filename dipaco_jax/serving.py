@@ -1,12 +1,12 @@
 """Serving one path: route a text, read only that path's params, generate or score.
 
-The params of path p are read straight from a run's orbax checkpoint: for each
-store group, row `module_of(p)` of every leaf, through TensorStore on the
-OCDBT files orbax wrote. Nothing else is materialised — not the other modules,
-not the worker params, not the optimizer states — whatever the grid size.
-Disk reads follow the chunking: one row per chunk (the early-stopping set, and
-checkpoints saved with `checkpoint.module_chunks`) reads one path's bytes;
-a whole-leaf chunk reads that leaf's K rows. `bytes_read()` counts them.
+The params of path p are read straight from a run's checkpoint
+(checkpoint.read_rows): for each store group, row `module_of(p)` of every
+leaf. Nothing else is materialised — not the other modules, not the worker
+params, not the optimizer states — whatever the grid size. Disk reads follow
+the chunking: one row per chunk (the early-stopping set, and checkpoints saved
+with `checkpoint.module_chunks`) reads one path's bytes; a whole-leaf chunk
+reads that leaf's K rows. `checkpoint.bytes_read()` counts them.
 """
 # pylint: disable=invalid-name
 
@@ -14,16 +14,13 @@ import dataclasses
 import functools
 import hashlib
 import json
-import os
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import tensorstore as ts
-from etils import epath
 
-from dipaco_jax import early_stopping
+from dipaco_jax import checkpoint
 from dipaco_jax import experiment as exp_lib
 from dipaco_jax import model as model_lib
 from dipaco_jax import routing
@@ -32,99 +29,42 @@ from dipaco_jax.data import vocab as vocab_lib
 from dipaco_jax.types import PyTree
 
 
-
-def bytes_read() -> int:
-  """Bytes TensorStore has read from any key-value store in this process so far."""
-  total = 0
-  for m in ts.experimental_collect_matching_metrics("/tensorstore/kvstore/"):
-    if m["name"].endswith("/bytes_read"):
-      total += sum(v.get("value", 0) for v in m["values"])
-  return total
-
-
-def _latest_step(directory: epath.Path) -> int:
-  # orbax writes into a temporary name and renames to the bare step when finished.
-  steps = [int(p.name) for p in directory.iterdir() if p.name.isdigit()]
-  if not steps:
-    raise FileNotFoundError(f"no finished checkpoint under {directory}: train the run first.")
-  return max(steps)
-
-
-def read_rows(item_dir: str, rows: dict[str, tuple[int, int]]) -> dict[str, np.ndarray]:
-  """Reads `array[row]` of each named array (of `num_rows` rows) of an orbax OCDBT item."""
-  base = str(item_dir) if "://" in str(item_dir) else "file://" + os.path.abspath(item_dir)
-  # One context: the OCDBT manifest and b-tree nodes are read once, not once per array.
-  ctx = ts.Context({"cache_pool": {"total_bytes_limit": 1 << 24}})
-  kv = ts.KvStore.open({"driver": "ocdbt", "base": base}, context=ctx).result()
-  out, driver = {}, None
-  for name, (row, num_rows) in rows.items():
-    if driver is None:  # orbax writes every array of an item in one zarr format.
-      driver = "zarr" if kv.read(f"{name}/.zarray").result().state == "value" else "zarr3"
-    spec = {"driver": driver, "kvstore": {"driver": "ocdbt", "base": base, "path": f"{name}/"},
-            "recheck_cached_data": False}
-    arr = ts.open(spec, open=True, read=True, context=ctx).result()
-    if arr.shape[0] != num_rows:
-      raise ValueError(f"{item_dir}: {name} has {arr.shape[0]} modules but this grid has "
-                       f"{num_rows}: the checkpoint was written by another grid. Pass the "
-                       "config the run was trained with.")
-    out[name] = arr[row].read().result()
-  return out
-
-
-def _names(tree: PyTree, prefix: str) -> list[str]:
-  keys = [".".join(str(getattr(k, "key", k)) for k in kp)
-          for kp, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
-  return [f"{prefix}.{k}" for k in keys]
-
-
 def load_path_params(workdir: str, config, path: int, *, source: str = "store",
                      step: int | None = None) -> tuple[PyTree, dict]:
-  """Path `path`'s params (no leading axis) and what was read: from the store or best set."""
+  """Path `path`'s params (no leading axis) and what was read: from the store or best set.
+
+  Both come from one checkpoint step (the latest by default): the best set
+  saved with it holds each worker's best params as of that step.
+  """
   topo = topo_lib.from_config(config)
   if not 0 <= path < topo.num_paths:
     raise ValueError(f"path {path} is not in this grid (paths 0-{topo.num_paths - 1}).")
-  theta = jax.eval_shape(functools.partial(model_lib.init_params, exp_lib.model_config(config)),
-                         jax.random.key(0))
-  if source == "store":
-    root = epath.Path(workdir) / "checkpoints"
-    item = "state"
-    worker = int(np.flatnonzero(topo.path_of_worker == path)[0])
-    group_row = {s.name: (int(s.module_of_worker[worker]), s.num_modules)
-                 for s in topo.store_groups()}
-    prefix = lambda g: f"store.{g}"
-  elif source == "best":
-    root = epath.Path(workdir) / early_stopping.DIRNAME
-    item = "params"
-    worker = int(np.flatnonzero(topo.path_of_worker == path)[0])
-    group_row = {g: (worker, topo.num_workers) for g in theta}
-    prefix = lambda g: g
-  else:
+  if source not in ("store", "best"):
     raise ValueError(f"source={source!r}: use 'store' (trained modules) or 'best' (per-path "
                      "early stopping).")
-  if not root.exists():
-    raise FileNotFoundError(f"no {root}: train the run (with early stopping for 'best') first.")
-  step = _latest_step(root) if step is None else step
-  rows = {}
-  for g, sub in theta.items():
-    for name in _names(sub, prefix(g)):
-      rows[name] = group_row[g]
-  before = bytes_read()
-  arrays = read_rows(str(root / str(step) / item), rows)
-  params = {g: jax.tree.unflatten(jax.tree.structure(sub),
-                                  [arrays[n] for n in _names(sub, prefix(g))])
-            for g, sub in theta.items()}
-  flat = list(arrays.values())
+  theta = jax.eval_shape(functools.partial(model_lib.init_params, exp_lib.model_config(config)),
+                         jax.random.key(0))
+  step = checkpoint.latest_step(workdir) if step is None else step
+  worker = int(np.flatnonzero(topo.path_of_worker == path)[0])
+  if source == "store":
+    row = {s.name: checkpoint.Row(int(s.module_of_worker[worker]), s.num_modules)
+           for s in topo.store_groups()}
+    rows = {"store": {g: jax.tree.map(lambda _, g=g: row[g], sub) for g, sub in theta.items()}}
+  else:
+    if checkpoint.read_best_records(workdir, step) is None:
+      raise checkpoint.NoCheckpointError(
+          f"checkpoint step {step} of {workdir} holds no early-stopping set: train with "
+          "config.early_stopping.enabled=True (the set is saved with every checkpoint after "
+          "the first evaluation).")
+    rows = jax.tree.map(lambda _: checkpoint.Row(worker, topo.num_workers), theta)
+  before = checkpoint.bytes_read()
+  arrays = checkpoint.read_rows(workdir, step, "state" if source == "store" else "best", rows)
+  params = arrays["store"] if source == "store" else arrays
+  flat = jax.tree.leaves(params)
   info = {"step": step, "source": source, "arrays": len(flat),
-          "bytes": int(sum(a.nbytes for a in flat)), "bytes_read": bytes_read() - before}
+          "bytes": int(sum(a.nbytes for a in flat)),
+          "bytes_read": checkpoint.bytes_read() - before}
   return params, info
-
-
-def active_phase(workdir: str, step: int) -> int:
-  """The routing phase a checkpoint step trained in (from its data item)."""
-  meta = epath.Path(workdir) / "checkpoints" / str(step) / "data" / "metadata"
-  if not meta.exists():
-    return 0
-  return int(json.loads(meta.read_text()).get("routing", {}).get("phase", 0))
 
 
 @dataclasses.dataclass
@@ -140,9 +80,8 @@ class PathServer:
     c = self.config
     self.sp = vocab_lib.load(vocab_lib.resolve(c.data.task, c.data.vocab_path))
     self.model = model_lib.Transformer(exp_lib.model_config(c))
-    root = epath.Path(self.workdir) / "checkpoints"
-    self.step = _latest_step(root) if self.step is None else self.step
-    self.phase = active_phase(self.workdir, self.step)
+    self.step = checkpoint.latest_step(self.workdir) if self.step is None else self.step
+    self.phase = checkpoint.routing_phase(checkpoint.read_data_state(self.workdir, self.step))
     self.prefix_len = routing.check_prefix_len(c.routing.prefix_len)
     kind = c.routing.router
     needs = self.phase > 0 or kind != "random"

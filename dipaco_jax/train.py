@@ -79,28 +79,34 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   # Routed shards and re-shards (shard_plan.py): the plan's train_it, eval_batches
   # (same batches at every evaluation) and alpha_W.
   plan = shard_plan.ShardPlan(config, workdir, exp)
-  # Per-path early stopping (paper §2.7) on each worker's own validation shard.
-  best = (early_stopping.BestPaths(workdir, exp.state_sharding.params,
-                                   exp.abstract_state.params, topo.num_workers)
+  # Per-path early stopping (paper §2.7) on each worker's own validation shard; the
+  # set is saved with each checkpoint.
+  best = (early_stopping.BestPaths(exp.state_sharding.params, topo.num_workers)
           if config.early_stopping.enabled else None)
-  if best is not None:
-    best.restore()
   _write_config(workdir_path, config)  # The run's inputs are all valid and ready.
 
   ckpt = ckpt_lib.Checkpointer(workdir, max_to_keep=config.ckpt.max_to_keep,
                                async_save=config.ckpt.async_save)
-  restored = ckpt.restore(exp.abstract_state)
+  try:
+    restored = ckpt.restore(exp.abstract_state)
+  except BaseException:  # E.g. a damaged checkpoint: stop orbax's threads before the error.
+    ckpt.close()
+    raise
   if restored is None:
     state = exp.init_state(config.seed, _initial_theta(config))
   else:
     state, data_state = restored
     plan.restore(data_state)
+    if best is not None:
+      best.load(ckpt.restore_best(exp.abstract_state.params))
   step = int(jax.device_get(state.step))
   log = metrics_lib.MetricsLogger(workdir, resume_step=step)
   if step == 0:
     log.write_hparams(config.to_dict())
   labels = [topo.path_label(int(p)) + (f"/r{w % topo.replicas}" if topo.replicas > 1
                                         else "") for w, p in enumerate(topo.path_of_worker)]
+  guard = metrics_lib.DivergenceGuard(config, labels, feed_lib.host(exp.group_norms(state.params)),
+                                      last_saved=None if restored is None else step)
   tokens_per_step = W * config.data.batch_size * config.data.seq_len
   log_every = config.log_every_steps
   eval_every = config.eval.every_steps
@@ -111,57 +117,56 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   last = {"time": time.perf_counter(), "step": step}
   result: dict[str, Any] = {}
   stop = total if config.stop_at_step < 0 else min(config.stop_at_step, total)
-  while step < stop:
-    batch = exp.put_batch(plan.train_it.next_batch())
-    params, inner_opt, m = exp.inner_step(state.params, state.inner_opt, batch)
-    state = state.replace(params=params, inner_opt=inner_opt, step=state.step + 1)
-    step += 1
-    # Blocking on each step's small metrics keeps the CPU collectives healthy
-    # (NOTES.md) and lets the NaN guard stop before a bad state is saved.
-    m = feed_lib.host(m)
-    metrics_lib.guard_losses(step, m["loss"], labels)
-    if step % H == 0:
-      if exp.outer_enabled:
-        store, outer_opt, params, om = exp.outer_step(
-            state.store, state.outer_opt, state.params, plan.alpha_W)
-        state = state.replace(store=store, outer_opt=outer_opt, params=params)
-        record["outer_delta_norm"] = feed_lib.host(om["delta_norm"])
-      else:
-        state = state.replace(store=exp.sync_store(state.params))
-      if plan.reshards_after(step):
-        plan.reshard(step, state.params)
-        if config.routing.restart_schedule:  # Paper Fig. 10: the cosine starts over.
-          state = state.replace(inner_opt=inner_lib.restart_schedule(state.inner_opt))
-    bar.update(1)
-    if step % log_every == 0 or step % H == 0 or step == total:
-      now = time.perf_counter()
-      record.update(phase=(step - 1) // H, train_loss=m["loss"],
-                    grad_norm=m["grad_norm"],
-                    tokens_per_s=tokens_per_step * (step - last["step"]) /
-                    max(now - last["time"], 1e-9))
-      bar.set_postfix(loss=f"{float(np.mean(m['loss'])):.3f}")
-    if step % eval_every == 0 or step == stop:
-      val = exp.evaluate(state.params, plan.eval_batches)
-      if best is not None:
-        best.update(step, val, state.params, plan.phase)
-      # Workers whose validation shard is empty read NaN (allow_validation): skipped.
-      record.update(val_loss=val, val_loss_mean=metrics_lib.nan_mean(val))
-      result = {"step": step, "val_loss": val.tolist(),
-                "val_loss_mean": metrics_lib.nan_mean(val),
-                "train_loss_mean": float(np.mean(m["loss"]))}
-    if record:
-      log.write(step, record)
-      record = {}
-      last = {"time": time.perf_counter(), "step": step}
-    if step % ckpt_every == 0 or step == stop:
-      if not bool(jax.device_get(exp.all_finite(state.params))):
-        raise metrics_lib.NonFiniteLossError(
-            f"non-finite parameters after step {step}; not saving. The last good "
-            "checkpoint is kept: lower config.inner.lr and rerun to resume.")
-      ckpt.save(step, state, plan.data_state())
-  bar.close()
-  if best is not None:
-    best.close()
-  ckpt.close()
-  log.close()
+  try:  # On any stop, the last checkpoint's save (async) still completes.
+    while step < stop:
+      batch = exp.put_batch(plan.train_it.next_batch())
+      params, inner_opt, m = exp.inner_step(state.params, state.inner_opt, batch)
+      state = state.replace(params=params, inner_opt=inner_opt, step=state.step + 1)
+      step += 1
+      # Blocking on each step's small metrics keeps the CPU collectives healthy
+      # (NOTES.md) and lets the divergence guard stop before a bad state is saved.
+      m = feed_lib.host(m)
+      guard.check(step, m["loss"], m["param_norm"])
+      if step % H == 0:
+        if exp.outer_enabled:
+          store, outer_opt, params, om = exp.outer_step(
+              state.store, state.outer_opt, state.params, plan.alpha_W)
+          state = state.replace(store=store, outer_opt=outer_opt, params=params)
+          record["outer_delta_norm"] = feed_lib.host(om["delta_norm"])
+        else:
+          state = state.replace(store=exp.sync_store(state.params))
+        if plan.reshards_after(step):
+          plan.reshard(step, state.params)
+          if config.routing.restart_schedule:  # Paper Fig. 10: the cosine starts over.
+            state = state.replace(inner_opt=inner_lib.restart_schedule(state.inner_opt))
+      bar.update(1)
+      if step % log_every == 0 or step % H == 0 or step == total:
+        now = time.perf_counter()
+        record.update(phase=(step - 1) // H, train_loss=m["loss"],
+                      grad_norm=m["grad_norm"], param_norm=m["param_norm"],
+                      tokens_per_s=tokens_per_step * (step - last["step"]) /
+                      max(now - last["time"], 1e-9))
+        bar.set_postfix(loss=f"{float(np.mean(m['loss'])):.3f}")
+      if step % eval_every == 0 or step == stop:
+        val = exp.evaluate(state.params, plan.eval_batches)
+        if best is not None:  # In memory; saved with the next checkpoint (at `stop` at the latest).
+          best.update(step, val, state.params, plan.phase)
+        # Workers whose validation shard is empty read NaN (allow_validation): skipped.
+        record.update(val_loss=val, val_loss_mean=metrics_lib.nan_mean(val))
+        result = {"step": step, "val_loss": val.tolist(),
+                  "val_loss_mean": metrics_lib.nan_mean(val),
+                  "train_loss_mean": float(np.mean(m["loss"]))}
+      if record:
+        log.write(step, record)
+        record = {}
+        last = {"time": time.perf_counter(), "step": step}
+      if step % ckpt_every == 0 or step == stop:
+        if not bool(jax.device_get(exp.all_finite(state.params))):
+          guard.not_finite(step)
+        ckpt.save(step, state, plan.data_state(), best=best.saved() if best else None)
+        guard.last_saved = step
+  finally:
+    bar.close()
+    ckpt.close()
+    log.close()
   return result

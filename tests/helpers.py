@@ -1,5 +1,6 @@
 """Shared test helpers: a tiny config and synthetic packed batches."""
 
+import contextlib
 import os
 
 import jax
@@ -37,3 +38,37 @@ def path_params(store, topo, path: int):
   """Params of one path (no leading axis): its first worker's row of the assembled params."""
   worker = int(np.flatnonzero(topo.path_of_worker == path)[0])
   return jax.tree.map(lambda x: x[worker], paths.assemble(store, topo))
+
+
+def tree_bytes(root) -> dict[str, bytes]:
+  """Every file under root (relative path -> contents): to show nothing was changed."""
+  out = {}
+  for dirpath, _, files in os.walk(root):
+    for name in files:
+      path = os.path.join(dirpath, name)
+      with open(path, "rb") as f:
+        out[os.path.relpath(path, root)] = f.read()
+  return out
+
+
+def truncate(path, keep: float = 0.5) -> None:
+  """Cuts a file to `keep` of its size, as a crash or a full disk would."""
+  size = os.path.getsize(path)
+  with open(path, "r+b") as f:
+    f.truncate(int(size * keep))
+
+
+@contextlib.contextmanager
+def compile_cache(directory: str):
+  """A persistent compilation cache, so runs of one config in one test compile once."""
+  cache = {"jax_compilation_cache_dir": str(directory),
+           "jax_persistent_cache_min_compile_time_secs": 0.0,
+           "jax_persistent_cache_min_entry_size_bytes": 0}
+  old = {k: getattr(jax.config, k) for k in cache}
+  for k, v in cache.items():
+    jax.config.update(k, v)
+  try:
+    yield
+  finally:
+    for k, v in old.items():
+      jax.config.update(k, v)

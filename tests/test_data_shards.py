@@ -3,7 +3,9 @@
 import json
 import os
 
+import helpers
 from dipaco_jax import data
+from dipaco_jax import errors
 from dipaco_jax.data import assign as assign_lib
 from dipaco_jax.data import shards
 import numpy as np
@@ -100,8 +102,26 @@ def test_shards_are_written_once_and_damage_is_detected(tmp_path):
   meta = json.loads((tmp_path / "validation" / shards.META).read_text())
   assert meta["assignment"] == "random(num_workers=2,seed=0,top_k=1)"
   os.remove(tmp_path / "validation" / shards.shard_file(1))
-  with pytest.raises(FileNotFoundError, match="is missing"):
+  with pytest.raises(errors.DamagedFileError, match="is damaged \\(missing\\); move"):
     data.ShardSet(str(tmp_path)).documents(1, "validation")
+
+
+@pytest.mark.parametrize("name", [shards.META, f"train/{shards.META}",
+                                  f"train/{shards.shard_file(1)}"])
+def test_a_truncated_shard_file_gives_one_line_naming_it(tmp_path, name):
+  root = tmp_path / "shards"
+  data.write_shards(str(root), "train", make_docs(30), data.random_assignment(2, seed=0), 2)
+  (root / shards.META).write_text(json.dumps({"format": shards.FORMAT}) + "\n")
+  data.ShardSet(str(root)).documents(1, "train")  # Intact before.
+  helpers.truncate(root / name)
+  before = helpers.tree_bytes(tmp_path)
+  with pytest.raises(errors.DamagedFileError) as e:
+    data.ShardSet(str(root)).documents(1, "train")
+  msg = str(e.value)
+  assert "\n" not in msg, msg
+  assert msg.startswith(f"shard file {root / name} is damaged ("), msg
+  assert f"; move {root} aside (mv {root} {root}.damaged) and rerun" in msg, msg
+  assert helpers.tree_bytes(tmp_path) == before  # Nothing deleted or rewritten.
 
 
 def test_remote_shard_dir_goes_through_staging_and_local_cache(tmp_path, monkeypatch):

@@ -6,6 +6,8 @@ import os
 import numpy as np
 import pytest
 
+import helpers
+from dipaco_jax import errors
 from dipaco_jax.routing import discriminative
 from dipaco_jax.routing import kmeans
 from dipaco_jax.routing import router as router_lib
@@ -80,6 +82,23 @@ def test_save_refuses_to_overwrite(routers, tmp_path):
   rs["linear"].save(str(tmp_path), overwrite=True)
   assert router_lib.Router.load(str(tmp_path)).kind == "linear"
   assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
+
+
+@pytest.mark.parametrize("keep", [0.0, 0.5, 0.95])
+@pytest.mark.parametrize("name", [router_lib.ARRAYS_FILE, router_lib.META_FILE])
+@pytest.mark.parametrize("kind", ["kmeans", "linear"])
+def test_a_truncated_router_file_gives_one_line_naming_it(routers, tmp_path, kind, name, keep):
+  d = str(tmp_path / "phase_1")
+  routers[1][kind].save(d)
+  helpers.truncate(os.path.join(d, name), keep)
+  before = helpers.tree_bytes(tmp_path)
+  with pytest.raises(errors.DamagedFileError) as e:
+    router_lib.Router.load(d)
+  msg = str(e.value)
+  assert "\n" not in msg, msg
+  assert msg.startswith(f"router file {os.path.join(d, name)} is damaged ("), msg
+  assert f"; move {d} aside (mv {d} {d}.damaged) and rerun to fit it again" in msg, msg
+  assert helpers.tree_bytes(tmp_path) == before  # Nothing deleted or rewritten.
 
 
 def test_load_router_from_another_grid(routers, tmp_path):

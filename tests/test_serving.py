@@ -75,18 +75,24 @@ def test_one_module_chunks_read_one_paths_bytes(saved):
   del plain
 
 
+def _save_best(workdir, exp, state, step, best):
+  ck = checkpoint.Checkpointer(workdir, async_save=False, max_to_keep=5)
+  ck.save(step, state, {"train": {}}, best=best.saved())
+  ck.close()
+
+
 def test_early_stopping_set_serves_one_paths_row(saved, tmp_path):
   cfg, exp, state, _, _ = saved
-  best = early_stopping.BestPaths(str(tmp_path), exp.state_sharding.params,
-                                  exp.abstract_state.params, exp.topo.num_workers)
+  best = early_stopping.BestPaths(exp.state_sharding.params, exp.topo.num_workers)
   params = jax.device_put(state.params, exp.state_sharding.params)
   val = np.linspace(3.0, 4.0, exp.topo.num_workers)
   assert best.update(4, val, params, phase=0) == list(range(16))
+  _save_best(str(tmp_path), exp, state, 4, best)
   better = val.copy()
   better[5] -= 1.0
   shifted = jax.tree.map(lambda x: x + 1.0, params)
   assert best.update(6, better, shifted, phase=0) == [5]  # Only worker 5 improved.
-  best.close()
+  _save_best(str(tmp_path), exp, state, 6, best)
   meta = early_stopping.read_meta(str(tmp_path))
   assert meta["step"][5] == 6 and meta["step"][4] == 4 and meta["loss"][5] == better[5]
   for p, delta in ((5, 1.0), (4, 0.0)):
@@ -96,11 +102,33 @@ def test_early_stopping_set_serves_one_paths_row(saved, tmp_path):
       np.testing.assert_array_equal(a, b)
     assert info["bytes_read"] <= 1.1 * info["bytes"] + 65536
   # A new shard phase restarts the records: every worker's first loss is its best.
-  best = early_stopping.BestPaths(str(tmp_path), exp.state_sharding.params,
-                                  exp.abstract_state.params, exp.topo.num_workers)
-  best.restore()
+  best = early_stopping.BestPaths(exp.state_sharding.params, exp.topo.num_workers)
+  ck = checkpoint.Checkpointer(str(tmp_path), async_save=False)
+  best.load(ck.restore_best(exp.abstract_state.params))
+  ck.close()
+  assert best.meta["step"][5] == 6
   assert best.update(8, val + 10, params, phase=1) == list(range(16))
-  best.close()
+
+
+def test_serve_best_reads_the_set_saved_with_the_checkpoint(saved, tmp_path):
+  # The last evaluation (step 8) improved no worker: the set still holds step 4's params,
+  # and serving reads it from checkpoint 8 (it once looked for a best set at step 8 and failed).
+  cfg, exp, state, _, _ = saved
+  best = early_stopping.BestPaths(exp.state_sharding.params, exp.topo.num_workers)
+  params = jax.device_put(state.params, exp.state_sharding.params)
+  val = np.full(exp.topo.num_workers, 3.0)
+  best.update(4, val, params, phase=0)
+  _save_best(str(tmp_path), exp, state, 4, best)
+  assert best.update(8, val + 1.0, jax.tree.map(lambda x: x + 1.0, params), phase=0) == []
+  _save_best(str(tmp_path), exp, state, 8, best)
+  server = serving.PathServer(cfg, str(tmp_path), source="best")
+  assert server.step == 8
+  got = server.params(3)
+  assert server.load_info["step"] == 8 and server.load_info["source"] == "best"
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(jax.tree.map(lambda x: x[3],
+                                                                      state.params))):
+    np.testing.assert_array_equal(a, b)
+  assert early_stopping.read_meta(str(tmp_path))["step"] == [4] * exp.topo.num_workers
 
 
 def test_serving_bad_inputs(saved):
@@ -112,7 +140,7 @@ def test_serving_bad_inputs(saved):
     serving.load_path_params(plain, other, 1)
   with pytest.raises(ValueError, match="source='final'"):
     serving.load_path_params(plain, cfg, 0, source="final")
-  with pytest.raises(FileNotFoundError, match="best_paths"):
+  with pytest.raises(FileNotFoundError, match="holds no early-stopping set"):
     serving.load_path_params(plain, cfg, 0, source="best")
   server = serving.PathServer(cfg, plain)
   with pytest.raises(ValueError, match="empty prefix"):

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 
 import jax
 import numpy as np
@@ -70,13 +71,34 @@ def test_resume_is_bit_exact(tmp_path, shard_dir, stop_at):
 def test_nan_guard_stops_and_keeps_last_good_checkpoint(tmp_path, shard_dir):
   cfg = _config(shard_dir, **{"dipaco.inner_steps": 2, "dipaco.outer_steps": 3,
                               "ckpt.every_steps": 2, "inner.lr": 1e9,
-                              "inner.warmup_steps": 0, "inner.clip_norm": 0.0})
+                              "inner.warmup_steps": 0, "inner.clip_norm": 0.0,
+                              "guard.max_param_norm_ratio": 0.0})  # The NaN rule alone.
   with pytest.raises(metrics.NonFiniteLossError, match="non-finite"):
     train.train_and_evaluate(cfg, str(tmp_path))
   last = checkpoint.Checkpointer(str(tmp_path)).latest_step()
   if last is not None:
     state, _ = _params(str(tmp_path), cfg)
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(state.params))
+
+
+def test_an_exploding_run_stops_in_one_line_and_keeps_the_last_checkpoint(tmp_path, shard_dir):
+  # issue #11: inner.lr=1e6 once ran to the end with params at ~1e13 and the loss at ln V.
+  kw = {"dipaco.inner_steps": 2, "dipaco.outer_steps": 3}
+  workdir = str(tmp_path)
+  train.train_and_evaluate(_config(shard_dir, stop_at_step=2, **kw), workdir)
+  ckpts = os.path.join(workdir, "checkpoints")
+  before = helpers.tree_bytes(ckpts)
+  with pytest.raises(metrics.DivergenceError) as e:
+    train.train_and_evaluate(_config(shard_dir, **{"inner.lr": 1e6, **kw}), workdir)
+  msg = str(e.value)
+  assert "\n" not in msg, msg
+  assert re.fullmatch(
+      r"parameter norm of \w+ grew [0-9.e+]+x since step 2 \(to [0-9.e+]+\) on paths \[.+\] at "
+      r"step 3, over config.guard.max_param_norm_ratio=100: the run diverged; the last "
+      r"checkpoint, step 2, is kept and nothing later was saved. Lower config.inner.lr, .+\.",
+      msg), msg
+  assert helpers.tree_bytes(ckpts) == before
+  assert checkpoint.Checkpointer(workdir).latest_step() == 2
 
 
 def test_resuming_with_another_grid_is_refused(tmp_path, shard_dir):

@@ -55,7 +55,7 @@ def prepare_shards(data_cfg, num_workers: int, shard_dir: str, *, assign=None) -
   sizes = {}
   for split, split_assign in (("train", assign), ("validation", assign_lib.first_only(assign))):
     if (root / split / shards.META).exists():
-      sizes[split] = json.loads((root / split / shards.META).read_text())["tokens"]
+      sizes[split] = shards.read_json(root / split / shards.META, shard_dir)["tokens"]
       continue
     docs = iter_documents(data_cfg.task, split, data_dir=data_cfg.tfds_data_dir,
                           vocab_path=data_cfg.vocab_path, subsample=data_cfg.subsample)
@@ -72,7 +72,7 @@ def prepare_shards(data_cfg, num_workers: int, shard_dir: str, *, assign=None) -
 def _check_match(meta_path: epath.Path, want: dict, shard_dir: str) -> None:
   if not meta_path.exists():
     return
-  have = json.loads(meta_path.read_text())
+  have = shards.read_json(meta_path, shard_dir)
   diff = {k: (have.get(k, _MATCH_DEFAULTS.get(k)), want[k]) for k in MATCH_FIELDS
           if have.get(k, _MATCH_DEFAULTS.get(k)) != want[k]}
   if diff:

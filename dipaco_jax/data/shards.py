@@ -17,6 +17,7 @@ import tempfile
 from typing import Iterable, Sequence
 
 from array_record.python import array_record_module
+from dipaco_jax import errors
 from dipaco_jax.data import corpus
 from dipaco_jax.data import vocab
 from dipaco_jax.data.assign import Assignment
@@ -37,6 +38,21 @@ _HEADER = struct.Struct("<qBH")  # doc_id, bytes per token (2 or 4), domain leng
 
 class EmptyShardError(ValueError):
   """Some worker received no document."""
+
+
+def damaged(path, shard_dir, reason: str) -> errors.DamagedFileError:
+  """The one-line error for an unreadable file of a shard dir, with the fix."""
+  return errors.DamagedFileError(
+      f"shard file {path} is damaged ({reason}); move {shard_dir} aside (mv {shard_dir} "
+      f"{shard_dir}.damaged) and rerun: the shards are written again from the same assignment.")
+
+
+def read_json(path, shard_dir) -> dict:
+  """One of a shard dir's JSON files (DamagedFileError naming it if it does not parse)."""
+  try:
+    return json.loads(epath.Path(path).read_text())
+  except ValueError as e:  # JSONDecodeError and UnicodeDecodeError.
+    raise damaged(path, shard_dir, errors.json_problem(e)) from e
 
 
 def shard_file(worker: int) -> str:
@@ -126,14 +142,15 @@ def write_shards(shard_dir: str, split: str, documents: Iterable[Document], assi
 class ShardDocuments(Sequence):
   """Random access to one worker's documents of one split (len, [i], read_many)."""
 
-  def __init__(self, filename: str, num_docs: int):
+  def __init__(self, filename: str, num_docs: int, shard_dir: str | None = None):
+    shard_dir = shard_dir or os.path.dirname(os.path.dirname(filename))
     if not os.path.exists(filename):
-      raise FileNotFoundError(f"Shard file {filename} is missing; the shard dir is damaged: delete "
-                              "it and write it again.")
+      raise damaged(filename, shard_dir, "missing")
     self._reader = array_record_module.ArrayRecordReader(filename, "readahead_buffer_size:0")
     if self._reader.num_records() != num_docs:
-      raise ValueError(f"{filename} holds {self._reader.num_records()} documents, its meta.json "
-                       f"says {num_docs}; the shard dir is damaged: delete it and write it again.")
+      # A truncated ArrayRecord file loses its footer and reads as 0 records.
+      raise damaged(filename, shard_dir, f"holds {self._reader.num_records()} documents, its "
+                    f"meta.json says {num_docs}")
     self._num_docs = num_docs
 
   def __len__(self) -> int:
@@ -160,7 +177,7 @@ class ShardSet:
     if not root.exists():
       raise FileNotFoundError(f"Shard dir {shard_dir} does not exist; write it with "
                               "prepare_shards (or write_shards).")
-    self._splits = {split: json.loads((root / split / META).read_text())
+    self._splits = {split: read_json(root / split / META, shard_dir)
                     for split in corpus.SPLITS if (root / split / META).exists()}
     if not self._splits:
       raise ValueError(f"Shard dir {shard_dir} holds no complete split (no <split>/{META}); an "
@@ -169,7 +186,7 @@ class ShardSet:
     if len(num_workers) != 1:
       raise ValueError(f"Splits of {shard_dir} disagree on num_workers: {num_workers}.")
     self.num_workers = num_workers.pop()
-    self.meta = json.loads((root / META).read_text()) if (root / META).exists() else {}
+    self.meta = read_json(root / META, shard_dir) if (root / META).exists() else {}
     self._open = {}
 
   @property
@@ -198,7 +215,7 @@ class ShardSet:
       filename = os.path.join(self.shard_dir, split, shard_file(worker))
       if _is_remote(self.shard_dir):
         filename = _local_copy(filename)
-      self._open[worker, split] = ShardDocuments(filename, int(num_docs[worker]))
+      self._open[worker, split] = ShardDocuments(filename, int(num_docs[worker]), self.shard_dir)
     return self._open[worker, split]
 
 

@@ -15,9 +15,11 @@ import json
 import math
 import os
 from typing import Any
+import zipfile
 
 import numpy as np
 
+from dipaco_jax import errors
 from dipaco_jax.routing import discriminative
 from dipaco_jax.routing import kmeans
 
@@ -147,19 +149,33 @@ class Router:
     if missing:
       raise FileNotFoundError(f"no saved router in {directory} (missing {missing}); fit one "
                               "with a fit_*_router function and Router.save it there.")
-    with open(paths[1]) as f:
-      meta = json.load(f)
+    try:
+      with open(paths[1]) as f:
+        meta = json.load(f)
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError.
+      raise _damaged(paths[1], errors.json_problem(e)) from e
     if meta.get("format_version") != _FORMAT_VERSION:
       raise ValueError(f"{paths[1]} has router format {meta.get('format_version')}, this code "
                        f"reads {_FORMAT_VERSION}; refit the router with this code.")
-    with np.load(paths[0]) as z:
-      arrays = {k: z[k] for k in z.files}
+    try:
+      with np.load(paths[0]) as z:
+        arrays = {k: z[k] for k in z.files}
+    except (zipfile.BadZipFile, ValueError, EOFError, OSError) as e:  # What a cut zip raises.
+      raise _damaged(paths[0], str(e) or type(e).__name__) from e
     router = cls(meta["kind"], tuple(meta["grid"]), arrays, meta.get("info", {}))
     if router.feature_dim != meta["feature_dim"] or router.num_paths != meta["num_paths"]:
       raise ValueError(f"{directory}: {META_FILE} and {ARRAYS_FILE} disagree; re-save the router.")
     router.check_matches(grid=grid, num_paths=num_paths, feature_dim=feature_dim,
                          source=f"the router in {directory}")
     return router
+
+
+def _damaged(path: str, reason: str) -> errors.DamagedFileError:
+  directory = os.path.dirname(path)
+  return errors.DamagedFileError(
+      f"router file {path} is damaged ({reason}); move {directory} aside (mv {directory} "
+      f"{directory}.damaged) and rerun to fit it again (a discriminative phase's router is "
+      "refitted only when the run resumes from before its re-shard).")
 
 
 def _json_info(**info) -> dict[str, Any]:
