@@ -222,6 +222,9 @@ def _rules() -> dict[str, Rule]:
       "eval.reroute_stride": count, "eval.reroute_steps": count,
       "eval.reroute_lr": _number(0), "eval.reroute_batch_size": count,
       "early_stopping.enabled": _bool(),
+      "guard.stuck_steps": _integer(0, what=" (0 = rule off)"),
+      "guard.max_param_norm_ratio": ((lambda v: _number(0, above=False)[0](v) and (v == 0 or v > 1)),
+                                     "a number > 1, or 0 (rule off)"),
       "elastic.address": _string(), "elastic.num_workers": count,
       "elastic.num_executors": count,
       "elastic.worker_resources": _string(),  # Its JSON: elastic check_config.
