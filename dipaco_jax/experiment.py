@@ -67,7 +67,8 @@ class Experiment:
     self.topo = topology.from_config(config)
     self.model_cfg = model_config(config)
     self.model = model_lib.Transformer(self.model_cfg)
-    self.tx = inner_lib.optimizer(inner_config(config))
+    self.inner_cfg = inner_config(config)
+    self.tx = inner_lib.optimizer(self.inner_cfg)
     self.outer_cfg = outer_config(config)
     self.outer_tx = outer_lib.optimizer(self.outer_cfg)
     self.outer_enabled = bool(config.outer.get("enabled", True))
@@ -76,6 +77,14 @@ class Experiment:
       raise sharding.MeshError(
           f"config.data.batch_size={config.data.batch_size} is not divisible by "
           f"the 'data' mesh axis ({self.mesh.shape['data']}).")
+    mb = self.inner_cfg.microbatches
+    if mb < 1 or config.data.batch_size % (mb * self.mesh.shape["data"]):
+      raise ValueError(
+          f"config.inner.microbatches={mb} must be >= 1 and split the batch "
+          f"(config.data.batch_size={config.data.batch_size}) into microbatches "
+          f"that the 'data' mesh axis ({self.mesh.shape['data']}) divides: choose "
+          "a divisor of batch_size / data.")
+    self.fsdp = bool(config.mesh.get("fsdp", False))
     abstract = jax.eval_shape(self._init, jax.random.key(0), None)
     self.state_sharding = sharding.named(self.mesh, self._state_specs(abstract))
     self.abstract_state = jax.tree.map(
@@ -87,7 +96,7 @@ class Experiment:
     replicated = NamedSharding(self.mesh, P())
     self.inner_step = jax.jit(
         jax.vmap(functools.partial(inner_lib.train_step, model=self.model,
-                                   tx=self.tx)),
+                                   tx=self.tx, microbatches=mb)),
         in_shardings=(ps, self.state_sharding.inner_opt, self.batch_sharding),
         out_shardings=(ps, self.state_sharding.inner_opt, per_worker),
         donate_argnums=(0, 1))
@@ -127,8 +136,8 @@ class Experiment:
                       inner_opt=inner_lib.init_opt_state(self.tx, params))
 
   def _state_specs(self, abstract: TrainState) -> TrainState:
-    ps = sharding.worker_specs(abstract.params, self.mesh)
-    ss = sharding.store_specs(abstract.store, self.mesh)
+    ps = sharding.worker_specs(abstract.params, self.mesh, self.fsdp)
+    ss = sharding.store_specs(abstract.store, self.mesh, self.fsdp)
     return TrainState(
         step=P(), rng=P(), store=ss, params=ps,
         outer_opt=sharding.opt_state_specs(self.outer_tx, abstract.outer_opt,
