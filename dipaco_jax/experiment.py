@@ -107,7 +107,8 @@ class Experiment:
         out_shardings=(ss, self.state_sharding.outer_opt, ps, replicated),
         donate_argnums=(0, 1, 2))
     self.eval_step = jax.jit(
-        jax.vmap(functools.partial(inner_lib.eval_step, model=self.model)),
+        jax.vmap(functools.partial(inner_lib.eval_step, model=self.model,
+                                   microbatches=mb)),
         in_shardings=(ps, self.batch_sharding), out_shardings=per_worker)
     self.sync_store = jax.jit(
         functools.partial(paths_lib.disassemble, topo=self.topo),

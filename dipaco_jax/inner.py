@@ -7,6 +7,7 @@ reduces across workers, so no collective crosses the path axis.
 """
 # pylint: disable=invalid-name
 
+import contextlib
 import dataclasses
 import functools
 
@@ -58,6 +59,21 @@ def optimizer(cfg: InnerConfig) -> optax.GradientTransformation:
   return adamw
 
 
+# Scans in the loss unrolled (aot.py only): XLA's cost analysis counts a loop
+# body once, so the AOT tool compiles a copy with this set to count them all.
+_UNROLL_LOSS_CHUNKS = [False]
+
+
+@contextlib.contextmanager
+def unrolled_loss_chunks():
+  """Traces inside it build the chunked loss as straight-line code (cost counts)."""
+  _UNROLL_LOSS_CHUNKS[0] = True
+  try:
+    yield
+  finally:
+    _UNROLL_LOSS_CHUNKS[0] = False
+
+
 def loss_sums(params: PyTree, batch: dict, model: model_lib.Transformer):
   """Summed weighted next-token cross-entropy and the weight sum of a batch.
 
@@ -94,7 +110,7 @@ def loss_sums(params: PyTree, batch: dict, model: model_lib.Transformer):
 
   total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32),
                           (split(feats_BxTxD), split(batch["targets"]),
-                           split(w_BxT)))
+                           split(w_BxT)), unroll=_UNROLL_LOSS_CHUNKS[0])
   return total, w_BxT.sum()
 
 
@@ -159,10 +175,19 @@ def train_step(params: PyTree, opt_state: PyTree, batch: dict, *,
   return params, opt_state, metrics
 
 
-def eval_step(params: PyTree, batch: dict, *, model: model_lib.Transformer):
-  """Summed loss and token count of one batch for one path."""
-  loss, weight = loss_fn(params, batch, model)
-  return {"loss_sum": loss * weight, "weight": weight}
+def eval_step(params: PyTree, batch: dict, *, model: model_lib.Transformer,
+              microbatches: int = 1):
+  """Summed loss and token count of one batch for one path (scanned in microbatches)."""
+  if microbatches == 1:
+    loss_sum, weight = loss_sums(params, batch, model)
+  else:
+    def body(carry, mb):
+      l, w = loss_sums(params, mb, model)
+      return (carry[0] + l, carry[1] + w), None
+    zero = jnp.zeros((), jnp.float32)
+    (loss_sum, weight), _ = jax.lax.scan(body, (zero, zero),
+                                         microbatch(batch, microbatches))
+  return {"loss_sum": loss_sum, "weight": weight}
 
 
 def init_opt_state(tx: optax.GradientTransformation, params_W: PyTree) -> PyTree:
