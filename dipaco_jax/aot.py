@@ -31,6 +31,7 @@ from ml_collections import config_flags
 # Compiling needs libtpu's client but no TPU: don't contend for the lock a
 # running TPU job (or any jax process in this environment) holds.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # No local backend but the host's.
 
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -38,7 +39,6 @@ import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
 from dipaco_jax import data as data_lib  # pylint: disable=wrong-import-position
 from dipaco_jax import experiment as exp_lib  # pylint: disable=wrong-import-position
 from dipaco_jax import hlo  # pylint: disable=wrong-import-position
-from dipaco_jax import inner as inner_lib  # pylint: disable=wrong-import-position
 from dipaco_jax import model as model_lib  # pylint: disable=wrong-import-position
 from dipaco_jax import sharding  # pylint: disable=wrong-import-position
 from dipaco_jax import topology as topo_lib  # pylint: disable=wrong-import-position
@@ -271,31 +271,37 @@ class Report:
   def _inner_cost(self, compiled) -> tuple[float, float, str]:
     """Flops and bytes of the whole inner step, every loop iteration counted.
 
-    XLA's cost analysis counts a loop body once. With M microbatches or a
-    chunked loss, compile the same step for one microbatch (batch B/M, the
-    loss chunks unrolled) and take M of it, less (M-1) optimizer updates.
+    XLA's cost analysis counts a loop body once. The microbatch scan holds
+    the whole forward and backward pass, and the optimizer update runs once
+    outside it: M x (the step) - (M - 1) x (an optimizer update, compiled
+    alone). Inside it, the chunked loss's loop counts one of its n chunks; the
+    other n - 1 are added from their matmuls (forward, recomputed forward,
+    two backward: 8 b C D V flops) and their float32 logits (written and
+    read twice: 16 b C V bytes), with b C tokens per chip.
     """
-    M = int(self.config.inner.microbatches)
-    if M == 1 and not self.config.model.loss_chunk:
-      return (*_cost(compiled), "compiled step")
-    twin_cfg = self.config.copy_and_resolve_references()
-    twin_cfg.data.batch_size = self.config.data.batch_size // M
-    twin_cfg.inner.microbatches = 1
-    twin = exp_lib.Experiment(twin_cfg, mesh=self.mesh)
-    with inner_lib.unrolled_loss_chunks():
-      tst = twin.abstract_state
-      flops, nbytes = _cost(_compile(twin.inner_step, tst.params, tst.inner_opt,
-                                     abstract_batch(twin)))
-    if M == 1:
-      return flops, nbytes, "compiled step, loss chunks unrolled"
-    exp = self.exp
-    update = jax.jit(jax.vmap(lambda g, o, p: exp.tx.update(g, o, p)),
-                     in_shardings=(exp.state_sharding.params, exp.state_sharding.inner_opt,
-                                   exp.state_sharding.params))
-    st = exp.abstract_state
-    oflops, obytes = _cost(_compile(update, st.params, st.inner_opt, st.params))
-    return (M * flops - (M - 1) * oflops, M * nbytes - (M - 1) * obytes,
-            f"{M} x one microbatch's step - {M - 1} optimizer updates")
+    flops, nbytes = _cost(compiled)
+    how = ["compiled step"]
+    c, shape = self.config, self.mesh.shape
+    M = int(c.inner.microbatches)
+    chunk = int(c.model.loss_chunk)
+    if chunk:
+      n = c.data.seq_len // chunk
+      W = self.exp.topo.num_workers
+      rows = W * c.data.batch_size // (M * shape["path"] * shape["data"])
+      V = c.model.vocab_size // shape["model"]
+      flops += (n - 1) * 8.0 * rows * chunk * c.model.d_model * V
+      nbytes += (n - 1) * 16.0 * rows * chunk * V
+      how.append(f"+ {n - 1} loss chunks")
+    if M > 1:
+      exp, st = self.exp, self.exp.abstract_state
+      update = jax.jit(jax.vmap(exp.tx.update),
+                       in_shardings=(exp.state_sharding.params,
+                                     exp.state_sharding.inner_opt,
+                                     exp.state_sharding.params))
+      oflops, obytes = _cost(_compile(update, st.params, st.inner_opt, st.params))
+      flops, nbytes = M * flops - (M - 1) * oflops, M * nbytes - (M - 1) * obytes
+      how = [f"{M} x (" + " ".join(how) + f") - {M - 1} optimizer updates"]
+    return flops, nbytes, " ".join(how)
 
   def run(self, steps=("inner", "outer", "eval")) -> dict[str, Any]:
     for step in steps:

@@ -7,7 +7,6 @@ reduces across workers, so no collective crosses the path axis.
 """
 # pylint: disable=invalid-name
 
-import contextlib
 import dataclasses
 import functools
 
@@ -59,21 +58,6 @@ def optimizer(cfg: InnerConfig) -> optax.GradientTransformation:
   return adamw
 
 
-# Scans in the loss unrolled (aot.py only): XLA's cost analysis counts a loop
-# body once, so the AOT tool compiles a copy with this set to count them all.
-_UNROLL_LOSS_CHUNKS = [False]
-
-
-@contextlib.contextmanager
-def unrolled_loss_chunks():
-  """Traces inside it build the chunked loss as straight-line code (cost counts)."""
-  _UNROLL_LOSS_CHUNKS[0] = True
-  try:
-    yield
-  finally:
-    _UNROLL_LOSS_CHUNKS[0] = False
-
-
 def loss_sums(params: PyTree, batch: dict, model: model_lib.Transformer):
   """Summed weighted next-token cross-entropy and the weight sum of a batch.
 
@@ -110,7 +94,7 @@ def loss_sums(params: PyTree, batch: dict, model: model_lib.Transformer):
 
   total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32),
                           (split(feats_BxTxD), split(batch["targets"]),
-                           split(w_BxT)), unroll=_UNROLL_LOSS_CHUNKS[0])
+                           split(w_BxT)))
   return total, w_BxT.sum()
 
 
