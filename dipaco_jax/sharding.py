@@ -40,7 +40,11 @@ def _num_slices(devices: Sequence[Any], requested: int) -> int:
 
 
 def make_mesh(mesh_cfg, num_workers: int, devices=None) -> Mesh:
-  """Builds the mesh; the 'path' axis (over DCN on multislice) must divide W."""
+  """Builds the mesh; the 'path' axis (over DCN on multislice) must divide W.
+
+  Physical torus axes may be split (data = 4 on an 8x8 v5e slice): a path
+  then holds a 2x2 block of chips rather than a whole torus axis.
+  """
   devices = list(devices if devices is not None else jax.devices())
   n = len(devices)
   path, data = int(mesh_cfg.get("path", -1)), int(mesh_cfg.get("data", -1))
@@ -72,9 +76,11 @@ def make_mesh(mesh_cfg, num_workers: int, devices=None) -> Mesh:
           f"{slices} slices but path axis {path}: the path axis spans slices, "
           "so it must be a multiple of the slice count.")
     arr = mesh_utils.create_hybrid_device_mesh(
-        (path // slices, data, model), (slices, 1, 1), devices)
+        (path // slices, data, model), (slices, 1, 1), devices,
+        allow_split_physical_axes=True)
   else:
-    arr = mesh_utils.create_device_mesh((path, data, model), devices)
+    arr = mesh_utils.create_device_mesh((path, data, model), devices,
+                                        allow_split_physical_axes=True)
   return Mesh(arr, AXES, axis_types=(AxisType.Auto,) * 3)
 
 

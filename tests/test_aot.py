@@ -1,5 +1,7 @@
 """AOT compilation for real TPU topologies on this CPU (libtpu, no TPU).
 
+Slow (marked): the two compiles take ~1-2 CPU-minutes each.
+
 The tiny config and the dipaco_2x4 paper config (its 8-path grid, paper batch
 512 x 1024 per path and shipped memory switches, on its stated 2 x v5e-16;
 only 2 blocks instead of 12 so the compile takes seconds, not minutes) are
@@ -23,16 +25,17 @@ from dipaco_jax import aot, config_defaults, sharding  # pylint: disable=g-impor
 pytestmark = pytest.mark.slow
 
 
-def _check(result):
-  steps = result["steps"]
-  assert set(steps) == {"inner", "outer", "eval"}
+def _check(result, steps=("inner", "outer", "eval")):
+  steps_done, steps = steps, result["steps"]
+  assert set(steps) == set(steps_done)
   for name, s in steps.items():
     assert "memory" in s, f"{name}: {s.get('advice')}"
     assert s["memory"]["total"] > s["memory"]["arguments"] > 0
     assert s["fits"], f"{name}: {s.get('advice')}"
   inner = steps["inner"]
   assert inner["cross_path"] == [] and inner["path_bytes"] == 0
-  assert steps["outer"]["path_bytes"] > 0  # The outer step does reduce over 'path'.
+  if "outer" in steps:
+    assert steps["outer"]["path_bytes"] > 0  # The outer step does reduce over 'path'.
   assert 0 < inner["mfu"] <= 1.0 and inner["tokens_per_s"] > 0
 
 
@@ -46,16 +49,17 @@ def test_tiny_config_on_two_v5e_slices():
 
 
 def test_paper_dipaco_2x4_on_two_v5e_16_slices():
-  # configs/dipaco_2x4.py as shipped but 2 blocks (one per level) for compile time.
+  # configs/dipaco_2x4.py as shipped but 2 blocks (one per level) and the inner
+  # step only, for compile time (the tiny config covers outer and eval).
   cfg = config_defaults.load(
       os.path.join(helpers.ROOT, "configs", "dipaco_2x4.py"),
       **{"model.num_layers": 2,
          "dipaco.level_groups": ("embed,head", "block_0", "block_1")})
   assert (cfg.data.batch_size, cfg.data.seq_len) == (512, 1024)
-  r = aot.Report(cfg, "v5e:4x4", slices=2).run()
+  r = aot.Report(cfg, "v5e:4x4", slices=2).run(["inner"])
   assert r["chips"] == 32 and r["config"]["workers"] == 8
   assert r["config"]["mesh"]["path"] == 8
-  _check(r)
+  _check(r, ["inner"])
 
 
 def test_advice_names_the_need_and_the_switches():
