@@ -19,8 +19,11 @@ pytest.importorskip(
     "libtpu", reason="libtpu is not installed (pip install -e '.[aot]'): "
     "the TPU compiler is needed to compile for a TPU topology.")
 
+from dipaco_jax import aot  # pylint: disable=g-import-not-at-top,wrong-import-position
+from dipaco_jax import config_defaults  # pylint: disable=g-import-not-at-top,wrong-import-position
+from dipaco_jax import sharding  # pylint: disable=g-import-not-at-top,wrong-import-position
+
 import helpers  # pylint: disable=g-import-not-at-top,wrong-import-position
-from dipaco_jax import aot, config_defaults, sharding  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 pytestmark = pytest.mark.slow
 

@@ -11,8 +11,11 @@ import jax
 import numpy as np
 import pytest
 
+from dipaco_jax import experiment
+from dipaco_jax import inner
+from dipaco_jax import model
+
 import helpers
-from dipaco_jax import experiment, inner, model
 
 
 def _leaves(tree):
