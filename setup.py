@@ -21,6 +21,11 @@ _CORE = [
     "importlib_resources",  # tensorflow-datasets 4.9.10 imports it without declaring it
 ]
 
+# libtpu for compiling TPU programs on any host (dipaco_jax.aot, tests/test_aot.py):
+# jax's own `tpu` extra pins the libtpu built for the installed jax (jax 0.10.2:
+# libtpu 0.0.42.*; ~680 MB unpacked).
+_LIBTPU = "jax[tpu]"
+
 setuptools.setup(
     name="dipaco_jax",
     version="0.1.0",
@@ -35,8 +40,10 @@ setuptools.setup(
             "pytest", "pytest-timeout", "nbclient", "nbformat", "ipykernel", "matplotlib",
             "ruff==0.17.6",  # the formatter: pinned, as its output changes between releases
             "ray==2.*",  # CI runs the elastic mode for real (tests/test_elastic.py)
+            _LIBTPU,  # CI compiles for TPU topologies (tests/test_aot.py)
         ],
         "elastic": ["ray==2.*"],  # dipaco.mode="elastic" (docs/elastic.md)
         "tpu": ["jax[tpu]"],
+        "aot": [_LIBTPU],
     },
 )

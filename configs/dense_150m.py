@@ -12,6 +12,12 @@ required config.dipaco.init_from):
     --config.data.tfds_data_dir=gs://BUCKET/tfds --config.data.vocab_path=gs://BUCKET/t5_32k.model
 
 This config is θ̄'s own pretraining, so it needs no init_from ("" = random init).
+
+TPU memory (docs/tpu.md has the numbers): at the paper's batch (512 x 1024 tokens
+per path) the inner step fits one v5litepod-4 (4 chips): mesh path 1 x data 4,
+with the memory switches set below; checked by compiling for that topology:
+
+  python -m dipaco_jax.aot --config=configs/dense_150m.py --topology=v5e:2x2 --slices=1
 """
 
 from dipaco_jax import config_defaults
@@ -24,4 +30,9 @@ def get_config():
   c.outer.enabled = False
   c.dipaco.inner_steps = 1000  # Only the eval/sync interval when dense.
   c.dipaco.outer_steps = 88  # 88k steps in all.
+  # Memory (docs/tpu.md): 8 microbatches of 64 sequences, matmul outputs kept for
+  # the backward pass, logits 256 positions at a time.
+  c.inner.microbatches = 8
+  c.model.remat = "save_matmuls"
+  c.model.loss_chunk = 256
   return c

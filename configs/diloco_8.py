@@ -17,6 +17,12 @@ defaults: H = 500, T = 128 after 24k steps of dense pretraining. Shards are
 DiLoCo's non-i.i.d. setting (15.02 is its non-i.i.d. number): k-means on θ̄'s
 prefix features with one cluster per worker (routing.replica_shards="router");
 DiLoCo has no discriminative re-shard.
+
+TPU memory (docs/tpu.md has the numbers): at the paper's batch (512 x 1024 tokens
+per path) the inner step fits 2 x v5litepod-16 (32 chips): mesh path 8 x data 4,
+with the memory switches set below; checked by compiling for that topology:
+
+  python -m dipaco_jax.aot --config=configs/diloco_8.py --topology=v5e:4x4 --slices=2
 """
 
 from dipaco_jax import config_defaults
@@ -32,4 +38,9 @@ def get_config():
   c.inner.warmup_steps = 1000  # Re-warmed after forking, as in DiLoCo.
   c.outer.sqrt_paths = "none"  # DiLoCo's recipe: the plain mean over replicas.
   c.routing.replica_shards = "router"  # One k-means cluster per worker (phase 0 only).
+  # Memory (docs/tpu.md): 8 microbatches of 64 sequences, matmul outputs kept for
+  # the backward pass, logits 256 positions at a time.
+  c.inner.microbatches = 8
+  c.model.remat = "save_matmuls"
+  c.model.loss_chunk = 256
   return config_defaults.paper_fork(c, router="kmeans", discriminative=False)

@@ -19,6 +19,12 @@ Routing: product k-means phase-0 shards (§7.3: hundreds of paths), then one
 discriminative re-shard after outer step 107 with the LR schedule restarted,
 scoring 2**18 router documents with all 256 paths; the reasons:
 config_defaults.paper_fork.
+
+TPU memory (docs/tpu.md has the numbers): at the paper's batch (512 x 1024 tokens
+per path) the inner step fits 4 x v5litepod-256 (1024 chips): mesh path 256 x data 4,
+with the memory switches set below; checked by compiling for that topology:
+
+  python -m dipaco_jax.aot --config=configs/dipaco_16x16.py --topology=v5e:16x16 --slices=4
 """
 
 from dipaco_jax import config_defaults
@@ -26,5 +32,12 @@ from dipaco_jax import config_defaults
 
 def get_config():
   # Top-2 overlapping training shards; evaluation never overlaps.
-  return config_defaults.paper_grid(
+  c = config_defaults.paper_grid(
       16, 16, path_specific="embed,block_0,block_5,block_6,block_11", top_k=2)
+  # Memory (docs/tpu.md): 8 microbatches of 64 sequences, matmul outputs kept for
+  # the backward pass, logits 256 positions at a time; FSDP inside a path.
+  c.inner.microbatches = 8
+  c.model.remat = "save_matmuls"
+  c.model.loss_chunk = 256
+  c.mesh.fsdp = True
+  return c

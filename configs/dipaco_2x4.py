@@ -16,10 +16,22 @@ Levels (inferred; the paper gives no split): see config_defaults.paper_grid.
 Routing: product k-means phase-0 shards on θ̄'s prefix features, then one
 discriminative re-shard after outer step 107 (16,050 of 64,050 inner steps)
 with the LR schedule restarted; the reasons: config_defaults.paper_fork.
+
+TPU memory (docs/tpu.md has the numbers): at the paper's batch (512 x 1024 tokens
+per path) the inner step fits 2 x v5litepod-16 (32 chips): mesh path 8 x data 4,
+with the memory switches set below; checked by compiling for that topology:
+
+  python -m dipaco_jax.aot --config=configs/dipaco_2x4.py --topology=v5e:4x4 --slices=2 --config.mesh.data=4
 """
 
 from dipaco_jax import config_defaults
 
 
 def get_config():
-  return config_defaults.paper_grid(2, 4)
+  c = config_defaults.paper_grid(2, 4)
+  # Memory (docs/tpu.md): 8 microbatches of 64 sequences, matmul outputs kept for
+  # the backward pass, logits 256 positions at a time.
+  c.inner.microbatches = 8
+  c.model.remat = "save_matmuls"
+  c.model.loss_chunk = 256
+  return c

@@ -169,7 +169,8 @@ def _rules() -> dict[str, Rule]:
       "model.num_layers": count, "model.num_heads": count, "model.head_dim": count,
       "model.mlp_ratio": _number(0), "model.max_len": count,
       "model.positions": _choice(model.POSITIONS), "model.tie_embeddings": _bool(),
-      "model.dtype": _choice(model.DTYPES), "model.remat": _bool(),
+      "model.dtype": _choice(model.DTYPES), "model.remat": _choice(tuple(model.REMAT_POLICIES)),
+      "model.attention": _choice(model.ATTENTION), "model.loss_chunk": _integer(0, what=" (0 = off)"),
       "inner.lr": _number(0), "inner.warmup_steps": count0,
       "inner.total_steps": ((lambda v: v is None or _is_int(v) and v >= 1),
                             "an integer >= 1, or unset for H*T"),
@@ -177,6 +178,7 @@ def _rules() -> dict[str, Rule]:
       "inner.b2": _number(0, above=False, hi=1), "inner.eps": _number(0),
       "inner.weight_decay": _number(0, above=False),
       "inner.clip_norm": _number(0, above=False), "inner.decay_norms": _bool(),
+      "inner.microbatches": count,
       "outer.enabled": _bool(), "outer.lr": _number(0),
       "outer.momentum": _number(0, above=False, hi=1), "outer.nesterov": _bool(),
       "outer.weighting": _choice(outer.WEIGHTINGS),
@@ -202,6 +204,7 @@ def _rules() -> dict[str, Rule]:
       "data.empty_shard_policy": _choice(prepare.EMPTY_POLICIES),
       "mesh.path": _integer(1, unset=-1), "mesh.data": _integer(1, unset=-1),
       "mesh.model": count, "mesh.num_slices": count0, "mesh.cpu_devices": count0,
+      "mesh.fsdp": _bool(),
       "ckpt.every_steps": count, "ckpt.max_to_keep": count, "ckpt.async_save": _bool(),
       "routing.router": _choice(phases.PHASE0_ROUTERS), "routing.prefix_len": count,
       "routing.feature_batch_size": count, "routing.kmeans_restarts": count,
@@ -297,6 +300,14 @@ def _check_relations(c) -> None:
     sharding.check_path_axis(c.mesh.path, topo.num_workers)
   if c.mesh.data > 0:
     sharding.check_batch_divides(c.data.batch_size, c.mesh.data)
+  mb = c.inner.microbatches
+  if c.data.batch_size % (mb * max(c.mesh.data, 1)):
+    raise ConfigError(f"config.inner.microbatches={mb} does not split config.data.batch_size="
+                      f"{c.data.batch_size} into equal microbatches over the 'data' axis: choose a "
+                      "divisor of batch_size / mesh.data.")
+  if m.loss_chunk and c.data.seq_len % m.loss_chunk:
+    raise ConfigError(f"config.model.loss_chunk={m.loss_chunk} does not divide config.data.seq_len="
+                      f"{c.data.seq_len}: choose a divisor of seq_len, or 0 for no chunking.")
   if c.dipaco.init == "independent" and c.dipaco.init_from:
     raise ConfigError(f"config.dipaco.init='independent' with config.dipaco.init_from="
                       f"{c.dipaco.init_from!r}: init_from gives every module the same θ̄; set "

@@ -33,7 +33,9 @@ def base() -> ml_collections.ConfigDict:
   c.model.positions = "rope"  # "rope" | "learned" (paper silent).
   c.model.tie_embeddings = True  # Paper silent; tied fits its 150M count.
   c.model.dtype = "float32"  # Compute dtype: "bfloat16" on TPU.
-  c.model.remat = False  # Recompute block activations to save memory.
+  c.model.remat = "none"  # Backward-pass memory: "none" (keep all) | "full" (recompute blocks) | "save_matmuls" (keep weight-matmul outputs).
+  c.model.attention = "xla"  # "xla" (einsum + masked softmax) | "dot_product_attention" (jax.nn's; cuDNN flash on GPU).
+  c.model.loss_chunk = 0  # Sequence positions per cross-entropy chunk (never the full [B, T, V] logits); 0 = off. Divides seq_len.
 
   c.inner = ml_collections.ConfigDict()
   c.inner.lr = 4e-4  # Peak AdamW LR (paper 150M: 4e-4; 1.3B: 2e-4).
@@ -46,6 +48,7 @@ def base() -> ml_collections.ConfigDict:
   c.inner.weight_decay = 0.1  # Decoupled weight decay (paper: 0.1), matrices only.
   c.inner.clip_norm = 1.0  # Global-norm clip per path (paper silent; [SL]: 1.0); 0 disables.
   c.inner.decay_norms = False  # Weight-decay the norm scales too (default: matrices only).
+  c.inner.microbatches = 1  # Gradient accumulation steps inside one inner step (divides batch_size / mesh.data).
 
   c.outer = ml_collections.ConfigDict()
   c.outer.enabled = True  # False: no outer step (dense); store mirrors the path.
@@ -83,6 +86,7 @@ def base() -> ml_collections.ConfigDict:
   c.mesh.path = -1  # Device groups on the 'path' axis (-1: gcd(workers, devices/model)).
   c.mesh.data = -1  # Data parallelism inside a path (-1: the devices left).
   c.mesh.model = 1  # Tensor parallelism inside a path.
+  c.mesh.fsdp = False  # Also split params and AdamW state over 'data' inside a path (FSDP); False = replicated.
   c.mesh.num_slices = 0  # TPU slices ('path' spans them over DCN); 0 = detect.
   c.mesh.cpu_devices = 0  # On CPU only: split the host into N devices (0 = JAX's default).
 

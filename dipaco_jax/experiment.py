@@ -61,12 +61,20 @@ class Experiment:
     self.topo = topology.from_config(config)
     self.model_cfg = model_config(config)
     self.model = model_lib.Transformer(self.model_cfg)
-    self.tx = inner_lib.optimizer(inner_config(config))
+    self.inner_cfg = inner_config(config)
+    self.tx = inner_lib.optimizer(self.inner_cfg)
     self.outer_cfg = outer_config(config)
     self.outer_tx = outer_lib.optimizer(self.outer_cfg)
     self.outer_enabled = config.outer.enabled
     self.mesh = mesh or sharding.make_mesh(config.mesh, self.topo.num_workers)
     sharding.check_batch_divides(config.data.batch_size, self.mesh.shape["data"])
+    mb = self.inner_cfg.microbatches
+    if config.data.batch_size % (mb * self.mesh.shape["data"]):
+      raise config_defaults.ConfigError(
+          f"config.inner.microbatches={mb} must split the batch (config.data.batch_size="
+          f"{config.data.batch_size}) into microbatches that the 'data' mesh axis "
+          f"({self.mesh.shape['data']}) divides: choose a divisor of batch_size / data.")
+    self.fsdp = config.mesh.fsdp
     abstract = jax.eval_shape(self._init, jax.random.key(0), None)
     self.state_sharding = sharding.named(self.mesh, self._state_specs(abstract))
     self.abstract_state = jax.tree.map(
@@ -78,7 +86,7 @@ class Experiment:
     replicated = NamedSharding(self.mesh, P())
     self.inner_step = jax.jit(
         jax.vmap(functools.partial(inner_lib.train_step, model=self.model,
-                                   tx=self.tx)),
+                                   tx=self.tx, microbatches=mb)),
         in_shardings=(ps, self.state_sharding.inner_opt, self.batch_sharding),
         out_shardings=(ps, self.state_sharding.inner_opt, per_worker),
         donate_argnums=(0, 1))
@@ -89,7 +97,8 @@ class Experiment:
         out_shardings=(ss, self.state_sharding.outer_opt, ps, replicated),
         donate_argnums=(0, 1, 2))
     self.eval_step = jax.jit(
-        jax.vmap(functools.partial(inner_lib.eval_step, model=self.model)),
+        jax.vmap(functools.partial(inner_lib.eval_step, model=self.model,
+                                   microbatches=mb)),
         in_shardings=(ps, self.batch_sharding), out_shardings=per_worker)
     self.sync_store = jax.jit(
         functools.partial(paths_lib.disassemble, topo=self.topo),
@@ -119,8 +128,8 @@ class Experiment:
                       inner_opt=inner_lib.init_opt_state(self.tx, params))
 
   def _state_specs(self, abstract: TrainState) -> TrainState:
-    ps = sharding.worker_specs(abstract.params, self.mesh)
-    ss = sharding.store_specs(abstract.store, self.mesh)
+    ps = sharding.worker_specs(abstract.params, self.mesh, self.fsdp)
+    ss = sharding.store_specs(abstract.store, self.mesh, self.fsdp)
     return TrainState(
         step=P(), rng=P(), store=ss, params=ps,
         outer_opt=sharding.opt_state_specs(self.outer_tx, abstract.outer_opt,

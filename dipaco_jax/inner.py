@@ -8,6 +8,7 @@ reduces across workers, so no collective crosses the path axis.
 # pylint: disable=invalid-name
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +32,7 @@ class InnerConfig:
   weight_decay: float
   clip_norm: float  # Global-norm clip per path; 0 disables.
   decay_norms: bool  # Weight-decay norm scales too (default: matrices only).
+  microbatches: int  # Gradient accumulation: the batch in this many scanned parts.
 
 
 def schedule(cfg: InnerConfig) -> optax.Schedule:
@@ -56,23 +58,101 @@ def optimizer(cfg: InnerConfig) -> optax.GradientTransformation:
   return adamw
 
 
+def loss_sums(params: PyTree, batch: dict, model: model_lib.Transformer):
+  """Summed weighted next-token cross-entropy and the weight sum of a batch.
+
+  With model.cfg.loss_chunk = C > 0 the logits are built C sequence positions
+  at a time ([B, C, V], recomputed in the backward pass), never all [B, T, V].
+  """
+  w_BxT = batch["weights"].astype(jnp.float32)
+  chunk = model.cfg.loss_chunk
+  if not chunk:
+    logits_BxTxV = model.apply({"params": params}, batch["inputs"],
+                               batch["segment_ids"], batch["positions"])
+    ce_BxT = optax.softmax_cross_entropy_with_integer_labels(
+        logits_BxTxV, batch["targets"])
+    return (ce_BxT * w_BxT).sum(), w_BxT.sum()
+  feats_BxTxD, unembed_DxV = model.apply(
+      {"params": params}, batch["inputs"], batch["segment_ids"],
+      batch["positions"], unembed=False)
+  B, T, D = feats_BxTxD.shape
+  if T % chunk:
+    raise ValueError(f"model.loss_chunk={chunk} does not divide the sequence "
+                     f"length {T}: choose a divisor of it (0 = no chunking).")
+  n = T // chunk
+  # Chunks along T (not B), so each keeps the batch's 'data' sharding.
+  split = lambda x: x.reshape((B, n, chunk) + x.shape[2:]).swapaxes(0, 1)
+
+  # Checkpointed: the scan keeps only each chunk's features for the backward
+  # pass and recomputes its logits there.
+  @functools.partial(jax.checkpoint, prevent_cse=False)
+  def body(total, xs):
+    feats_BxCxD, targets_BxC, w_BxC = xs
+    ce_BxC = optax.softmax_cross_entropy_with_integer_labels(
+        model_lib.logits(feats_BxCxD, unembed_DxV), targets_BxC)
+    return total + (ce_BxC * w_BxC).sum(), None
+
+  total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32),
+                          (split(feats_BxTxD), split(batch["targets"]),
+                           split(w_BxT)))
+  return total, w_BxT.sum()
+
+
 def loss_fn(params: PyTree, batch: dict, model: model_lib.Transformer):
   """Weighted mean next-token cross-entropy and the weight sum."""
-  logits_BxTxV = model.apply({"params": params}, batch["inputs"],
-                             batch["segment_ids"], batch["positions"])
-  ce_BxT = optax.softmax_cross_entropy_with_integer_labels(
-      logits_BxTxV, batch["targets"])
-  w_BxT = batch["weights"].astype(jnp.float32)
-  denom = jnp.maximum(w_BxT.sum(), 1.0)
-  return (ce_BxT * w_BxT).sum() / denom, w_BxT.sum()
+  loss_sum, weight = loss_sums(params, batch, model)
+  return loss_sum / jnp.maximum(weight, 1.0), weight
+
+
+def microbatch(batch: dict, microbatches: int) -> dict:
+  """[B, ...] leaves to [M, B/M, ...]; microbatch m holds rows m, m+M, m+2M, ...
+
+  Strided, not contiguous: every microbatch then spans all of the batch's
+  'data' shards, so each scanned step keeps every device busy.
+  """
+  B = jax.tree.leaves(batch)[0].shape[0]
+  if B % microbatches:
+    raise ValueError(f"inner.microbatches={microbatches} does not divide the "
+                     f"batch of {B} sequences: choose a divisor of it.")
+  return jax.tree.map(
+      lambda x: x.reshape((B // microbatches, microbatches) + x.shape[1:]).swapaxes(0, 1),
+      batch)
+
+
+def _grads(params: PyTree, batch: dict, model: model_lib.Transformer,
+           microbatches: int):
+  """(mean loss, gradient of the mean loss) of the whole batch."""
+  if microbatches == 1:
+    (loss, _), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        params, batch, model)
+    return loss, grads
+  # Gradient accumulation: scan the summed loss's gradient over microbatches,
+  # then divide once by the batch's weight, as the full-batch mean would.
+  grad_sums = jax.value_and_grad(loss_sums, has_aux=True)
+
+  def body(carry, mb):
+    g_acc, l_acc, w_acc = carry
+    (l, w), g = grad_sums(params, mb, model)
+    return (jax.tree.map(jnp.add, g_acc, g), l_acc + l, w_acc + w), None
+
+  zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+  zero = jnp.zeros((), jnp.float32)
+  (g_sum, loss_sum, weight), _ = jax.lax.scan(
+      body, (zeros, zero, zero), microbatch(batch, microbatches))
+  denom = jnp.maximum(weight, 1.0)
+  grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), g_sum, params)
+  return loss_sum / denom, grads
 
 
 def train_step(params: PyTree, opt_state: PyTree, batch: dict, *,
                model: model_lib.Transformer,
-               tx: optax.GradientTransformation):
-  """One AdamW step on one path; returns (params, opt_state, metrics)."""
-  (loss, _), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-      params, batch, model)
+               tx: optax.GradientTransformation, microbatches: int = 1):
+  """One AdamW step on one path; returns (params, opt_state, metrics).
+
+  microbatches > 1 accumulates the gradient over that many parts of the batch
+  inside this one step: the same update up to the order of summation.
+  """
+  loss, grads = _grads(params, batch, model, microbatches)
   updates, opt_state = tx.update(grads, opt_state, params)
   params = optax.apply_updates(params, updates)
   metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
@@ -88,10 +168,19 @@ def group_norms(params: PyTree) -> dict:
   return {g: optax.tree.norm(sub) for g, sub in params.items()}
 
 
-def eval_step(params: PyTree, batch: dict, *, model: model_lib.Transformer):
-  """Summed loss and token count of one batch for one path."""
-  loss, weight = loss_fn(params, batch, model)
-  return {"loss_sum": loss * weight, "weight": weight}
+def eval_step(params: PyTree, batch: dict, *, model: model_lib.Transformer,
+              microbatches: int = 1):
+  """Summed loss and token count of one batch for one path (scanned in microbatches)."""
+  if microbatches == 1:
+    loss_sum, weight = loss_sums(params, batch, model)
+  else:
+    def body(carry, mb):
+      l, w = loss_sums(params, mb, model)
+      return (carry[0] + l, carry[1] + w), None
+    zero = jnp.zeros((), jnp.float32)
+    (loss_sum, weight), _ = jax.lax.scan(body, (zero, zero),
+                                         microbatch(batch, microbatches))
+  return {"loss_sum": loss_sum, "weight": weight}
 
 
 def init_opt_state(tx: optax.GradientTransformation, params_W: PyTree) -> PyTree:

@@ -16,6 +16,16 @@ from dipaco_jax.types import PyTree
 
 POSITIONS = ("rope", "learned")
 DTYPES = ("float32", "bfloat16")
+# model.remat: what a block keeps for its backward pass. "none" keeps every
+# activation; "full" keeps only the block's input and recomputes the rest;
+# "save_matmuls" keeps the outputs of the weight matmuls (not the attention
+# scores, whose einsums carry a batch dim) and recomputes the cheap rest.
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "save_matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+ATTENTION = ("xla", "dot_product_attention")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +41,15 @@ class ModelConfig:
   positions: str  # One of POSITIONS.
   tie_embeddings: bool
   dtype: str  # Compute dtype (one of DTYPES); parameters stay float32.
-  remat: bool  # Recompute block activations in the backward pass.
+  remat: str  # Block activations kept for the backward pass: REMAT_POLICIES.
+  attention: str  # "xla" (einsums here) | "dot_product_attention" (jax.nn's).
+  loss_chunk: int  # Sequence positions per cross-entropy chunk (inner.loss_sums); 0 = all.
+
+  def __post_init__(self):
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"model.remat={self.remat!r}: use one of {tuple(REMAT_POLICIES)}.")
+    if self.attention not in ATTENTION:
+      raise ValueError(f"model.attention={self.attention!r}: use one of {ATTENTION}.")
 
   @property
   def mlp_dim(self) -> int:
@@ -69,10 +87,16 @@ class Attention(nn.Module):
       q_BxTxHxK = _rope(q_BxTxHxK, positions_BxT)
       k_BxTxHxK = _rope(k_BxTxHxK, positions_BxT)
     T = x_BxTxD.shape[1]
-    causal_TxT = jnp.tril(jnp.ones((T, T), dtype=bool))
     same_BxTxT = segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :]
-    mask_Bx1xTxT = (causal_TxT[None] & same_BxTxT)[:, None]
     scale = cfg.head_dim ** -0.5
+    if cfg.attention == "dot_product_attention":
+      # jax.nn picks the implementation (cuDNN flash on GPU where it applies).
+      out_BxTxHxK = jax.nn.dot_product_attention(
+          q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, mask=same_BxTxT[:, None],
+          scale=scale, is_causal=True)
+      return dense("out", cfg.d_model, axis=(-2, -1))(out_BxTxHxK)
+    causal_TxT = jnp.tril(jnp.ones((T, T), dtype=bool))
+    mask_Bx1xTxT = (causal_TxT[None] & same_BxTxT)[:, None]
     att_BxHxTxT = jnp.einsum("bqhk,bshk->bhqs", q_BxTxHxK * scale, k_BxTxHxK)
     att_BxHxTxT = jnp.where(mask_Bx1xTxT, att_BxHxTxT.astype(jnp.float32),
                             jnp.finfo(jnp.float32).min)
@@ -101,12 +125,16 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-  """The path model: embed -> blocks -> head; returns logits (and hidden)."""
+  """The path model: embed -> blocks -> head; returns logits (and hidden).
+
+  unembed=False returns (features_BxTxD, unembedding_DxV) instead of logits:
+  logits = features @ unembedding, for a loss that builds them in chunks.
+  """
   cfg: ModelConfig
 
   @nn.compact
   def __call__(self, inputs_BxT, segment_ids_BxT=None, positions_BxT=None,
-               return_hidden: bool = False):
+               return_hidden: bool = False, unembed: bool = True):
     cfg = self.cfg
     dtype = jnp.dtype(cfg.dtype)
     B, T = inputs_BxT.shape
@@ -116,13 +144,17 @@ class Transformer(nn.Module):
       positions_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     embed = Embed(cfg, name="embed")
     x_BxTxD = embed(inputs_BxT, positions_BxT)
-    block_cls = nn.remat(Block) if cfg.remat else Block
+    policy = REMAT_POLICIES[cfg.remat]
+    block_cls = Block if cfg.remat == "none" else nn.remat(Block, policy=policy)
     for i in range(cfg.num_layers):
       x_BxTxD = block_cls(cfg, name=f"block_{i}")(
           x_BxTxD, segment_ids_BxT, positions_BxT)
     hidden_BxTxD = x_BxTxD
     table_VxD = embed.variables["params"]["token"] if cfg.tie_embeddings else None
-    logits_BxTxV = Head(cfg, name="head")(x_BxTxD.astype(dtype), table_VxD)
+    head = Head(cfg, name="head")
+    if not unembed:
+      return head.features(x_BxTxD.astype(dtype), table_VxD)
+    logits_BxTxV = head(x_BxTxD.astype(dtype), table_VxD)
     if return_hidden:
       return logits_BxTxV, hidden_BxTxD
     return logits_BxTxV
@@ -145,22 +177,44 @@ class Embed(nn.Module):
     return x_BxTxD.astype(jnp.dtype(cfg.dtype))
 
 
+class Unembed(nn.Module):
+  """The untied unembedding kernel [D, V] (the tree of nn.Dense(name="unembed"))."""
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self):
+    return self.param("kernel", nn.initializers.lecun_normal(),
+                      (self.cfg.d_model, self.cfg.vocab_size))
+
+
 class Head(nn.Module):
   """Final norm and unembedding (the tied table is passed in when tied)."""
   cfg: ModelConfig
 
-  @nn.compact
-  def __call__(self, x_BxTxD, table_VxD=None):
+  def setup(self):
+    dtype = jnp.dtype(self.cfg.dtype)
+    self.norm = nn.RMSNorm(dtype=dtype)
+    if not self.cfg.tie_embeddings:
+      self.unembed = Unembed(self.cfg)
+
+  def features(self, x_BxTxD, table_VxD=None):
+    """(normed features, unembedding [D, V]) whose product is the logits."""
     cfg = self.cfg
     dtype = jnp.dtype(cfg.dtype)
-    x_BxTxD = nn.RMSNorm(dtype=dtype, name="norm")(x_BxTxD)
+    x_BxTxD = self.norm(x_BxTxD)
     if table_VxD is None:
-      return nn.Dense(cfg.vocab_size, use_bias=False, dtype=dtype,
-                      name="unembed")(x_BxTxD).astype(jnp.float32)
+      return x_BxTxD, self.unembed().astype(dtype)
     # Tied: scale so logits start O(1) with the unit-variance token table.
-    x_BxTxD = x_BxTxD * cfg.d_model ** -0.5
-    return jnp.einsum("btd,vd->btv", x_BxTxD,
-                      table_VxD.astype(dtype)).astype(jnp.float32)
+    return x_BxTxD * cfg.d_model ** -0.5, table_VxD.astype(dtype).T
+
+  def __call__(self, x_BxTxD, table_VxD=None):
+    return logits(*self.features(x_BxTxD, table_VxD))
+
+
+def logits(features_BxTxD: jax.Array, unembed_DxV: jax.Array) -> jax.Array:
+  """Float32 logits from the head's features and unembedding (compute dtype)."""
+  return jnp.einsum("btd,dv->btv", features_BxTxD,
+                    unembed_DxV).astype(jnp.float32)
 
 
 def init_params(cfg: ModelConfig, rng: jax.Array) -> PyTree:

@@ -3,7 +3,10 @@
 The leading worker axis of per-path arrays lives on 'path'; on a TPU
 multislice 'path' spans slices over DCN while 'data' and 'model' stay inside a
 slice on ICI. Inside a path, matrices are split over 'model' (tensor
-parallel) by parameter name and batches over 'data'.
+parallel) by parameter name and batches over 'data'. With FSDP
+(config.mesh.fsdp) every matrix and its optimizer state is also split over
+'data' on its largest dim not on 'model' (d_model in this model): the step
+all-gathers it for use and reduce-scatters its gradient, both inside a path.
 """
 # pylint: disable=invalid-name
 
@@ -55,7 +58,11 @@ def check_batch_divides(batch_size: int, data_axis: int) -> None:
 
 
 def make_mesh(mesh_cfg, num_workers: int, devices=None) -> Mesh:
-  """Builds the mesh; the 'path' axis (over DCN on multislice) must divide W."""
+  """Builds the mesh; the 'path' axis (over DCN on multislice) must divide W.
+
+  Physical torus axes may be split (data = 4 on an 8x8 v5e slice): a path
+  then holds a 2x2 block of chips rather than a whole torus axis.
+  """
   devices = list(devices if devices is not None else jax.devices())
   n = len(devices)
   path, data, model = int(mesh_cfg["path"]), int(mesh_cfg["data"]), int(mesh_cfg["model"])
@@ -82,18 +89,30 @@ def make_mesh(mesh_cfg, num_workers: int, devices=None) -> Mesh:
           f"{slices} slices but path axis {path}: the path axis spans slices, "
           "so it must be a multiple of the slice count.")
     arr = mesh_utils.create_hybrid_device_mesh(
-        (path // slices, data, model), (slices, 1, 1), devices)
+        (path // slices, data, model), (slices, 1, 1), devices,
+        allow_split_physical_axes=True)
   else:
-    arr = mesh_utils.create_device_mesh((path, data, model), devices)
+    arr = mesh_utils.create_device_mesh((path, data, model), devices,
+                                        allow_split_physical_axes=True)
   return Mesh(arr, AXES, axis_types=(AxisType.Auto,) * 3)
 
 
-def _inner_spec(name: str, shape: Sequence[int], model_size: int) -> list:
-  """PartitionSpec entries for one path's parameter (no leading axis)."""
+def _inner_spec(name: str, shape: Sequence[int], model_size: int,
+                fsdp_size: int = 0) -> list:
+  """PartitionSpec entries for one path's parameter (no leading axis).
+
+  fsdp_size > 0: a matrix also goes over 'data' (of that size) on its largest
+  dim that is not the 'model' dim and that it divides; vectors stay whole.
+  """
   spec = [None] * len(shape)
   dim = _MODEL_DIM.get(name)
   if dim is not None and dim < len(shape) and shape[dim] % model_size == 0:
     spec[dim] = "model"
+  if fsdp_size and len(shape) >= 2:
+    free = [i for i in range(len(shape))
+            if i != dim and shape[i] % fsdp_size == 0]
+    if free:
+      spec[max(free, key=lambda i: shape[i])] = "data"
   return spec
 
 
@@ -106,28 +125,32 @@ def _leaf_name(key_path) -> str:
   return keys[-1] if keys else ""
 
 
-def stacked_specs(tree: PyTree, mesh: Mesh, *, leading: str | None) -> PyTree:
+def stacked_specs(tree: PyTree, mesh: Mesh, *, leading: str | None,
+                  fsdp: bool = False) -> PyTree:
   """Specs for a tree whose leaves have a leading stacked axis (W or K).
 
-  `leading` names the mesh axis for that axis ('path' or None = replicate).
+  `leading` names the mesh axis for that axis ('path' or None = replicate);
+  fsdp also splits each matrix over 'data' (see _inner_spec).
   """
   msize = mesh.shape["model"]
+  fsize = mesh.shape["data"] if fsdp else 0
   def spec(kp, x):
-    return P(leading, *_inner_spec(_leaf_name(kp), x.shape[1:], msize))
+    return P(leading, *_inner_spec(_leaf_name(kp), x.shape[1:], msize, fsize))
   return jax.tree_util.tree_map_with_path(spec, tree)
 
 
-def worker_specs(params_W: PyTree, mesh: Mesh) -> PyTree:
-  return stacked_specs(params_W, mesh, leading="path")
+def worker_specs(params_W: PyTree, mesh: Mesh, fsdp: bool = False) -> PyTree:
+  return stacked_specs(params_W, mesh, leading="path", fsdp=fsdp)
 
 
-def store_specs(store: PyTree, mesh: Mesh) -> PyTree:
+def store_specs(store: PyTree, mesh: Mesh, fsdp: bool = False) -> PyTree:
   """Each store group on 'path' when its K divides the axis, else replicated."""
   npath = mesh.shape["path"]
   out = {}
   for g, sub in store.items():
     k = jax.tree.leaves(sub)[0].shape[0]
-    out[g] = stacked_specs(sub, mesh, leading="path" if k % npath == 0 else None)
+    out[g] = stacked_specs(sub, mesh, leading="path" if k % npath == 0 else None,
+                           fsdp=fsdp)
   return out
 
 

@@ -7,6 +7,10 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              " --xla_force_host_platform_device_count=4").strip()
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# Tests run on CPU devices. With libtpu installed (the test extra, for
+# test_aot.py) jax would otherwise try to start a TPU backend in every process;
+# compiling for a described TPU topology works without it.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax

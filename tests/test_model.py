@@ -259,7 +259,7 @@ def _loss_and_grads(cfg, params, batch, trace_only=False):
 
 
 def test_remat_same_params_loss_and_grads():
-  cfg, cfg_remat = _cfg(num_layers=1), _cfg(num_layers=1, remat=True)  # 1 block: half the compile
+  cfg, cfg_remat = _cfg(num_layers=1), _cfg(num_layers=1, remat="full")  # 1 block: half the compile
   # Remat wraps the block class without renaming it: init gives the same tree.
   assert _shapes(cfg_remat) == _shapes(cfg)
   params = _params(cfg)
