@@ -72,19 +72,6 @@ CHIPS = {
 # (a 4-chip v5e/v6e host with a 100 Gb/s NIC: 25 Gb/s per chip); --dcn_gbps.
 DEFAULT_DCN_GBPS_PER_CHIP = 25.0
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "Config file (configs/*.py); override fields with "
-    "--config.section.field=value.", lock_config=True)
-_TOPOLOGY = flags.DEFINE_string(
-    "topology", None, "TPU topology of one slice as libtpu names it, CHIP:AxB[xC] "
-    f"with CHIP in {sorted(CHIPS)}, e.g. v5e:4x4 (a v5litepod-16) or v5p:2x2x4.")
-_SLICES = flags.DEFINE_integer("slices", 1, "Slices (multislice over DCN).")
-_OUT = flags.DEFINE_string("out", None, "Also write the report here as JSON.")
-_STEPS = flags.DEFINE_list("steps", ["inner", "outer", "eval"],
-                           "Steps to compile: inner, outer, eval.")
-_DCN_GBPS = flags.DEFINE_float("dcn_gbps", DEFAULT_DCN_GBPS_PER_CHIP,
-                               "DCN Gb/s per chip for the outer step's time estimate.")
-flags.mark_flags_as_required(["config", "topology"])
 
 
 class AotError(ValueError):
@@ -428,24 +415,45 @@ def ok(r: dict[str, Any]) -> bool:
   return all(s["fits"] and not s.get("cross_path") for s in r["steps"].values())
 
 
+_FLAGS: dict[str, Any] = {}
+
+
+def _define_flags() -> None:
+  """The command's flags: defined only when it runs, so importing aot adds none."""
+  _FLAGS["config"] = config_flags.DEFINE_config_file(
+      "config", None, "Config file (configs/*.py); override fields with "
+      "--config.section.field=value.", lock_config=True)
+  _FLAGS["topology"] = flags.DEFINE_string(
+      "topology", None, "TPU topology of one slice as libtpu names it, CHIP:AxB[xC] "
+      f"with CHIP in {sorted(CHIPS)}, e.g. v5e:4x4 (a v5litepod-16) or v5p:2x2x4.")
+  _FLAGS["slices"] = flags.DEFINE_integer("slices", 1, "Slices (multislice over DCN).")
+  _FLAGS["out"] = flags.DEFINE_string("out", None, "Also write the report here as JSON.")
+  _FLAGS["steps"] = flags.DEFINE_list("steps", ["inner", "outer", "eval"],
+                             "Steps to compile: inner, outer, eval.")
+  _FLAGS["dcn_gbps"] = flags.DEFINE_float("dcn_gbps", DEFAULT_DCN_GBPS_PER_CHIP,
+                                 "DCN Gb/s per chip for the outer step's time estimate.")
+  flags.mark_flags_as_required(["config", "topology"])
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  unknown = set(_STEPS.value) - {"inner", "outer", "eval"}
+  unknown = set(_FLAGS["steps"].value) - {"inner", "outer", "eval"}
   if unknown:
     raise app.UsageError(f"--steps: unknown {sorted(unknown)}; use inner, outer, eval.")
   try:
-    report = Report(_CONFIG.value, _TOPOLOGY.value, _SLICES.value, _DCN_GBPS.value)
-    result = report.run(_STEPS.value)
+    report = Report(_FLAGS["config"].value, _FLAGS["topology"].value, _FLAGS["slices"].value, _FLAGS["dcn_gbps"].value)
+    result = report.run(_FLAGS["steps"].value)
   except (AotError, sharding.MeshError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
   print(format_report(result))
-  if _OUT.value:
-    with open(_OUT.value, "w") as f:
+  if _FLAGS["out"].value:
+    with open(_FLAGS["out"].value, "w") as f:
       json.dump(result, f, indent=1)
   sys.exit(0 if ok(result) else 1)
 
 
 if __name__ == "__main__":
+  _define_flags()
   app.run(main)
