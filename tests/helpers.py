@@ -8,6 +8,7 @@ import numpy as np
 
 from dipaco_jax import config_defaults
 from dipaco_jax import data as data_lib
+from dipaco_jax import model as model_lib
 from dipaco_jax import paths
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -72,3 +73,9 @@ def compile_cache(directory: str):
   finally:
     for k, v in old.items():
       jax.config.update(k, v)
+
+
+def model_config(**fields) -> model_lib.ModelConfig:
+  """A ModelConfig of base()'s model section with `fields` changed."""
+  section = {**config_defaults.base().model.to_dict(), **fields}  # Any type: tests bad values too.
+  return config_defaults.from_section(model_lib.ModelConfig, section)

@@ -66,7 +66,7 @@ def test_microbatches_that_do_not_split_the_batch_are_refused():
 def _model_cfg(**kw):
   base = dict(vocab_size=64, d_model=32, num_layers=2, num_heads=2, head_dim=16)
   base.update(kw)
-  return model.ModelConfig(**base)
+  return helpers.model_config(**base)
 
 
 def _loss_and_grads(cfg, params, batch):

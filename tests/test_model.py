@@ -8,6 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import helpers
+
 from dipaco_jax import inner
 from dipaco_jax import model as model_lib
 
@@ -18,7 +20,7 @@ def _cfg(**overrides):
   base = dict(vocab_size=V, d_model=D, num_layers=2, num_heads=H, head_dim=K, mlp_ratio=2.0,
               max_len=64)
   base.update(overrides)
-  return model_lib.ModelConfig(**base)
+  return helpers.model_config(**base)
 
 
 @functools.lru_cache(maxsize=None)
