@@ -153,17 +153,39 @@ def _damaged(root: epath.Path, step: int, what: str) -> DamagedCheckpointError:
                                 f"aside ({aside}) {then}.")
 
 
-def _quiet_closed_loop(previous, unraisable) -> None:
-  """sys.unraisablehook that drops the echoes of a read that failed on a damaged file.
+# A restore that fails on a damaged file leaves echoes: orbax stops at the first unreadable
+# array while its other reads go on; they fail too (asyncio logs "Task exception was never
+# retrieved"), are closed unawaited, or their TensorStore callbacks find orbax's event loop
+# closed, during and after the failed call. The damage is reported once, in one line; these
+# would print a traceback each, so they are dropped.
+_ORBAX_READ_ERROR = "Encountered error while reading array index"
 
-  orbax stops at the first unreadable array while TensorStore still reads the
-  others; their callbacks then find orbax's event loop closed, during and after
-  the failed call. The error is reported once (one line); the echoes would
-  print a traceback each.
-  """
-  exc = unraisable.exc_value
-  if not (isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"):
+
+def _is_echo(exc: BaseException | None, loop_closed: bool) -> bool:
+  while exc is not None:
+    msg = str(exc)
+    if (msg.startswith(_ORBAX_READ_ERROR) or any(msg.startswith(c + ":") for c in _DAMAGE_CODES)
+        or (loop_closed and isinstance(exc, RuntimeError) and msg == "Event loop is closed")):
+      return True
+    exc = exc.__cause__ or exc.__context__
+  return False
+
+
+def _quiet_echoes(previous, unraisable) -> None:
+  """sys.unraisablehook while (and after) a checkpoint is read: drops the echoes."""
+  if not _is_echo(unraisable.exc_value, loop_closed=True):
     previous(unraisable)
+
+
+class _EchoFilter(logging.Filter):
+  """Drops asyncio's "exception was never retrieved" records of a failed orbax read."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    exc = record.exc_info[1] if record.exc_info else None
+    return not ("never retrieved" in record.getMessage() and _is_echo(exc, loop_closed=False))
+
+
+logging.getLogger("asyncio").addFilter(_EchoFilter())
 
 
 @contextlib.contextmanager
@@ -174,7 +196,7 @@ def _reading(root: epath.Path, step: int):
   if bad is not None:
     raise _damaged(root, step, bad)
   previous = sys.unraisablehook
-  sys.unraisablehook = functools.partial(_quiet_closed_loop, previous)
+  sys.unraisablehook = functools.partial(_quiet_echoes, previous)
   try:
     yield
   except Exception as e:  # pylint: disable=broad-except

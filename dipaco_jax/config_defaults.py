@@ -141,7 +141,7 @@ def base() -> ml_collections.ConfigDict:
   c.elastic.stop_after_tasks = -1  # Driver exits after this many accepted task results (rerun resumes); -1 = never.
 
   c.guard = ml_collections.ConfigDict()  # Divergence guard (metrics.DivergenceGuard); 0 = rule off.
-  c.guard.stuck_steps = 100  # Stop when a mean train loss over this many steps after warmup >= ln V.
+  c.guard.stuck_steps = 100  # Stop when the mean train loss of this many steps past warmup >= ln V.
   c.guard.max_param_norm_ratio = 100.0  # Stop when a group's param norm > this x its norm at start.
   return c
 

@@ -32,6 +32,20 @@ class NonFiniteLossError(DivergenceError):
   """A worker's training loss (or a parameter) became NaN or Inf."""
 
 
+_LOWER_LR = ("Lower config.inner.lr, raise config.inner.warmup_steps or set "
+             "config.inner.clip_norm, then rerun the same command to resume")
+
+
+def guard_losses(step: int, losses_W: np.ndarray, labels: list[str],
+                 kept: str = "the last good checkpoint is kept") -> None:
+  """Stops the run with one line on a non-finite loss (DivergenceGuard's first rule)."""
+  bad_W = ~np.isfinite(np.asarray(losses_W, np.float64))
+  if bad_W.any():
+    bad = [labels[w] for w in np.flatnonzero(bad_W)]
+    raise NonFiniteLossError(f"non-finite training loss at step {step} on paths {bad}: the run "
+                             f"diverged; {kept}. {_LOWER_LR}.")
+
+
 STUCK_MARGIN = 0.01  # Nats: a loss this close to ln V counts as "at" it.
 
 
@@ -67,23 +81,20 @@ class DivergenceGuard:
     self.start = last_saved or 0
     self._losses = collections.deque(maxlen=max(self.stuck_steps, 1))
 
-  def _stop(self, cls, what: str, fix: str):
-    kept = ("no checkpoint was saved" if self.last_saved is None else
+  def _kept(self) -> str:
+    return ("no checkpoint was saved" if self.last_saved is None else
             f"the last checkpoint, step {self.last_saved}, is kept and nothing later was saved")
-    raise cls(f"{what}: the run diverged; {kept}. {fix}.")
+
+  def _stop(self, cls, what: str, fix: str):
+    raise cls(f"{what}: the run diverged; {self._kept()}. {fix}.")
 
   def _paths(self, bad_W: np.ndarray) -> list[str]:
     return [self.labels[w] for w in np.flatnonzero(bad_W)]
 
   def check(self, step: int, loss_W: np.ndarray, norms: dict[str, np.ndarray]) -> None:
     """Raises DivergenceError when a rule fires at inner step `step`."""
-    lower = ("Lower config.inner.lr, raise config.inner.warmup_steps or set "
-             "config.inner.clip_norm, then rerun the same command to resume")
+    guard_losses(step, loss_W, self.labels, self._kept())
     loss_W = np.asarray(loss_W, np.float64)
-    bad_W = ~np.isfinite(loss_W)
-    if bad_W.any():
-      self._stop(NonFiniteLossError,
-                 f"non-finite training loss at step {step} on paths {self._paths(bad_W)}", lower)
     norm_GxW = np.stack([np.asarray(norms[g], np.float64) for g in self.groups])
     ratio_GxW = norm_GxW / np.maximum(self.norm0_GxW, 1e-30)
     bad_GxW = ~(ratio_GxW <= self.max_ratio)  # NaN too.
@@ -94,7 +105,7 @@ class DivergenceGuard:
                  f"parameter norm of {self.groups[g]} grew {ratio_GxW[g, w]:.3g}x since step "
                  f"{self.start} (to {norm_GxW[g, w]:.3g}) on paths "
                  f"{self._paths(bad_GxW.any(0))} at step {step}, over "
-                 f"config.guard.max_param_norm_ratio={self.max_ratio:g}", lower)
+                 f"config.guard.max_param_norm_ratio={self.max_ratio:g}", _LOWER_LR)
     if not self.stuck_steps:
       return
     self._losses.append(loss_W)

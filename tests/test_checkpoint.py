@@ -7,12 +7,13 @@ import jax
 import numpy as np
 import pytest
 
-import helpers
 from dipaco_jax import checkpoint
 from dipaco_jax import early_stopping
 from dipaco_jax import experiment
 from dipaco_jax import serving
 from dipaco_jax import train
+
+import helpers
 
 PATH = 1  # The path serving reads (worker 1).
 

@@ -5,9 +5,10 @@ import math
 import numpy as np
 import pytest
 
-import helpers
 from dipaco_jax import errors
 from dipaco_jax import metrics
+
+import helpers
 
 LABELS = ["0-0-0", "0-0-1", "0-1-0", "0-1-1"]
 LN_V = math.log(8192)

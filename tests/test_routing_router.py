@@ -6,11 +6,12 @@ import os
 import numpy as np
 import pytest
 
-import helpers
 from dipaco_jax import errors
 from dipaco_jax.routing import discriminative
 from dipaco_jax.routing import kmeans
 from dipaco_jax.routing import router as router_lib
+
+import helpers
 
 _GRID = (2, 3)  # P = 6 paths.
 
