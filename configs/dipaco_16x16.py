@@ -21,10 +21,11 @@ scoring 2**18 router documents with all 256 paths; the reasons:
 config_defaults.paper_fork.
 
 TPU memory (docs/tpu.md has the numbers): at the paper's batch (512 x 1024 tokens
-per path) the inner step fits 4 x v5litepod-256 (1024 chips): mesh path 256 x data 4,
+per path) the inner step fits 4 x v5p-512 (1024 chips): mesh path 256 x data 4 (not v5e:
+the replicated store of the shared levels leaves too little HBM),
 with the memory switches set below; checked by compiling for that topology:
 
-  python -m dipaco_jax.aot --config=configs/dipaco_16x16.py --topology=v5e:16x16 --slices=4
+  python -m dipaco_jax.aot --config=configs/dipaco_16x16.py --topology=v5p:8x8x4 --slices=4
 """
 
 from dipaco_jax import config_defaults
@@ -35,9 +36,8 @@ def get_config():
   c = config_defaults.paper_grid(
       16, 16, path_specific="embed,block_0,block_5,block_6,block_11", top_k=2)
   # Memory (docs/tpu.md): 8 microbatches of 64 sequences, matmul outputs kept for
-  # the backward pass, logits 256 positions at a time; FSDP inside a path.
+  # the backward pass, logits 256 positions at a time.
   c.inner.microbatches = 8
   c.model.remat = "save_matmuls"
   c.model.loss_chunk = 256
-  c.mesh.fsdp = True
   return c

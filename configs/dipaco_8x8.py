@@ -18,10 +18,11 @@ Routing: product k-means phase-0 shards (Table 5's discriminative 8x8 run is
 107 with the LR schedule restarted; the reasons: config_defaults.paper_fork.
 
 TPU memory (docs/tpu.md has the numbers): at the paper's batch (512 x 1024 tokens
-per path) the inner step fits 4 x v5litepod-64 (256 chips): mesh path 64 x data 4,
+per path) the inner step fits 4 x v5p-128 (256 chips): mesh path 64 x data 4 (not
+v5e: the replicated store leaves too little HBM; FSDP over 'data' made it worse, 101%),
 with the memory switches set below; checked by compiling for that topology:
 
-  python -m dipaco_jax.aot --config=configs/dipaco_8x8.py --topology=v5e:8x8 --slices=4
+  python -m dipaco_jax.aot --config=configs/dipaco_8x8.py --topology=v5p:4x4x4 --slices=4
 """
 
 from dipaco_jax import config_defaults
@@ -30,9 +31,8 @@ from dipaco_jax import config_defaults
 def get_config():
   c = config_defaults.paper_grid(8, 8)
   # Memory (docs/tpu.md): 8 microbatches of 64 sequences, matmul outputs kept for
-  # the backward pass, logits 256 positions at a time; FSDP inside a path.
+  # the backward pass, logits 256 positions at a time.
   c.inner.microbatches = 8
   c.model.remat = "save_matmuls"
   c.model.loss_chunk = 256
-  c.mesh.fsdp = True
   return c
