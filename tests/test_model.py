@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dipaco_jax import config_defaults
 from dipaco_jax import inner
 from dipaco_jax import model as model_lib
 
@@ -15,10 +16,11 @@ V, D, H, K, T = 13, 8, 2, 4, 12  # vocab, d_model, heads, head_dim, sequence len
 
 
 def _cfg(**overrides):
-  base = dict(vocab_size=V, d_model=D, num_layers=2, num_heads=H, head_dim=K, mlp_ratio=2.0,
-              max_len=64)
-  base.update(overrides)
-  return model_lib.ModelConfig(**base)
+  """base()'s config.model (RoPE, tied, float32) at this tiny size, with `overrides`."""
+  small = dict(vocab_size=V, d_model=D, num_layers=2, num_heads=H, head_dim=K, mlp_ratio=2.0,
+               max_len=64)
+  return config_defaults.from_section(model_lib.ModelConfig, config_defaults.base().model,
+                                      **{**small, **overrides})
 
 
 @functools.lru_cache(maxsize=None)
