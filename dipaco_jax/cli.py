@@ -3,8 +3,8 @@
     cli.run(main)  # main(argv) calls `config, workdir = cli.start(argv)` first.
 
 A user error (`is_user_error`: a wrong config field or flag, a grid or mesh that
-cannot work, a missing input file, an empty shard, a run whose loss turned
-NaN) prints one line to stderr and exits with status 1; --verbose_errors shows
+cannot work, a missing or damaged input file, an empty shard, a diverged run)
+prints one line to stderr and exits with status 1; --verbose_errors shows
 its traceback. Any other exception is a bug and keeps its traceback.
 """
 
@@ -21,6 +21,7 @@ from ml_collections import config_flags
 from dipaco_jax import config_check
 from dipaco_jax import config_defaults
 from dipaco_jax import distributed
+from dipaco_jax import errors
 
 _VERBOSE = flags.DEFINE_bool(
     "verbose_errors", False, "Show the traceback of a user error (a bad config field, a "
@@ -40,14 +41,12 @@ _FLAG_ERROR = re.compile(r"^flag --config\.([\w.]+)=(.*?): (.*)$")
 
 def is_user_error(e: BaseException) -> bool:
   """Errors of the input, reported in one line: the config, missing files, data, divergence."""
-  # pylint: disable=g-import-not-at-top
-  from dipaco_jax.data import shards
-  kinds = (config_defaults.ConfigError,  # Also TopologyError and MeshError.
-           FileNotFoundError, shards.EmptyShardError, app.UsageError, flags.Error)
-  metrics = sys.modules.get("dipaco_jax.metrics")  # Imported by the trainer (TensorFlow).
-  if metrics is not None:
-    kinds += (metrics.NonFiniteLossError,)
-  return isinstance(e, kinds)
+  from dipaco_jax.data import shards  # pylint: disable=g-import-not-at-top
+  return isinstance(e, (
+      config_defaults.ConfigError,  # Also TopologyError, MeshError, ElasticConfigError.
+      errors.UserError,  # Damaged files, no checkpoint, divergence (metrics.DivergenceError).
+      FileNotFoundError,  # A missing input named by the OS.
+      shards.EmptyShardError, app.UsageError, flags.Error))
 
 
 def one_line(e: BaseException) -> str:

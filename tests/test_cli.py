@@ -17,7 +17,9 @@ from ml_collections import config_flags
 
 from dipaco_jax import cli
 from dipaco_jax import config_check
+from dipaco_jax import errors
 from dipaco_jax import main
+from dipaco_jax import metrics
 
 import helpers
 
@@ -145,6 +147,8 @@ def test_bad_command_lines_are_one_line(argv, want, monkeypatch, capsys):
 def test_user_errors_are_named_in_one_place():
   assert cli.is_user_error(config_check.ConfigError("x"))
   assert cli.is_user_error(FileNotFoundError("x"))
+  assert cli.is_user_error(errors.DamagedFileError("x"))
+  assert cli.is_user_error(metrics.NonFiniteLossError("x"))
   assert not cli.is_user_error(KeyError("x"))  # A bug: its traceback is kept.
   assert cli.one_line(ValueError("first\n  detail\nlast")) == "ValueError: first ... last"
 
