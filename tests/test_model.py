@@ -1,6 +1,7 @@
 """The path model: causality, segment isolation, RoPE, parameter layout, remat and dtypes."""
 # pylint: disable=invalid-name
 
+import dataclasses
 import functools
 
 import jax
@@ -8,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dipaco_jax import config_defaults
+from dipaco_jax import experiment
 from dipaco_jax import inner
 from dipaco_jax import model as model_lib
 
@@ -15,10 +18,11 @@ V, D, H, K, T = 13, 8, 2, 4, 12  # vocab, d_model, heads, head_dim, sequence len
 
 
 def _cfg(**overrides):
-  base = dict(vocab_size=V, d_model=D, num_layers=2, num_heads=H, head_dim=K, mlp_ratio=2.0,
+  """base()'s model section (one source of defaults) shrunk to the sizes above."""
+  tiny = dict(vocab_size=V, d_model=D, num_layers=2, num_heads=H, head_dim=K, mlp_ratio=2.0,
               max_len=64)
-  base.update(overrides)
-  return model_lib.ModelConfig(**base)
+  return dataclasses.replace(experiment.model_config(config_defaults.base()),
+                             **{**tiny, **overrides})
 
 
 @functools.lru_cache(maxsize=None)
