@@ -3,22 +3,22 @@
 import setuptools
 
 _CORE = [
-    "absl-py",
-    "jax>=0.6",
-    "flax>=0.10",
-    "optax>=0.2.4",
-    "orbax-checkpoint>=0.11",
-    "ml-collections>=1.0",
-    "clu>=0.0.12",
-    "tensorboard",  # clu's summary writer imports it; tensorflow 2.21 no longer pulls it in.
-    "numpy",
-    "tqdm",
-    "sentencepiece>=0.2",
-    "seqio>=0.0.19",
-    "tensorflow-datasets>=4.9",
-    "array-record>=0.5",
-    "etils[epath]",
-    "importlib_resources",  # tensorflow-datasets 4.9.10 imports it without declaring it
+  "absl-py",
+  "jax>=0.6",
+  "flax>=0.10",
+  "optax>=0.2.4",
+  "orbax-checkpoint>=0.11",
+  "ml-collections>=1.0",
+  "clu>=0.0.12",
+  "tensorboard",  # clu's summary writer imports it; tensorflow 2.21 no longer pulls it in.
+  "numpy",
+  "tqdm",
+  "sentencepiece>=0.2",
+  "seqio>=0.0.19",
+  "tensorflow-datasets>=4.9",
+  "array-record>=0.5",
+  "etils[epath]",
+  "importlib_resources",  # tensorflow-datasets 4.9.10 imports it without declaring it
 ]
 
 # libtpu for compiling TPU programs on any host (dipaco_jax.aot, tests/test_aot.py):
@@ -27,23 +27,28 @@ _CORE = [
 _LIBTPU = "jax[tpu]"
 
 setuptools.setup(
-    name="dipaco_jax",
-    version="0.1.0",
-    description="DiPaCo and DiLoCo trainers in JAX/Flax for TPU pods and CPUs.",
-    packages=setuptools.find_packages(include=["dipaco_jax", "dipaco_jax.*"]),
-    package_data={"dipaco_jax": ["data/assets/*", "data/assets/**/*"]},
-    include_package_data=True,
-    python_requires=">=3.10",
-    install_requires=_CORE,
-    extras_require={
-        "test": [
-            "pytest", "pytest-timeout", "nbclient", "nbformat", "ipykernel", "matplotlib",
-            "ruff==0.17.6",  # the formatter: pinned, as its output changes between releases
-            "ray==2.*",  # CI runs the elastic mode for real (tests/test_elastic.py)
-            _LIBTPU,  # CI compiles for TPU topologies (tests/test_aot.py)
-        ],
-        "elastic": ["ray==2.*"],  # dipaco.mode="elastic" (docs/elastic.md)
-        "tpu": ["jax[tpu]"],
-        "aot": [_LIBTPU],
-    },
+  name="dipaco_jax",
+  version="0.1.0",
+  description="DiPaCo and DiLoCo trainers in JAX/Flax for TPU pods and CPUs.",
+  packages=setuptools.find_packages(include=["dipaco_jax", "dipaco_jax.*"]),
+  package_data={"dipaco_jax": ["data/assets/*", "data/assets/**/*"]},
+  include_package_data=True,
+  python_requires=">=3.10",
+  install_requires=_CORE,
+  extras_require={
+    "test": [
+      "pytest",
+      "pytest-timeout",
+      "nbclient",
+      "nbformat",
+      "ipykernel",
+      "matplotlib",
+      "ruff==0.17.6",  # the formatter: pinned, as its output changes between releases
+      "ray==2.*",  # CI runs the elastic mode for real (tests/test_elastic.py)
+      _LIBTPU,  # CI compiles for TPU topologies (tests/test_aot.py)
+    ],
+    "elastic": ["ray==2.*"],  # dipaco.mode="elastic" (docs/elastic.md)
+    "tpu": ["jax[tpu]"],
+    "aot": [_LIBTPU],
+  },
 )

@@ -38,13 +38,25 @@ from dipaco_jax.elastic import storage  # noqa: E402
 
 def _config(args, shard_dir, **kw):
   over = {
-      "model.d_model": 32, "model.num_layers": 2, "model.num_heads": 2, "model.head_dim": 16,
-      "model.max_len": 64, "dipaco.level_groups": ("embed,head", "block_0", "block_1"),
-      "dipaco.modules_per_level": (1, 2, 2), "dipaco.inner_steps": args.inner_steps,
-      "dipaco.outer_steps": args.outer_steps, "inner.warmup_steps": 2, "data.seq_len": 64,
-      "data.batch_size": 4, "ckpt.every_steps": args.inner_steps,
-      "eval.every_steps": args.inner_steps, "eval.batches": 1, "ckpt.async_save": False,
-      "early_stopping.enabled": False, "mesh.cpu_devices": 0, "data.shard_dir": shard_dir,
+    "model.d_model": 32,
+    "model.num_layers": 2,
+    "model.num_heads": 2,
+    "model.head_dim": 16,
+    "model.max_len": 64,
+    "dipaco.level_groups": ("embed,head", "block_0", "block_1"),
+    "dipaco.modules_per_level": (1, 2, 2),
+    "dipaco.inner_steps": args.inner_steps,
+    "dipaco.outer_steps": args.outer_steps,
+    "inner.warmup_steps": 2,
+    "data.seq_len": 64,
+    "data.batch_size": 4,
+    "ckpt.every_steps": args.inner_steps,
+    "eval.every_steps": args.inner_steps,
+    "eval.batches": 1,
+    "ckpt.async_save": False,
+    "early_stopping.enabled": False,
+    "mesh.cpu_devices": 0,
+    "data.shard_dir": shard_dir,
   }
   over.update(kw)
   return config_defaults.load(os.path.join(ROOT, "configs", "tiny.py"), **over)
@@ -76,14 +88,15 @@ def _outer_latency(events, T):
 
 def _spmd_tokens_per_s(workdir, H):
   recs = [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl"))]
-  return statistics.median(r["tokens_per_s"] for r in recs
-                           if r["step"] > H and "tokens_per_s" in r)
+  return statistics.median(r["tokens_per_s"] for r in recs if r["step"] > H and "tokens_per_s" in r)
 
 
 def _same(a, b) -> bool:
   x, y = checkpoint.restore_numpy(a), checkpoint.restore_numpy(b)
-  return all(np.array_equal(np.asarray(p), np.asarray(q))
-             for p, q in zip(jax.tree.leaves(x), jax.tree.leaves(y), strict=True))
+  return all(
+    np.array_equal(np.asarray(p), np.asarray(q))
+    for p, q in zip(jax.tree.leaves(x), jax.tree.leaves(y), strict=True)
+  )
 
 
 def main():
@@ -95,12 +108,22 @@ def main():
   p.add_argument("--tasks_per_kill", type=int, default=10)
   args = p.parse_args()
   import ray  # pylint: disable=g-import-not-at-top
+
   H, T = args.inner_steps, args.outer_steps
   tmp = tempfile.mkdtemp(prefix="elastic_bench_")
-  ray.init(address="local", num_cpus=args.workers + 2, include_dashboard=False,
-           _node_ip_address="127.0.0.1", log_to_driver=False)
-  report = {"inner_steps": H, "outer_steps": T, "workers": args.workers,
-            "machine": f"{os.cpu_count()} CPU cores, load {os.getloadavg()[0]:.1f} at start"}
+  ray.init(
+    address="local",
+    num_cpus=args.workers + 2,
+    include_dashboard=False,
+    _node_ip_address="127.0.0.1",
+    log_to_driver=False,
+  )
+  report = {
+    "inner_steps": H,
+    "outer_steps": T,
+    "workers": args.workers,
+    "machine": f"{os.cpu_count()} CPU cores, load {os.getloadavg()[0]:.1f} at start",
+  }
 
   # 1. Overhead at 1 worker: one path, one replica (outer step over one worker).
   one = {"dipaco.level_groups": ("embed,block_0-1,head",), "dipaco.modules_per_level": (1,)}
@@ -109,13 +132,19 @@ def main():
   train.train_and_evaluate(_config(args, shards1, **one), os.path.join(tmp, "spmd1"))
   spmd_wall = time.time() - t0
   spmd_tps = _spmd_tokens_per_s(os.path.join(tmp, "spmd1"), H)
-  train.train_and_evaluate(_config(args, shards1, **one, **{
-      "dipaco.mode": "elastic", "elastic.num_workers": 1}), os.path.join(tmp, "el1"))
+  train.train_and_evaluate(
+    _config(args, shards1, **one, **{"dipaco.mode": "elastic", "elastic.num_workers": 1}),
+    os.path.join(tmp, "el1"),
+  )
   walls = _phase_walls(_events(os.path.join(tmp, "el1")), T)
   tokens_per_phase = 4 * 64 * H
   el_tps = tokens_per_phase / statistics.median(walls)
-  report["overhead"] = {"spmd_tokens_per_s": spmd_tps, "elastic_tokens_per_s": el_tps,
-                        "elastic_over_spmd": el_tps / spmd_tps, "elastic_phase_walls_s": walls}
+  report["overhead"] = {
+    "spmd_tokens_per_s": spmd_tps,
+    "elastic_tokens_per_s": el_tps,
+    "elastic_over_spmd": el_tps / spmd_tps,
+    "elastic_phase_walls_s": walls,
+  }
   print(json.dumps(report["overhead"]))
 
   # 2. The 2x2 grid (4 workers) on `--workers` actors: clean, then one kill per ~10 tasks.
@@ -134,9 +163,12 @@ def main():
   tasks = 4 * T
   kills = max(1, math.ceil(tasks / args.tasks_per_kill))
   t0 = time.time()
-  faulty = train.train_and_evaluate(_config(args, shards, **el, **{
-      "elastic.chaos_worker_kills": kills, "elastic.chaos_executor_kills": 1}),
-      os.path.join(tmp, "faulty"))
+  faulty = train.train_and_evaluate(
+    _config(
+      args, shards, **el, **{"elastic.chaos_worker_kills": kills, "elastic.chaos_executor_kills": 1}
+    ),
+    os.path.join(tmp, "faulty"),
+  )
   faulty_wall = time.time() - t0
   fev = _events(os.path.join(tmp, "faulty"))
 
@@ -153,19 +185,28 @@ def main():
   lost_s = (H / 2) * (useful / (H * T))
   g_spmd = useful / (useful + kills * (restart_s + lost_s))
   report["grid"] = {
-      "tasks": tasks, "kills_scheduled": kills,
-      "kills_done": faulty["status"]["worker_kills"],
-      "executor_kills_done": faulty["status"]["executor_kills"],
-      "requeued": faulty["status"]["requeued"],
-      "identical_to_clean": _same(os.path.join(tmp, "clean"), os.path.join(tmp, "faulty")),
-      "clean_step_s": step_s, "outer_latency_s": _outer_latency(ev, T),
-      "goodput_elastic_clean": g_clean, "goodput_elastic_faulty": g_faulty,
-      "wall_train_s": {"clean": w_clean, "faulty": w_faulty},
-      "wall_command_s": {"spmd": spmd_grid_wall, "elastic_clean": clean_wall,
-                         "elastic_faulty": faulty_wall, "spmd_1_worker": spmd_wall},
-      "goodput_spmd_with_restart_simulated": g_spmd,
-      "spmd_restart_s_measured": restart_s, "spmd_lost_s_per_preemption": lost_s,
-      "clean_val_loss_mean": clean.get("val_loss_mean")}
+    "tasks": tasks,
+    "kills_scheduled": kills,
+    "kills_done": faulty["status"]["worker_kills"],
+    "executor_kills_done": faulty["status"]["executor_kills"],
+    "requeued": faulty["status"]["requeued"],
+    "identical_to_clean": _same(os.path.join(tmp, "clean"), os.path.join(tmp, "faulty")),
+    "clean_step_s": step_s,
+    "outer_latency_s": _outer_latency(ev, T),
+    "goodput_elastic_clean": g_clean,
+    "goodput_elastic_faulty": g_faulty,
+    "wall_train_s": {"clean": w_clean, "faulty": w_faulty},
+    "wall_command_s": {
+      "spmd": spmd_grid_wall,
+      "elastic_clean": clean_wall,
+      "elastic_faulty": faulty_wall,
+      "spmd_1_worker": spmd_wall,
+    },
+    "goodput_spmd_with_restart_simulated": g_spmd,
+    "spmd_restart_s_measured": restart_s,
+    "spmd_lost_s_per_preemption": lost_s,
+    "clean_val_loss_mean": clean.get("val_loss_mean"),
+  }
   print(json.dumps(report["grid"]))
   ray.shutdown()
   tmp_out = args.out + ".tmp"

@@ -57,6 +57,7 @@ CPU_DEVICES = 4  # One DiLoCo replica / 2x2 path per fake device; 4x4 puts 4 pat
 @dataclasses.dataclass(frozen=True)
 class Sizes:
   """Model sizes, step counts and evaluation settings of one mode."""
+
   d_model: int
   layers: int
   heads: int
@@ -81,37 +82,91 @@ class Sizes:
 
 
 MODES = {
-    "full": Sizes(d_model=128, layers=4, heads=4, big_d_model=256, big_layers=7, big_heads=8,
-                  pretrain=240, steps=240, inner_steps=30, batch=8, seq_len=128, lr=2e-3,
-                  big_lr=2e-3, warmup=50, fork_warmup=30, disc_at=3, eval_every=2,
-                  windows=(8, 16, 32, 64), reroute_steps=200, subsample=1),
-    "quick": Sizes(d_model=64, layers=4, heads=2, big_d_model=128, big_layers=6, big_heads=4,
-                   pretrain=60, steps=60, inner_steps=15, batch=4, seq_len=96, lr=3e-3,
-                   big_lr=2e-3, warmup=15, fork_warmup=10, disc_at=1, eval_every=1,
-                   windows=(16, 32), reroute_steps=30, subsample=4),
-    "smoke": Sizes(d_model=32, layers=2, heads=2, big_d_model=64, big_layers=2, big_heads=2,
-                   pretrain=4, steps=4, inner_steps=2, batch=4, seq_len=48, lr=3e-3,
-                   big_lr=2e-3, warmup=2, fork_warmup=2, disc_at=1, eval_every=1,
-                   windows=(8,), reroute_steps=2, subsample=2),
+  "full": Sizes(
+    d_model=128,
+    layers=4,
+    heads=4,
+    big_d_model=256,
+    big_layers=7,
+    big_heads=8,
+    pretrain=240,
+    steps=240,
+    inner_steps=30,
+    batch=8,
+    seq_len=128,
+    lr=2e-3,
+    big_lr=2e-3,
+    warmup=50,
+    fork_warmup=30,
+    disc_at=3,
+    eval_every=2,
+    windows=(8, 16, 32, 64),
+    reroute_steps=200,
+    subsample=1,
+  ),
+  "quick": Sizes(
+    d_model=64,
+    layers=4,
+    heads=2,
+    big_d_model=128,
+    big_layers=6,
+    big_heads=4,
+    pretrain=60,
+    steps=60,
+    inner_steps=15,
+    batch=4,
+    seq_len=96,
+    lr=3e-3,
+    big_lr=2e-3,
+    warmup=15,
+    fork_warmup=10,
+    disc_at=1,
+    eval_every=1,
+    windows=(16, 32),
+    reroute_steps=30,
+    subsample=4,
+  ),
+  "smoke": Sizes(
+    d_model=32,
+    layers=2,
+    heads=2,
+    big_d_model=64,
+    big_layers=2,
+    big_heads=2,
+    pretrain=4,
+    steps=4,
+    inner_steps=2,
+    batch=4,
+    seq_len=48,
+    lr=3e-3,
+    big_lr=2e-3,
+    warmup=2,
+    fork_warmup=2,
+    disc_at=1,
+    eval_every=1,
+    windows=(8,),
+    reroute_steps=2,
+    subsample=2,
+  ),
 }
 
 # name -> (what it is, how it relates to the paper); the order of the table.
 MODELS = {
-    "dense_path": "dense, path size (Table 1 baseline, 16.23)",
-    "dense_4x": "dense, ~4x path params, from scratch (the 1.3B dense, 11.41)",
-    "diloco_iid": "DiLoCo, P replicas, i.i.d. shards (DiLoCo Table 3)",
-    "diloco_kmeans": "DiLoCo, P replicas, k-means shards (non-i.i.d.)",
-    "flat_moe": "flat MoE, P independent paths (Table 1)",
-    "dipaco_2x2": "DiPaCo 2x2, k-means then discriminative",
-    "dipaco_2x2_kmeans": "DiPaCo 2x2, k-means only (control)",
-    "dipaco_4x4": "DiPaCo 4x4, k-means then discriminative",
+  "dense_path": "dense, path size (Table 1 baseline, 16.23)",
+  "dense_4x": "dense, ~4x path params, from scratch (the 1.3B dense, 11.41)",
+  "diloco_iid": "DiLoCo, P replicas, i.i.d. shards (DiLoCo Table 3)",
+  "diloco_kmeans": "DiLoCo, P replicas, k-means shards (non-i.i.d.)",
+  "flat_moe": "flat MoE, P independent paths (Table 1)",
+  "dipaco_2x2": "DiPaCo 2x2, k-means then discriminative",
+  "dipaco_2x2_kmeans": "DiPaCo 2x2, k-means only (control)",
+  "dipaco_4x4": "DiPaCo 4x4, k-means then discriminative",
 }
 
 
 # Not in the default comparison: controls for the investigations of docs/results.md.
 INVESTIGATIONS = {
-    "dense_path_scratch": "dense, path size, from scratch (no fork, one LR schedule)",
-    "diloco_iid_sqrtp": "DiLoCo i.i.d. with the DiPaCo grids' x sqrt(P) on the outer gradient",
+  "dense_path_scratch": "dense, path size, from scratch (no fork, one LR schedule)",
+  "diloco_iid_sqrtp": "DiLoCo i.i.d. with the DiPaCo grids' x sqrt(P) on the outer gradient",
 }
 
 
@@ -122,19 +177,33 @@ def _block_levels(layers: int) -> tuple[str, str]:
   return span(0, h - 1), span(h, layers - 1)
 
 
-def run_overrides(name: str, s: Sizes, pretrain_dir: str, shared_shards: str,
-                  sqrt_paths: str) -> dict:
+def run_overrides(
+  name: str, s: Sizes, pretrain_dir: str, shared_shards: str, sqrt_paths: str
+) -> dict:
   """Config overrides (on configs/tiny.py) of one model; shared_shards: a shard dir prefix."""
   everything = f"embed,block_0-{s.layers - 1},head"
-  fork = {"dipaco.init_from": pretrain_dir, "inner.warmup_steps": s.fork_warmup,
-          "dipaco.outer_steps": s.steps // s.inner_steps}
+  fork = {
+    "dipaco.init_from": pretrain_dir,
+    "inner.warmup_steps": s.fork_warmup,
+    "dipaco.outer_steps": s.steps // s.inner_steps,
+  }
   kmeans = {"routing.router": "kmeans"}
-  disc = {**kmeans, "routing.discriminative_at_outer_step": s.disc_at,
-          "routing.restart_schedule": False}
-  grid = lambda k: {"dipaco.level_groups": ("embed,head", *_block_levels(s.layers)),
-                    "dipaco.modules_per_level": (1, k, k), "outer.sqrt_paths": sqrt_paths}
-  dense = {"dipaco.level_groups": (everything,), "dipaco.modules_per_level": (1,),
-           "outer.enabled": False, "data.shard_dir": shared_shards + "_dense"}
+  disc = {
+    **kmeans,
+    "routing.discriminative_at_outer_step": s.disc_at,
+    "routing.restart_schedule": False,
+  }
+  grid = lambda k: {
+    "dipaco.level_groups": ("embed,head", *_block_levels(s.layers)),
+    "dipaco.modules_per_level": (1, k, k),
+    "outer.sqrt_paths": sqrt_paths,
+  }
+  dense = {
+    "dipaco.level_groups": (everything,),
+    "dipaco.modules_per_level": (1,),
+    "outer.enabled": False,
+    "data.shard_dir": shared_shards + "_dense",
+  }
   if name == "pretrain":
     return {**dense, "dipaco.outer_steps": s.pretrain // s.inner_steps}
   if name == "dense_path":
@@ -142,13 +211,23 @@ def run_overrides(name: str, s: Sizes, pretrain_dir: str, shared_shards: str,
   if name == "dense_path_scratch":
     return {**dense, "dipaco.outer_steps": (s.pretrain + s.steps) // s.inner_steps}
   if name == "dense_4x":
-    return {**dense, "model.d_model": s.big_d_model, "model.num_layers": s.big_layers,
-            "model.num_heads": s.big_heads, "model.head_dim": s.big_d_model // s.big_heads,
-            "dipaco.level_groups": (f"embed,block_0-{s.big_layers - 1},head",),
-            "inner.lr": s.big_lr,
-            "dipaco.outer_steps": (s.pretrain + s.steps) // s.inner_steps}
-  diloco = {"dipaco.level_groups": (everything,), "dipaco.modules_per_level": (1,),
-            "dipaco.replicas": s.paths, "outer.sqrt_paths": "none", **fork}
+    return {
+      **dense,
+      "model.d_model": s.big_d_model,
+      "model.num_layers": s.big_layers,
+      "model.num_heads": s.big_heads,
+      "model.head_dim": s.big_d_model // s.big_heads,
+      "dipaco.level_groups": (f"embed,block_0-{s.big_layers - 1},head",),
+      "inner.lr": s.big_lr,
+      "dipaco.outer_steps": (s.pretrain + s.steps) // s.inner_steps,
+    }
+  diloco = {
+    "dipaco.level_groups": (everything,),
+    "dipaco.modules_per_level": (1,),
+    "dipaco.replicas": s.paths,
+    "outer.sqrt_paths": "none",
+    **fork,
+  }
   if name == "diloco_iid":
     return diloco
   if name == "diloco_iid_sqrtp":
@@ -156,8 +235,12 @@ def run_overrides(name: str, s: Sizes, pretrain_dir: str, shared_shards: str,
   if name == "diloco_kmeans":
     return {**diloco, **kmeans, "routing.replica_shards": "router"}
   if name == "flat_moe":
-    return {"dipaco.level_groups": (everything,), "dipaco.modules_per_level": (s.paths,),
-            **fork, **disc}
+    return {
+      "dipaco.level_groups": (everything,),
+      "dipaco.modules_per_level": (s.paths,),
+      **fork,
+      **disc,
+    }
   if name == "dipaco_2x2":  # Same phase-0 shards as its control (same θ̄, seed, grid).
     return {**grid(2), **fork, **disc, "data.shard_dir": shared_shards + "_2x2"}
   if name == "dipaco_2x2_kmeans":
@@ -170,22 +253,38 @@ def run_overrides(name: str, s: Sizes, pretrain_dir: str, shared_shards: str,
 def make_config(name: str, s: Sizes, out: str, sqrt_paths: str, seed: int = 0):
   """configs/tiny.py with this mode's sizes and the model's overrides."""
   from dipaco_jax import config_defaults
+
   common = {
-      "model.d_model": s.d_model, "model.num_layers": s.layers, "model.num_heads": s.heads,
-      "model.head_dim": s.d_model // s.heads, "model.max_len": max(256, s.seq_len),
-      "inner.lr": s.lr, "inner.warmup_steps": s.warmup, "dipaco.inner_steps": s.inner_steps,
-      "data.seq_len": s.seq_len, "data.batch_size": s.batch, "data.subsample": s.subsample,
-      "data.seed": seed,
-      "mesh.cpu_devices": CPU_DEVICES, "log_every_steps": s.inner_steps,
-      "ckpt.every_steps": s.inner_steps, "ckpt.async_save": False,
-      "eval.every_steps": s.inner_steps, "eval.batches": 2,
-      "eval.rerouting_windows": s.windows, "eval.reroute_steps": s.reroute_steps,
-      # k-means on a small validation split can leave a path without validation documents:
-      # it trains, its own-shard loss reads NaN and early stopping keeps its latest params.
-      "data.empty_shard_policy": "allow_validation",
+    "model.d_model": s.d_model,
+    "model.num_layers": s.layers,
+    "model.num_heads": s.heads,
+    "model.head_dim": s.d_model // s.heads,
+    "model.max_len": max(256, s.seq_len),
+    "inner.lr": s.lr,
+    "inner.warmup_steps": s.warmup,
+    "dipaco.inner_steps": s.inner_steps,
+    "data.seq_len": s.seq_len,
+    "data.batch_size": s.batch,
+    "data.subsample": s.subsample,
+    "data.seed": seed,
+    "mesh.cpu_devices": CPU_DEVICES,
+    "log_every_steps": s.inner_steps,
+    "ckpt.every_steps": s.inner_steps,
+    "ckpt.async_save": False,
+    "eval.every_steps": s.inner_steps,
+    "eval.batches": 2,
+    "eval.rerouting_windows": s.windows,
+    "eval.reroute_steps": s.reroute_steps,
+    # k-means on a small validation split can leave a path without validation documents:
+    # it trains, its own-shard loss reads NaN and early stopping keeps its latest params.
+    "data.empty_shard_policy": "allow_validation",
   }
-  over = {**common, **run_overrides(name, s, os.path.join(out, "runs", "pretrain"),
-                                    os.path.join(out, "shards"), sqrt_paths)}
+  over = {
+    **common,
+    **run_overrides(
+      name, s, os.path.join(out, "runs", "pretrain"), os.path.join(out, "shards"), sqrt_paths
+    ),
+  }
   c = config_defaults.load(os.path.join(ROOT, "configs", "tiny.py"), **over)
   c.ckpt.max_to_keep = c.dipaco.outer_steps + 2  # Every outer step is evaluated afterwards.
   return c
@@ -194,12 +293,18 @@ def make_config(name: str, s: Sizes, out: str, sqrt_paths: str, seed: int = 0):
 def param_counts(config) -> dict:
   """Parameters of one path and of the whole store (unique parameters)."""
   import jax
+
   from dipaco_jax import experiment
+
   exp = experiment.Experiment(config)
   n = lambda t: int(sum(np.prod(x.shape) for x in jax.tree.leaves(t)))
   params_W = exp.abstract_state.params
-  return {"path": n(params_W) // exp.topo.num_workers, "total": n(exp.abstract_state.store),
-          "paths": exp.topo.num_paths, "workers": exp.topo.num_workers}
+  return {
+    "path": n(params_W) // exp.topo.num_workers,
+    "total": n(exp.abstract_state.store),
+    "paths": exp.topo.num_paths,
+    "workers": exp.topo.num_workers,
+  }
 
 
 def _read_json(path: str) -> dict:
@@ -212,6 +317,7 @@ def _read_json(path: str) -> dict:
 
 def _checkpoint_steps(workdir: str) -> list[int]:
   from dipaco_jax import checkpoint
+
   return checkpoint.steps(workdir)
 
 
@@ -222,6 +328,7 @@ def evaluate_run(config, workdir: str, s: Sizes, *, final_full: bool) -> tuple[d
   """
   from dipaco_jax import early_stopping
   from dipaco_jax import evaluation
+
   cache_path = os.path.join(workdir, "reproduce_eval.json")
   cache = _read_json(cache_path)
   computed = 0
@@ -239,9 +346,22 @@ def evaluate_run(config, workdir: str, s: Sizes, *, final_full: bool) -> tuple[d
     rep = {"store": evaluation.evaluate(run, **kw)}
     if step == last and early_stopping.read_meta(workdir) is not None:
       rep["best"] = evaluation.evaluate(run, params="best", **kw)
-    cache[key] = {k: {f: r[f] for f in ("ppl", "loss", "phase", "router", "scored_tokens",
-                                        "num_sequences", "per_path", "switches_per_sequence")}
-                  for k, r in rep.items()}
+    cache[key] = {
+      k: {
+        f: r[f]
+        for f in (
+          "ppl",
+          "loss",
+          "phase",
+          "router",
+          "scored_tokens",
+          "num_sequences",
+          "per_path",
+          "switches_per_sequence",
+        )
+      }
+      for k, r in rep.items()
+    }
     with open(cache_path + ".tmp", "w") as f:
       json.dump(cache, f, indent=1)
     os.replace(cache_path + ".tmp", cache_path)
@@ -252,8 +372,9 @@ def evaluate_run(config, workdir: str, s: Sizes, *, final_full: bool) -> tuple[d
 def shard_report(config, workdir: str) -> dict:
   """The last phase's shards: training tokens per worker, validation domain purity and NMI."""
   from dipaco_jax import data as data_lib
-  from dipaco_jax.routing import report as router_report
   from dipaco_jax import routing
+  from dipaco_jax.routing import report as router_report
+
   phase = 0
   while os.path.isdir(routing.shard_dir(config, workdir, phase + 1)):
     phase += 1
@@ -265,14 +386,19 @@ def shard_report(config, workdir: str) -> dict:
       domains.append(d.domain)
   ids, names = router_report.domain_index(domains)
   rep = router_report.report(np.asarray(workers), len(shards.num_docs("validation")), ids, names)
-  return {"phase": phase, "train_tokens": shards.sizes("train").tolist(),
-          "validation_docs": shards.num_docs("validation").tolist(),
-          "validation_domain_purity": float(rep.purity), "validation_domain_nmi": float(rep.nmi)}
+  return {
+    "phase": phase,
+    "train_tokens": shards.sizes("train").tolist(),
+    "validation_docs": shards.num_docs("validation").tolist(),
+    "validation_domain_purity": float(rep.purity),
+    "validation_domain_nmi": float(rep.nmi),
+  }
 
 
 def train_run(name: str, s: Sizes, out: str, sqrt_paths: str, seed: int = 0) -> dict:
   """Trains (or resumes) one model and evaluates its checkpoints; returns its record."""
   from dipaco_jax import train
+
   config = make_config(name, s, out, sqrt_paths, seed)
   workdir = os.path.join(out, "runs", name)
   # Seconds of the call that did the work (a rerun that resumes finished work keeps them).
@@ -292,36 +418,51 @@ def train_run(name: str, s: Sizes, out: str, sqrt_paths: str, seed: int = 0) -> 
     json.dump(seconds, f)
   forked = bool(config.dipaco.init_from)
   first = s.pretrain if forked else 0
-  curve = [(first + int(k), v["store"]["ppl"]["once"]) for k, v in sorted(
-      evals.items(), key=lambda kv: int(kv[0]))]
+  curve = [
+    (first + int(k), v["store"]["ppl"]["once"])
+    for k, v in sorted(evals.items(), key=lambda kv: int(kv[0]))
+  ]
   final = evals[str(max(int(k) for k in evals))]
   described = {**MODELS, **INVESTIGATIONS, "pretrain": "dense pretraining (θ̄)"}
-  return {"name": name, "description": described[name], "shards": shard_report(config, workdir),
-          "params": param_counts(config), "curve": curve, "forked": forked, "final": final,
-          "steps": curve[-1][0], "seconds": seconds}
+  return {
+    "name": name,
+    "description": described[name],
+    "shards": shard_report(config, workdir),
+    "params": param_counts(config),
+    "curve": curve,
+    "forked": forked,
+    "final": final,
+    "steps": curve[-1][0],
+    "seconds": seconds,
+  }
 
 
 def table(results: dict, s: Sizes) -> str:
   """The results table (markdown): final routed ppl, early stopping, best re-routing."""
-  lines = ["| model | paths | workers | params / path | params total | steps | ppl (once) | "
-           "ppl (early stop) | best re-routing | oracle (once) |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+  lines = [
+    "| model | paths | workers | params / path | params total | steps | ppl (once) | "
+    "ppl (early stop) | best re-routing | oracle (once) |",
+    "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|",
+  ]
   for name in [*MODELS, *INVESTIGATIONS]:
     if name not in results:
       continue
     r = results[name]
     store, best = r["final"]["store"], r["final"].get("best")
     rr = {k: v for k, v in store["ppl"].items() if "/W=" in k and not k.startswith("oracle")}
-    rr_text = (f"{min(rr.values()):.2f} ({min(rr, key=rr.get)})" if rr else "–")
+    rr_text = f"{min(rr.values()):.2f} ({min(rr, key=rr.get)})" if rr else "–"
     fmt = lambda rep, k: "–" if rep is None or k not in rep["ppl"] else f"{rep['ppl'][k]:.2f}"
     lines.append(
-        f"| {name} | {r['params']['paths']} | {r['params']['workers']} | "
-        f"{r['params']['path'] / 1e6:.2f}M | {r['params']['total'] / 1e6:.2f}M | {r['steps']} | "
-        f"{fmt(store, 'once')} | {fmt(best, 'once')} | {rr_text} | {fmt(store, 'oracle/once')} |")
+      f"| {name} | {r['params']['paths']} | {r['params']['workers']} | "
+      f"{r['params']['path'] / 1e6:.2f}M | {r['params']['total'] / 1e6:.2f}M | {r['steps']} | "
+      f"{fmt(store, 'once')} | {fmt(best, 'once')} | {rr_text} | {fmt(store, 'oracle/once')} |"
+    )
   pre = results.get("pretrain")
   if pre:
-    lines.append(f"\nθ̄ (dense pretraining, {s.pretrain} steps): routed ppl "
-                 f"{pre['final']['store']['ppl']['once']:.2f}.")
+    lines.append(
+      f"\nθ̄ (dense pretraining, {s.pretrain} steps): routed ppl "
+      f"{pre['final']['store']['ppl']['once']:.2f}."
+    )
   return "\n".join(lines) + "\n"
 
 
@@ -344,8 +485,10 @@ def window_table(results: dict) -> str:
 def plot(results: dict, s: Sizes, out: str) -> list[str]:
   """ppl_vs_steps.png (every model) and ppl_vs_window.png (models with several paths)."""
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+
   files = []
   fig, ax = plt.subplots(figsize=(8, 5))
   for name in ["pretrain", *MODELS, *INVESTIGATIONS]:
@@ -355,22 +498,35 @@ def plot(results: dict, s: Sizes, out: str) -> list[str]:
     if results[name]["forked"] and "pretrain" in results:
       px, py = results["pretrain"]["curve"][-1]
       xs, ys = (px, *xs), (py, *ys)
-    ax.plot(xs, ys, marker="o", ms=3, label=name, ls="--" if name.startswith("dense") else "-",
-            color="black" if name == "pretrain" else None)
+    ax.plot(
+      xs,
+      ys,
+      marker="o",
+      ms=3,
+      label=name,
+      ls="--" if name.startswith("dense") else "-",
+      color="black" if name == "pretrain" else None,
+    )
   ax.axvline(s.pretrain, color="grey", lw=0.5)
   ax.text(s.pretrain, ax.get_ylim()[1], " fork from θ̄", va="top", fontsize=8, color="grey")
-  ax.set(xlabel="weight-update steps", ylabel="routed validation perplexity (prefix excluded)",
-         yscale="log", title="Validation perplexity vs steps (embedded corpus)")
+  ax.set(
+    xlabel="weight-update steps",
+    ylabel="routed validation perplexity (prefix excluded)",
+    yscale="log",
+    title="Validation perplexity vs steps (embedded corpus)",
+  )
   ax.legend(fontsize=8)
   ax.grid(alpha=0.3)
   files.append(os.path.join(out, "ppl_vs_steps.png"))
   fig.savefig(files[-1], dpi=120, bbox_inches="tight")
   plt.close(fig)
 
-  multi = [n for n in [*MODELS, *INVESTIGATIONS]
-           if n in results and results[n]["params"]["paths"] > 1]
-  fig, axes = plt.subplots(1, max(len(multi), 1), figsize=(3.2 * max(len(multi), 1), 3.6),
-                           squeeze=False)
+  multi = [
+    n for n in [*MODELS, *INVESTIGATIONS] if n in results and results[n]["params"]["paths"] > 1
+  ]
+  fig, axes = plt.subplots(
+    1, max(len(multi), 1), figsize=(3.2 * max(len(multi), 1), 3.6), squeeze=False
+  )
   for ax, name in zip(axes[0], multi):
     ppl = results[name]["final"]["store"]["ppl"]
     labels = [*(str(w) for w in s.windows), "once"]
@@ -378,8 +534,7 @@ def plot(results: dict, s: Sizes, out: str) -> list[str]:
       if f"{kind}/W={s.windows[0]}" not in ppl:
         continue
       once = ppl["oracle/once" if kind == "oracle" else "once"]
-      ax.plot(labels, [*(ppl[f"{kind}/W={w}"] for w in s.windows), once], style, ms=4,
-              label=kind)
+      ax.plot(labels, [*(ppl[f"{kind}/W={w}"] for w in s.windows), once], style, ms=4, label=kind)
     ax.set(title=name, xlabel="re-route every W tokens")
     ax.grid(alpha=0.3)
   axes[0][0].set_ylabel("routed validation perplexity")
@@ -396,20 +551,37 @@ def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--out", default="/tmp/dipaco_repro", help="Output directory (resumable).")
   mode = ap.add_mutually_exclusive_group()
-  mode.add_argument("--quick", action="store_true",
-                    help="Smaller model, 1/4 of the data: ~10 CPU-minutes.")
+  mode.add_argument(
+    "--quick", action="store_true", help="Smaller model, 1/4 of the data: ~10 CPU-minutes."
+  )
   mode.add_argument("--smoke", action="store_true", help="Seconds-long sizes (CI).")
-  ap.add_argument("--models", default=",".join(MODELS),
-                  help=f"Comma list of models to run (pretraining always runs first); also "
-                       f"{', '.join(INVESTIGATIONS)}.")
-  ap.add_argument("--size", action="append", default=[], metavar="FIELD=VALUE",
-                  help="Override one field of the mode's sizes, e.g. --size steps=480 "
-                       "(investigations; repeatable).")
-  ap.add_argument("--seed", type=int, default=0,
-                  help="data.seed of every run: batch order and the i.i.d. shards (noise checks).")
-  ap.add_argument("--sqrt_paths", default="multiply", choices=("multiply", "divide", "none"),
-                  help="outer.sqrt_paths of the DiPaCo grids (DiLoCo uses none, flat MoE has "
-                       "one path per module).")
+  ap.add_argument(
+    "--models",
+    default=",".join(MODELS),
+    help=f"Comma list of models to run (pretraining always runs first); also "
+    f"{', '.join(INVESTIGATIONS)}.",
+  )
+  ap.add_argument(
+    "--size",
+    action="append",
+    default=[],
+    metavar="FIELD=VALUE",
+    help="Override one field of the mode's sizes, e.g. --size steps=480 "
+    "(investigations; repeatable).",
+  )
+  ap.add_argument(
+    "--seed",
+    type=int,
+    default=0,
+    help="data.seed of every run: batch order and the i.i.d. shards (noise checks).",
+  )
+  ap.add_argument(
+    "--sqrt_paths",
+    default="multiply",
+    choices=("multiply", "divide", "none"),
+    help="outer.sqrt_paths of the DiPaCo grids (DiLoCo uses none, flat MoE has "
+    "one path per module).",
+  )
   args = ap.parse_args(argv)
   name = "smoke" if args.smoke else "quick" if args.quick else "full"
   s = MODES[name]
@@ -429,8 +601,10 @@ def main(argv=None):
     ap.error(f"unknown models {unknown}; choose from {[*MODELS, *INVESTIGATIONS]}")
 
   import jax
+
   jax.config.update("jax_num_cpu_devices", CPU_DEVICES)
   from absl import logging
+
   logging.set_verbosity(logging.WARNING)
   os.makedirs(args.out, exist_ok=True)
   started = time.time()
@@ -439,25 +613,38 @@ def main(argv=None):
     print(f"== {m}", flush=True)
     results[m] = train_run(m, s, args.out, args.sqrt_paths, args.seed)
     r = results[m]
-    print(f"   ppl {r['final']['store']['ppl']['once']:.2f}  train {r['seconds']['train']:.0f}s "
-          f"evaluate {r['seconds']['evaluate']:.0f}s", flush=True)
+    print(
+      f"   ppl {r['final']['store']['ppl']['once']:.2f}  train {r['seconds']['train']:.0f}s "
+      f"evaluate {r['seconds']['evaluate']:.0f}s",
+      flush=True,
+    )
   files = plot(results, s, args.out)
   report = {
-      "mode": name, "sizes": dataclasses.asdict(s), "sqrt_paths": args.sqrt_paths,
-      "seed": args.seed,
-      "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
-      "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                  "python": platform.python_version(), "jax": jax.__version__,
-                  "fake_cpu_devices": CPU_DEVICES, "load_average": os.getloadavg()},
-      "wall_seconds": time.time() - started,
-      "model_seconds": sum(sum(r["seconds"].values()) for r in results.values()),
-      "models": results, "plots": files,
+    "mode": name,
+    "sizes": dataclasses.asdict(s),
+    "sqrt_paths": args.sqrt_paths,
+    "seed": args.seed,
+    "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+    "machine": {
+      "cpus": os.cpu_count(),
+      "platform": platform.platform(),
+      "python": platform.python_version(),
+      "jax": jax.__version__,
+      "fake_cpu_devices": CPU_DEVICES,
+      "load_average": os.getloadavg(),
+    },
+    "wall_seconds": time.time() - started,
+    "model_seconds": sum(sum(r["seconds"].values()) for r in results.values()),
+    "models": results,
+    "plots": files,
   }
   with open(os.path.join(args.out, "results.json"), "w") as f:
     json.dump(report, f, indent=1)
-  md = (f"# Reproduction ({name} mode)\n\n{table(results, s)}\n## Re-routing\n\n"
-        f"{window_table(results)}\nTraining + evaluation: {report['model_seconds'] / 60:.1f} min "
-        f"(this call: {report['wall_seconds'] / 60:.1f} min).\n")
+  md = (
+    f"# Reproduction ({name} mode)\n\n{table(results, s)}\n## Re-routing\n\n"
+    f"{window_table(results)}\nTraining + evaluation: {report['model_seconds'] / 60:.1f} min "
+    f"(this call: {report['wall_seconds'] / 60:.1f} min).\n"
+  )
   with open(os.path.join(args.out, "results.md"), "w") as f:
     f.write(md)
   print(md)

@@ -45,21 +45,23 @@ import sys
 
 def parse_args(argv):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--d_model", default=None,
-                 help="comma list of widths (default 128,256; quick: 32)")
+  p.add_argument(
+    "--d_model", default=None, help="comma list of widths (default 128,256; quick: 32)"
+  )
   p.add_argument("--paths", type=int, default=4, help="P paths (workers)")
-  p.add_argument("--steps", type=int, default=None,
-                 help="P-path steps per repetition (default 2; quick: 1)")
-  p.add_argument("--reps", type=int, default=None,
-                 help="interleaved repetitions (default 9; quick: 2)")
-  p.add_argument("--cpus", type=int, default=1,
-                 help="pin the process to this many host CPUs (0: no pinning)")
+  p.add_argument(
+    "--steps", type=int, default=None, help="P-path steps per repetition (default 2; quick: 1)"
+  )
+  p.add_argument(
+    "--reps", type=int, default=None, help="interleaved repetitions (default 9; quick: 2)"
+  )
+  p.add_argument(
+    "--cpus", type=int, default=1, help="pin the process to this many host CPUs (0: no pinning)"
+  )
   p.add_argument("--out", default="", help="JSON file to write")
-  p.add_argument("--quick", action="store_true",
-                 help="seconds-long setting (vocab 512, T=32, B=2)")
+  p.add_argument("--quick", action="store_true", help="seconds-long setting (vocab 512, T=32, B=2)")
   a = p.parse_args(argv)
-  a.d_model = [int(x) for x in (a.d_model or ("32" if a.quick else "128,256"))
-               .split(",")]
+  a.d_model = [int(x) for x in (a.d_model or ("32" if a.quick else "128,256")).split(",")]
   a.steps = a.steps or (1 if a.quick else 2)
   a.reps = a.reps or (2 if a.quick else 9)
   if a.paths < 1 or a.steps < 1 or a.reps < 1 or a.cpus < 0:
@@ -71,8 +73,7 @@ def _fake_cpu_devices(n: int) -> None:
   """At least n host devices; must run before jax is imported."""
   flags = os.environ.get("XLA_FLAGS", "")
   if "--xla_force_host_platform_device_count" not in flags:
-    os.environ["XLA_FLAGS"] = (
-        f"{flags} --xla_force_host_platform_device_count={n}").strip()
+    os.environ["XLA_FLAGS"] = (f"{flags} --xla_force_host_platform_device_count={n}").strip()
 
 
 def pin_cpus(n: int) -> None:
@@ -108,6 +109,7 @@ from dipaco_jax import experiment
 from dipaco_jax import hlo
 from dipaco_jax import model as model_lib
 from dipaco_jax import sharding
+
 from timing import Loop, gemm_loop, interleave, paired_ratio, write_json  # Beside us.
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -117,8 +119,7 @@ def bench_config(d_model: int, paths: int, quick: bool):
   """configs/tiny.py at width d_model with a 1 x a x b grid of `paths` paths."""
   c = config_defaults.load(os.path.join(ROOT, "configs", "tiny.py"))
   if d_model % c.model.num_heads:
-    raise ValueError(f"--d_model {d_model} is not a multiple of num_heads="
-                     f"{c.model.num_heads}.")
+    raise ValueError(f"--d_model {d_model} is not a multiple of num_heads={c.model.num_heads}.")
   c.model.d_model = d_model
   c.model.head_dim = d_model // c.model.num_heads
   a = max(k for k in range(1, math.isqrt(paths) + 1) if paths % k == 0)
@@ -133,8 +134,10 @@ def bench_config(d_model: int, paths: int, quick: bool):
 def flops_per_token(cfg: model_lib.ModelConfig, seq_len: int) -> tuple[int, int]:
   """(6 N + 12 L T H K, N): training FLOPs per token and matmul params."""
   hk = cfg.num_heads * cfg.head_dim
-  n = (cfg.num_layers * (4 * cfg.d_model * hk + 2 * cfg.d_model * cfg.mlp_dim)
-       + cfg.vocab_size * cfg.d_model)
+  n = (
+    cfg.num_layers * (4 * cfg.d_model * hk + 2 * cfg.d_model * cfg.mlp_dim)
+    + cfg.vocab_size * cfg.d_model
+  )
   return 6 * n + 12 * cfg.num_layers * seq_len * hk, n
 
 
@@ -143,8 +146,7 @@ def module_bytes(exp: experiment.Experiment) -> dict[str, int]:
   out: dict[str, int] = {}
   store = 0
   for s in exp.topo.store_groups():
-    b = sum(x.size * x.dtype.itemsize
-            for x in jax.tree.leaves(exp.abstract_state.store[s.name]))
+    b = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(exp.abstract_state.store[s.name]))
     store += b
     out[s.level] = out.get(s.level, 0) + b // s.num_modules
   out["path"] = sum(out.values())
@@ -157,58 +159,66 @@ def step_loops(exp, batch_np) -> tuple[Loop, Loop]:
   st = exp.init_state(0)
   batch = exp.put_batch(batch_np)
   alpha_W = exp.alpha(np.ones(exp.topo.num_workers))
+
   def inner(s):
     return exp.inner_step(s[0], s[1], batch)[:2]
+
   def outer(s):
     return exp.outer_step(*s, alpha_W)[:3]
+
   # Both steps donate their inputs: the outer loop gets its own params.
   outer_params = jax.tree.map(jnp.copy, st.params)
-  return (Loop(inner, (st.params, st.inner_opt), batch_np["inputs"].size),
-          Loop(outer, (st.store, st.outer_opt, outer_params), 0))
+  return (
+    Loop(inner, (st.params, st.inner_opt), batch_np["inputs"].size),
+    Loop(outer, (st.store, st.outer_opt, outer_params), 0),
+  )
 
 
 def plain_loop(exp, batch_np, device) -> Loop:
   """The textbook loop on one path model, written independently of inner.py."""
   model, tx = exp.model, exp.tx
+
   def train_step(params, opt_state, batch):
     def loss_fn(p):
-      logits = model.apply({"params": p}, batch["inputs"],
-                           batch["segment_ids"], batch["positions"])
-      return optax.softmax_cross_entropy_with_integer_labels(
-          logits, batch["targets"]).mean()
+      logits = model.apply({"params": p}, batch["inputs"], batch["segment_ids"], batch["positions"])
+      return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
     loss, grads = jax.value_and_grad(loss_fn)(params)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
+
   jitted = jax.jit(train_step, donate_argnums=(0, 1))
-  params = jax.device_put(
-      model_lib.init_params(exp.model_cfg, jax.random.key(0)), device)
+  params = jax.device_put(model_lib.init_params(exp.model_cfg, jax.random.key(0)), device)
   opt_state = jax.device_put(tx.init(params), device)
   batch = jax.device_put({k: v[0] for k, v in batch_np.items()}, device)
+
   def step(s):
     return jitted(s[0], s[1], batch)[:2]
+
   B, T = batch_np["inputs"].shape[1:]
   return Loop(step, (params, opt_state), B * T)
 
 
 def _abstract_batch(exp, W: int, B: int, T: int) -> dict:
-  return {k: jax.ShapeDtypeStruct((W, B, T), jnp.float32 if k == "weights"
-                                  else jnp.int32, sharding=exp.batch_sharding)
-          for k in ("inputs", "targets", "segment_ids", "positions", "weights")}
+  return {
+    k: jax.ShapeDtypeStruct(
+      (W, B, T), jnp.float32 if k == "weights" else jnp.int32, sharding=exp.batch_sharding
+    )
+    for k in ("inputs", "targets", "segment_ids", "positions", "weights")
+  }
 
 
 def cross_path_bytes(exp, W: int, B: int, T: int) -> dict[str, int]:
   """Bytes and count of collectives in the compiled inner and outer steps."""
   a = exp.abstract_state
-  alpha = jax.ShapeDtypeStruct((W,), jnp.float32,
-                               sharding=NamedSharding(exp.mesh, P()))
+  alpha = jax.ShapeDtypeStruct((W,), jnp.float32, sharding=NamedSharding(exp.mesh, P()))
   out = {}
   for name, lowered in (
-      ("inner", exp.inner_step.lower(a.params, a.inner_opt,
-                                     _abstract_batch(exp, W, B, T))),
-      ("outer", exp.outer_step.lower(a.store, a.outer_opt, a.params, alpha))):
+    ("inner", exp.inner_step.lower(a.params, a.inner_opt, _abstract_batch(exp, W, B, T))),
+    ("outer", exp.outer_step.lower(a.store, a.outer_opt, a.params, alpha)),
+  ):
     text = lowered.compile().as_text()
-    out[f"cross_path_bytes_{name}_step"] = hlo.cross_axis_bytes(
-        text, exp.mesh, "path")
+    out[f"cross_path_bytes_{name}_step"] = hlo.cross_axis_bytes(text, exp.mesh, "path")
     out[f"collectives_{name}_step"] = len(hlo.collectives(text))
   return out
 
@@ -216,8 +226,11 @@ def cross_path_bytes(exp, W: int, B: int, T: int) -> dict[str, int]:
 def xla_flops(exp, W: int, B: int, T: int) -> float:
   """XLA's own FLOP count of one inner step (a cross-check of the formula)."""
   a = exp.abstract_state
-  cost = exp.inner_step.lower(a.params, a.inner_opt, _abstract_batch(
-      exp, W, B, T)).compile().cost_analysis()
+  cost = (
+    exp.inner_step.lower(a.params, a.inner_opt, _abstract_batch(exp, W, B, T))
+    .compile()
+    .cost_analysis()
+  )
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   return float((cost or {}).get("flops", float("nan")))
 
@@ -227,8 +240,7 @@ def measure(d_model: int, args) -> dict:
   c = bench_config(d_model, args.paths, args.quick)
   devices = jax.devices()
   W, B, T = args.paths, c.data.batch_size, c.data.seq_len
-  exp1 = experiment.Experiment(
-      c, mesh=sharding.make_mesh(c.mesh, W, devices=devices[:1]))
+  exp1 = experiment.Experiment(c, mesh=sharding.make_mesh(c.mesh, W, devices=devices[:1]))
   # The trainer's layout, one path per device, needs P devices. Fake CPU
   # devices share the host's (pinned) cores: the same hardware as the plain
   # loop. Real accelerators are P times the hardware: compare per device.
@@ -237,17 +249,19 @@ def measure(d_model: int, args) -> dict:
   hardware = 1 if jax.default_backend() == "cpu" else W
   hlo_devices = devices if timed else jax.devices("cpu")
   if len(hlo_devices) < W:
-    raise ValueError(f"{len(hlo_devices)} devices for --paths {W}: set "
-                     f"XLA_FLAGS=--xla_force_host_platform_device_count={W}.")
-  expP = experiment.Experiment(
-      c, mesh=sharding.make_mesh(c.mesh, W, devices=hlo_devices[:W]))
-  batch_np = data_lib.synthetic_batch(np.random.default_rng(0), W, B, T,
-                                      c.model.vocab_size)
+    raise ValueError(
+      f"{len(hlo_devices)} devices for --paths {W}: set "
+      f"XLA_FLAGS=--xla_force_host_platform_device_count={W}."
+    )
+  expP = experiment.Experiment(c, mesh=sharding.make_mesh(c.mesh, W, devices=hlo_devices[:W]))
+  batch_np = data_lib.synthetic_batch(np.random.default_rng(0), W, B, T, c.model.vocab_size)
   # name: (loop, calls per repetition); equal tokens for the step loops.
   inner1, outer1 = step_loops(exp1, batch_np)
-  loops = {"dipaco_1dev": (inner1, args.steps),
-           "plain": (plain_loop(exp1, batch_np, devices[0]), args.steps * W),
-           "outer_1dev": (outer1, 2)}
+  loops = {
+    "dipaco_1dev": (inner1, args.steps),
+    "plain": (plain_loop(exp1, batch_np, devices[0]), args.steps * W),
+    "outer_1dev": (outer1, 2),
+  }
   if timed:
     innerP, outerP = step_loops(expP, batch_np)
     loops["dipaco"] = (innerP, args.steps)
@@ -255,12 +269,12 @@ def measure(d_model: int, args) -> dict:
   n = 256 if args.quick else 2048
   peak_gemm, peak_flops = gemm_loop(n, n, n, devices[0])
   loops["gemm_peak"] = (peak_gemm, 2 if args.quick else 3)
-  shape_gemm, shape_flops = gemm_loop(B * T, d_model, exp1.model_cfg.mlp_dim,
-                                      devices[0])
+  shape_gemm, shape_flops = gemm_loop(B * T, d_model, exp1.model_cfg.mlp_dim, devices[0])
   loops["gemm_model_shape"] = (shape_gemm, 20)
   first_call_s = {k: loop.run(2) for k, (loop, _) in loops.items()}
-  secs, cpu = interleave(loops, args.reps, [
-      k for k in ("dipaco_1dev", "plain", "dipaco") if k in loops])
+  secs, cpu = interleave(
+    loops, args.reps, [k for k in ("dipaco_1dev", "plain", "dipaco") if k in loops]
+  )
   med = {k: statistics.median(v) for k, v in secs.items()}
   tok_s = {k: loops[k][0].tokens / med[k] for k in loops if loops[k][0].tokens}
   ratio, ratio_reps, ratio_best = paired_ratio(loops, secs, "dipaco", hardware)
@@ -269,89 +283,78 @@ def measure(d_model: int, args) -> dict:
   peak = peak_flops / med["gemm_peak"]
   H = c.dipaco.inner_steps
   return {
-      "d_model": d_model,
-      "dipaco_vs_plain_tokens_ratio": ratio,
-      "dipaco_vs_plain_tokens_ratio_one_device": ratio1,
-      "ratio_per_repetition": ratio_reps,
-      "ratio_per_repetition_one_device": ratio1_reps,
-      "ratio_of_best_times": ratio_best,
-      "ratio_of_best_times_one_device": ratio1_best,
-      # Tokens per CPU-second (all threads): the work per token, which other
-      # users of a shared host disturb far less than wall time.
-      "cpu_time_ratio": paired_ratio(loops, cpu, "dipaco", hardware)[0],
-      "cpu_time_ratio_one_device": paired_ratio(loops, cpu, "dipaco_1dev")[0],
-      "hardware_factor": hardware,
-      "inner_flops_fraction_of_gemm_peak": fpt * tok_s["dipaco_1dev"] / peak,
-      "plain_flops_fraction_of_gemm_peak": fpt * tok_s["plain"] / peak,
-      "outer_step_fraction_of_inner_phase": (
-          med["outer"] / (H * med["dipaco"]) if timed else None),
-      "outer_step_fraction_of_inner_phase_one_device": (
-          med["outer_1dev"] / (H * med["dipaco_1dev"])),
-      "H": H,
-      **cross_path_bytes(expP, W, B, T),
-      "module_bytes": module_bytes(exp1),
-      "tokens_per_s": tok_s,
-      "seconds_per_call": med,
-      "seconds_per_call_per_repetition": secs,
-      "cpu_seconds_per_call_per_repetition": cpu,
-      "first_two_calls_s": first_call_s,
-      "model_flops_per_token": fpt,
-      "matmul_params": n_params,
-      "params_per_path": sum(
-          x.size for x in jax.tree.leaves(exp1.abstract_state.params)) // W,
-      "xla_flops_per_token": xla_flops(exp1, W, B, T) / (W * B * T),
-      "gemm_peak_flops_per_s": peak,
-      "gemm_peak_n": n,
-      "gemm_model_shape": [B * T, d_model, exp1.model_cfg.mlp_dim],
-      "gemm_model_shape_fraction_of_peak": shape_flops / med[
-          "gemm_model_shape"] / peak,
-      "grid": list(c.dipaco.modules_per_level),
+    "d_model": d_model,
+    "dipaco_vs_plain_tokens_ratio": ratio,
+    "dipaco_vs_plain_tokens_ratio_one_device": ratio1,
+    "ratio_per_repetition": ratio_reps,
+    "ratio_per_repetition_one_device": ratio1_reps,
+    "ratio_of_best_times": ratio_best,
+    "ratio_of_best_times_one_device": ratio1_best,
+    # Tokens per CPU-second (all threads): the work per token, which other
+    # users of a shared host disturb far less than wall time.
+    "cpu_time_ratio": paired_ratio(loops, cpu, "dipaco", hardware)[0],
+    "cpu_time_ratio_one_device": paired_ratio(loops, cpu, "dipaco_1dev")[0],
+    "hardware_factor": hardware,
+    "inner_flops_fraction_of_gemm_peak": fpt * tok_s["dipaco_1dev"] / peak,
+    "plain_flops_fraction_of_gemm_peak": fpt * tok_s["plain"] / peak,
+    "outer_step_fraction_of_inner_phase": (med["outer"] / (H * med["dipaco"]) if timed else None),
+    "outer_step_fraction_of_inner_phase_one_device": (med["outer_1dev"] / (H * med["dipaco_1dev"])),
+    "H": H,
+    **cross_path_bytes(expP, W, B, T),
+    "module_bytes": module_bytes(exp1),
+    "tokens_per_s": tok_s,
+    "seconds_per_call": med,
+    "seconds_per_call_per_repetition": secs,
+    "cpu_seconds_per_call_per_repetition": cpu,
+    "first_two_calls_s": first_call_s,
+    "model_flops_per_token": fpt,
+    "matmul_params": n_params,
+    "params_per_path": sum(x.size for x in jax.tree.leaves(exp1.abstract_state.params)) // W,
+    "xla_flops_per_token": xla_flops(exp1, W, B, T) / (W * B * T),
+    "gemm_peak_flops_per_s": peak,
+    "gemm_peak_n": n,
+    "gemm_model_shape": [B * T, d_model, exp1.model_cfg.mlp_dim],
+    "gemm_model_shape_fraction_of_peak": shape_flops / med["gemm_model_shape"] / peak,
+    "grid": list(c.dipaco.modules_per_level),
   }
 
 
 ROWS = [  # (label, key path, format[, scale])
-    ("tokens/s P-path step, P devices", ("tokens_per_s", "dipaco"), "{:,.0f}"),
-    ("tokens/s P-path step, 1 device", ("tokens_per_s", "dipaco_1dev"),
-     "{:,.0f}"),
-    ("tokens/s plain loop, 1 device", ("tokens_per_s", "plain"), "{:,.0f}"),
-    ("dipaco_vs_plain_tokens_ratio", ("dipaco_vs_plain_tokens_ratio",),
-     "{:.3f}"),
-    ("  same, all paths on 1 device",
-     ("dipaco_vs_plain_tokens_ratio_one_device",), "{:.3f}"),
-    ("  per CPU-second, P devices", ("cpu_time_ratio",), "{:.3f}"),
-    ("  per CPU-second, 1 device", ("cpu_time_ratio_one_device",), "{:.3f}"),
-    ("GEMM peak GFLOP/s (fp32 n^3)", ("gemm_peak_flops_per_s",), "{:.1f}",
-     1e-9),
-    ("model MFLOP/token (6N+12LTHK)", ("model_flops_per_token",), "{:.2f}",
-     1e-6),
-    ("inner_flops_fraction_of_gemm_peak",
-     ("inner_flops_fraction_of_gemm_peak",), "{:.3f}"),
-    ("  plain loop fraction", ("plain_flops_fraction_of_gemm_peak",), "{:.3f}"),
-    ("  [BT,d]x[d,4d] GEMM / peak GEMM", ("gemm_model_shape_fraction_of_peak",),
-     "{:.3f}"),
-    ("outer step s, P devices", ("seconds_per_call", "outer"), "{:.4f}"),
-    ("outer_step_fraction_of_inner_phase",
-     ("outer_step_fraction_of_inner_phase",), "{:.4f}"),
-    ("cross_path_bytes_inner_step", ("cross_path_bytes_inner_step",), "{:,}"),
-    ("cross_path_bytes_outer_step", ("cross_path_bytes_outer_step",), "{:,}"),
-    ("module bytes: level_0", ("module_bytes", "level_0"), "{:,}"),
-    ("module bytes: level_1", ("module_bytes", "level_1"), "{:,}"),
-    ("module bytes: level_2", ("module_bytes", "level_2"), "{:,}"),
-    ("module bytes: store", ("module_bytes", "store"), "{:,}"),
+  ("tokens/s P-path step, P devices", ("tokens_per_s", "dipaco"), "{:,.0f}"),
+  ("tokens/s P-path step, 1 device", ("tokens_per_s", "dipaco_1dev"), "{:,.0f}"),
+  ("tokens/s plain loop, 1 device", ("tokens_per_s", "plain"), "{:,.0f}"),
+  ("dipaco_vs_plain_tokens_ratio", ("dipaco_vs_plain_tokens_ratio",), "{:.3f}"),
+  ("  same, all paths on 1 device", ("dipaco_vs_plain_tokens_ratio_one_device",), "{:.3f}"),
+  ("  per CPU-second, P devices", ("cpu_time_ratio",), "{:.3f}"),
+  ("  per CPU-second, 1 device", ("cpu_time_ratio_one_device",), "{:.3f}"),
+  ("GEMM peak GFLOP/s (fp32 n^3)", ("gemm_peak_flops_per_s",), "{:.1f}", 1e-9),
+  ("model MFLOP/token (6N+12LTHK)", ("model_flops_per_token",), "{:.2f}", 1e-6),
+  ("inner_flops_fraction_of_gemm_peak", ("inner_flops_fraction_of_gemm_peak",), "{:.3f}"),
+  ("  plain loop fraction", ("plain_flops_fraction_of_gemm_peak",), "{:.3f}"),
+  ("  [BT,d]x[d,4d] GEMM / peak GEMM", ("gemm_model_shape_fraction_of_peak",), "{:.3f}"),
+  ("outer step s, P devices", ("seconds_per_call", "outer"), "{:.4f}"),
+  ("outer_step_fraction_of_inner_phase", ("outer_step_fraction_of_inner_phase",), "{:.4f}"),
+  ("cross_path_bytes_inner_step", ("cross_path_bytes_inner_step",), "{:,}"),
+  ("cross_path_bytes_outer_step", ("cross_path_bytes_outer_step",), "{:,}"),
+  ("module bytes: level_0", ("module_bytes", "level_0"), "{:,}"),
+  ("module bytes: level_1", ("module_bytes", "level_1"), "{:,}"),
+  ("module bytes: level_2", ("module_bytes", "level_2"), "{:,}"),
+  ("module bytes: store", ("module_bytes", "store"), "{:,}"),
 ]
 
 
 def table(results: list[dict]) -> str:
   """Metrics as rows, one column per d_model."""
+
   def cell(r, key, fmt, scale=1):
     v = r
     for k in key:
       v = v.get(k) if isinstance(v, dict) else None
     return "-" if v is None else fmt.format(v * scale)
+
   lines = [f"{'d_model':38s}" + "".join(f"{r['d_model']:>14d}" for r in results)]
   for label, *spec in ROWS:
-    lines.append(f"{label:38s}" + "".join(f"{cell(r, *spec):>14s}"
-                                          for r in results))
+    lines.append(f"{label:38s}" + "".join(f"{cell(r, *spec):>14s}" for r in results))
   return "\n".join(lines)
 
 
@@ -359,29 +362,41 @@ def main(args) -> dict:
   load_start = os.getloadavg()
   results = [measure(d, args) for d in args.d_model]
   report = {
-      "command": "python benchmarks/throughput.py " + " ".join(sys.argv[1:]),
-      "jax": jax.__version__, "backend": jax.default_backend(),
-      "device_kind": jax.devices()[0].device_kind,
-      "num_devices": len(jax.devices()), "host_cpus": os.cpu_count(),
-      "pinned_cpus": sorted(os.sched_getaffinity(0)) if args.cpus else None,
-      "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
-      "paths": args.paths, "steps": args.steps, "reps": args.reps,
-      "quick": args.quick,
-      "device_policy": (
-          "headline ratio: the trainer's layout (one path per device, P "
-          "devices) per unit of hardware vs the plain loop on one device; "
-          "fake CPU devices share the pinned cores (hardware_factor 1), real "
-          "accelerators count P times (hardware_factor P); '_one_device': "
-          "all P paths vmapped on the plain loop's device"),
-      "flops_formula": ("6 N + 12 L T H K per token, N = L (4 d H K + 2 d F) "
-                        "+ V d; GEMM peak = 2 n^3 / t of an fp32 n x n dot"),
-      "statistic": ("ratios: median over repetitions of the paired ratio of "
-                    "back-to-back runs; other numbers: medians"),
-      "results": results,
+    "command": "python benchmarks/throughput.py " + " ".join(sys.argv[1:]),
+    "jax": jax.__version__,
+    "backend": jax.default_backend(),
+    "device_kind": jax.devices()[0].device_kind,
+    "num_devices": len(jax.devices()),
+    "host_cpus": os.cpu_count(),
+    "pinned_cpus": sorted(os.sched_getaffinity(0)) if args.cpus else None,
+    "loadavg_start": load_start,
+    "loadavg_end": os.getloadavg(),
+    "paths": args.paths,
+    "steps": args.steps,
+    "reps": args.reps,
+    "quick": args.quick,
+    "device_policy": (
+      "headline ratio: the trainer's layout (one path per device, P "
+      "devices) per unit of hardware vs the plain loop on one device; "
+      "fake CPU devices share the pinned cores (hardware_factor 1), real "
+      "accelerators count P times (hardware_factor P); '_one_device': "
+      "all P paths vmapped on the plain loop's device"
+    ),
+    "flops_formula": (
+      "6 N + 12 L T H K per token, N = L (4 d H K + 2 d F) "
+      "+ V d; GEMM peak = 2 n^3 / t of an fp32 n x n dot"
+    ),
+    "statistic": (
+      "ratios: median over repetitions of the paired ratio of "
+      "back-to-back runs; other numbers: medians"
+    ),
+    "results": results,
   }
-  print(f"jax {jax.__version__}, {len(jax.devices())} {jax.default_backend()} "
-        f"devices, CPUs {report['pinned_cpus'] or 'all'}, P={args.paths}, "
-        f"{args.reps} repetitions")
+  print(
+    f"jax {jax.__version__}, {len(jax.devices())} {jax.default_backend()} "
+    f"devices, CPUs {report['pinned_cpus'] or 'all'}, P={args.paths}, "
+    f"{args.reps} repetitions"
+  )
   print(table(results))
   if args.out:
     write_json(args.out, report)

@@ -63,15 +63,15 @@ def interleave(loops: dict, reps: int, compared: list[str]):
   cpu = {k: [] for k in loops}
   for rep in range(reps):
     for k in (compared if rep % 2 == 0 else compared[::-1]) + [
-        k for k in loops if k not in compared]:
+      k for k in loops if k not in compared
+    ]:
       loop, calls = loops[k]
       secs[k].append(loop.run(calls) / calls)
       cpu[k].append(loop.cpu_s / calls)
   return secs, cpu
 
 
-def paired_ratio(loops: dict, t: dict, k: str, hardware: int = 1,
-                 base: str = "plain"):
+def paired_ratio(loops: dict, t: dict, k: str, hardware: int = 1, base: str = "plain"):
   """Tokens/s of loop k per unit of hardware over loop `base`'s.
 
   `t` holds seconds per call per repetition (`interleave`). Returns (median

@@ -34,7 +34,8 @@ from dipaco_jax import config_defaults
 def get_config():
   # Top-2 overlapping training shards; evaluation never overlaps.
   c = config_defaults.paper_grid(
-      16, 16, path_specific="embed,block_0,block_5,block_6,block_11", top_k=2)
+    16, 16, path_specific="embed,block_0,block_5,block_6,block_11", top_k=2
+  )
   # Memory (docs/tpu.md): 8 microbatches of 64 sequences, matmul outputs kept for
   # the backward pass, logits 256 positions at a time.
   c.inner.microbatches = 8

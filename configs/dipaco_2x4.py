@@ -21,7 +21,8 @@ TPU memory (docs/tpu.md has the numbers): at the paper's batch (512 x 1024 token
 per path) the inner step fits 2 x v5litepod-16 (32 chips): mesh path 8 x data 4,
 with the memory switches set below; checked by compiling for that topology:
 
-  python -m dipaco_jax.aot --config=configs/dipaco_2x4.py --topology=v5e:4x4 --slices=2 --config.mesh.data=4
+  python -m dipaco_jax.aot --config=configs/dipaco_2x4.py --topology=v5e:4x4 --slices=2 \
+      --config.mesh.data=4
 """
 
 from dipaco_jax import config_defaults

@@ -50,6 +50,7 @@ FIT_FRACTION = 0.9  # A step "fits" when its per-chip peak is <= 90% of usable H
 @dataclasses.dataclass(frozen=True)
 class Chip:
   """One TPU chip: public peak bf16 FLOP/s, HBM size and bandwidth."""
+
   peak_flops: float  # bf16 FLOP/s per chip.
   hbm_bytes: float  # HBM per chip (public spec).
   hbm_bw: float  # HBM bytes/s per chip.
@@ -62,16 +63,15 @@ class Chip:
 # "available HBM" when a program does not fit (v4: per TensorCore in its
 # default chip config).
 CHIPS = {
-    "v4": Chip(275e12, 32 * GiB, 1200e9, 15.25 * GiB),
-    "v5e": Chip(197e12, 16 * GiB, 819e9, 15.75 * GiB),
-    "v5p": Chip(459e12, 95 * GiB, 2765e9, 95.74 * GiB),
-    "v6e": Chip(918e12, 32 * GiB, 1640e9, 31.25 * GiB),
+  "v4": Chip(275e12, 32 * GiB, 1200e9, 15.25 * GiB),
+  "v5e": Chip(197e12, 16 * GiB, 819e9, 15.75 * GiB),
+  "v5p": Chip(459e12, 95 * GiB, 2765e9, 95.74 * GiB),
+  "v6e": Chip(918e12, 32 * GiB, 1640e9, 31.25 * GiB),
 }
 
 # DCN bandwidth assumed per chip for the outer step's cross-slice traffic
 # (a 4-chip v5e/v6e host with a 100 Gb/s NIC: 25 Gb/s per chip); --dcn_gbps.
 DEFAULT_DCN_GBPS_PER_CHIP = 25.0
-
 
 
 class AotError(ValueError):
@@ -81,8 +81,10 @@ class AotError(ValueError):
 def chip_of(topology: str) -> tuple[str, Chip]:
   name = topology.split(":", 1)[0]
   if name not in CHIPS:
-    raise AotError(f"--topology={topology}: unknown chip {name!r}; use one of "
-                   f"{sorted(CHIPS)} as CHIP:AxB[xC], e.g. v5e:4x4.")
+    raise AotError(
+      f"--topology={topology}: unknown chip {name!r}; use one of "
+      f"{sorted(CHIPS)} as CHIP:AxB[xC], e.g. v5e:4x4."
+    )
   return name, CHIPS[name]
 
 
@@ -91,31 +93,42 @@ def topology_devices(topology: str, slices: int) -> list:
   chip_of(topology)
   m = re.fullmatch(r"[a-z0-9]+:(\d+(?:x\d+){1,2})", topology)
   if m is None:
-    raise AotError(f"--topology={topology}: write CHIP:AxB or CHIP:AxBxC, e.g. "
-                   "v5e:4x4 or v5p:2x2x4.")
+    raise AotError(
+      f"--topology={topology}: write CHIP:AxB or CHIP:AxBxC, e.g. v5e:4x4 or v5p:2x2x4."
+    )
   if slices < 1:
     raise AotError(f"--slices={slices}: must be >= 1.")
   dims = [int(x) for x in m.group(1).split("x")]
   # Hosts hold up to 2x2 chips (the compiler only needs a consistent split).
   bounds = tuple(min(2, d) for d in dims) + (1,) * (3 - len(dims))
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+
   try:
     desc = topologies.get_topology_desc(
-        platform="tpu", topology_name=topology, chip_config_name="default",
-        chips_per_host_bounds=bounds, num_slices=slices)
+      platform="tpu",
+      topology_name=topology,
+      chip_config_name="default",
+      chips_per_host_bounds=bounds,
+      num_slices=slices,
+    )
   except Exception as e:  # pylint: disable=broad-except
-    raise AotError(f"--topology={topology}: libtpu cannot build it ({str(e).strip()[:200]}). "
-                   "Names are CHIP:AxB[xC] of a real slice shape, e.g. v5e:2x2, "
-                   "v5e:4x4, v4:2x2x2, v5p:2x2x4, v6e:4x4.") from e
+    raise AotError(
+      f"--topology={topology}: libtpu cannot build it ({str(e).strip()[:200]}). "
+      "Names are CHIP:AxB[xC] of a real slice shape, e.g. v5e:2x2, "
+      "v5e:4x4, v4:2x2x2, v5p:2x2x4, v6e:4x4."
+    ) from e
   return list(desc.devices)
 
 
 def abstract_batch(exp: exp_lib.Experiment) -> dict[str, jax.ShapeDtypeStruct]:
   """The trainer's [W, B, T] batch as shapes with the Experiment's sharding."""
-  dtypes = {k: v.dtype for k, v in data_lib.synthetic_batch(
-      np.random.default_rng(0), 1, 1, 2, 4).items()}
-  return {k: jax.ShapeDtypeStruct(exp.batch_shape, d, sharding=exp.batch_sharding)
-          for k, d in dtypes.items()}
+  dtypes = {
+    k: v.dtype for k, v in data_lib.synthetic_batch(np.random.default_rng(0), 1, 1, 2, 4).items()
+  }
+  return {
+    k: jax.ShapeDtypeStruct(exp.batch_shape, d, sharding=exp.batch_sharding)
+    for k, d in dtypes.items()
+  }
 
 
 def per_device_bytes(tree) -> int:
@@ -135,8 +148,7 @@ def _cost(compiled) -> tuple[float, float]:
 
 
 def _span(groups, mesh) -> list[str]:
-  return [a for a in sharding.AXES if mesh.shape[a] > 1 and
-          hlo.crosses_axis(groups, mesh, a)]
+  return [a for a in sharding.AXES if mesh.shape[a] > 1 and hlo.crosses_axis(groups, mesh, a)]
 
 
 def collective_table(hlo_text: str, mesh) -> list[dict[str, Any]]:
@@ -146,9 +158,17 @@ def collective_table(hlo_text: str, mesh) -> list[dict[str, Any]]:
     axes = _span(c.groups, mesh)
     size = len(c.groups[0]) if c.groups else int(np.asarray(mesh.devices).size)
     key = (c.op, size, tuple(axes))
-    row = rows.setdefault(key, {"op": c.op, "group_size": size, "axes": axes,
-                                "count": 0, "bytes": 0,
-                                "example_group": list(c.groups[0]) if c.groups else []})
+    row = rows.setdefault(
+      key,
+      {
+        "op": c.op,
+        "group_size": size,
+        "axes": axes,
+        "count": 0,
+        "bytes": 0,
+        "example_group": list(c.groups[0]) if c.groups else [],
+      },
+    )
     row["count"] += 1
     row["bytes"] += c.nbytes
   return sorted(rows.values(), key=lambda r: -r["bytes"])
@@ -157,8 +177,7 @@ def collective_table(hlo_text: str, mesh) -> list[dict[str, Any]]:
 def model_flops_per_token(exp: exp_lib.Experiment) -> float:
   """Training FLOPs per token: 6 x matmul params + causal-free attention (PaLM, App. B)."""
   cfg = exp.model_cfg
-  params = jax.eval_shape(lambda: model_lib.init_params(
-      cfg, jax.random.key(0)))
+  params = jax.eval_shape(lambda: model_lib.init_params(cfg, jax.random.key(0)))
   n = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
   # Lookup tables do no matmul; a tied table does one (the unembedding).
   n -= cfg.vocab_size * cfg.d_model * (0 if cfg.tie_embeddings else 1)
@@ -183,8 +202,11 @@ def _compile(jitted, *args):
 
 
 def _parse_oom(msg: str) -> tuple[float, float] | None:
-  m = re.search(r"HLO temporaries \(([\d.]+)([KMGT])\) exceeds available HBM "
-                r"\(([\d.]+)([KMGT])\)", msg)
+  m = re.search(
+    r"HLO temporaries \(([\d.]+)([KMGT])\) exceeds available HBM "
+    r"\(([\d.]+)([KMGT])\)",
+    msg,
+  )
   if not m:
     return None
   unit = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
@@ -194,8 +216,9 @@ def _parse_oom(msg: str) -> tuple[float, float] | None:
 class Report:
   """Compiles a config's steps over a topology and collects the numbers."""
 
-  def __init__(self, config, topology: str, slices: int,
-               dcn_gbps: float = DEFAULT_DCN_GBPS_PER_CHIP):
+  def __init__(
+    self, config, topology: str, slices: int, dcn_gbps: float = DEFAULT_DCN_GBPS_PER_CHIP
+  ):
     self.config = config
     self.topology, self.slices = topology, slices
     self.chip_name, self.chip = chip_of(topology)
@@ -207,28 +230,40 @@ class Report:
     self.exp = exp_lib.Experiment(config, mesh=self.mesh)
     self.n_devices = len(devices)
     self.result: dict[str, Any] = {
-        "config": {"mesh": {a: int(self.mesh.shape[a]) for a in sharding.AXES},
-                   "fsdp": bool(config.mesh.get("fsdp", False)),
-                   "microbatches": int(config.inner.microbatches),
-                   "remat": config.model.remat,
-                   "loss_chunk": int(config.model.loss_chunk),
-                   "attention": config.model.attention,
-                   "dtype": config.model.dtype,
-                   "workers": int(self.exp.topo.num_workers),
-                   "batch_per_path": int(config.data.batch_size),
-                   "seq_len": int(config.data.seq_len)},
-        "topology": topology, "slices": slices, "chips": self.n_devices,
-        "chip": dict(name=self.chip_name, **dataclasses.asdict(self.chip)),
-        "steps": {}}
+      "config": {
+        "mesh": {a: int(self.mesh.shape[a]) for a in sharding.AXES},
+        "fsdp": bool(config.mesh.get("fsdp", False)),
+        "microbatches": int(config.inner.microbatches),
+        "remat": config.model.remat,
+        "loss_chunk": int(config.model.loss_chunk),
+        "attention": config.model.attention,
+        "dtype": config.model.dtype,
+        "workers": int(self.exp.topo.num_workers),
+        "batch_per_path": int(config.data.batch_size),
+        "seq_len": int(config.data.seq_len),
+      },
+      "topology": topology,
+      "slices": slices,
+      "chips": self.n_devices,
+      "chip": dict(name=self.chip_name, **dataclasses.asdict(self.chip)),
+      "steps": {},
+    }
 
   # Parts of the training state each step does not take as arguments but that
   # stay in HBM while it runs.
   def _resident(self, step: str) -> int:
     st = self.exp.abstract_state
-    parts = {"store": st.store, "outer_opt": st.outer_opt,
-             "inner_opt": st.inner_opt, "params": st.params}
-    args = {"inner": ("params", "inner_opt"), "outer": ("store", "outer_opt", "params"),
-            "eval": ("params",)}[step]
+    parts = {
+      "store": st.store,
+      "outer_opt": st.outer_opt,
+      "inner_opt": st.inner_opt,
+      "params": st.params,
+    }
+    args = {
+      "inner": ("params", "inner_opt"),
+      "outer": ("store", "outer_opt", "params"),
+      "eval": ("params",),
+    }[step]
     total = sum(per_device_bytes(v) for k, v in parts.items() if k not in args)
     if self.config.early_stopping.get("enabled", False):
       total += per_device_bytes(st.params)  # BestPaths' copy of the params.
@@ -236,11 +271,13 @@ class Report:
 
   def _memory(self, compiled, step: str) -> dict[str, int]:
     m = compiled.memory_analysis()
-    out = {"arguments": int(m.argument_size_in_bytes),
-           "temporaries": int(m.temp_size_in_bytes),
-           "outputs": int(m.output_size_in_bytes - m.alias_size_in_bytes),
-           "code": int(m.generated_code_size_in_bytes),
-           "resident_state": self._resident(step)}
+    out = {
+      "arguments": int(m.argument_size_in_bytes),
+      "temporaries": int(m.temp_size_in_bytes),
+      "outputs": int(m.output_size_in_bytes - m.alias_size_in_bytes),
+      "code": int(m.generated_code_size_in_bytes),
+      "resident_state": self._resident(step),
+    }
     out["total"] = sum(out.values())
     return out
 
@@ -249,9 +286,11 @@ class Report:
     if step == "inner":
       return exp.inner_step, (st.params, st.inner_opt, abstract_batch(exp))
     if step == "outer":
-      alpha = jax.ShapeDtypeStruct((exp.topo.num_workers,), np.float32,
-                                   sharding=jax.sharding.NamedSharding(
-                                       self.mesh, jax.sharding.PartitionSpec()))
+      alpha = jax.ShapeDtypeStruct(
+        (exp.topo.num_workers,),
+        np.float32,
+        sharding=jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()),
+      )
       return exp.outer_step, (st.store, st.outer_opt, st.params, alpha)
     return exp.eval_step, (st.params, abstract_batch(exp))
 
@@ -281,10 +320,14 @@ class Report:
       how.append(f"+ {n - 1} loss chunks")
     if M > 1:
       exp, st = self.exp, self.exp.abstract_state
-      update = jax.jit(jax.vmap(exp.tx.update),
-                       in_shardings=(exp.state_sharding.params,
-                                     exp.state_sharding.inner_opt,
-                                     exp.state_sharding.params))
+      update = jax.jit(
+        jax.vmap(exp.tx.update),
+        in_shardings=(
+          exp.state_sharding.params,
+          exp.state_sharding.inner_opt,
+          exp.state_sharding.params,
+        ),
+      )
       oflops, obytes = _cost(_compile(update, st.params, st.inner_opt, st.params))
       flops, nbytes = M * flops - (M - 1) * oflops, M * nbytes - (M - 1) * obytes
       how = [f"{M} x (" + " ".join(how) + f") - {M - 1} optimizer updates"]
@@ -296,33 +339,47 @@ class Report:
       try:
         compiled = _compile(jitted, *args)
       except OutOfMemory as e:
-        self.result["steps"][step] = {"fits": False, "error": str(e),
-                                      "advice": self.advice(step, str(e))}
+        self.result["steps"][step] = {
+          "fits": False,
+          "error": str(e),
+          "advice": self.advice(step, str(e)),
+        }
         continue
       mem = self._memory(compiled, step)
       text = compiled.as_text()
       row: dict[str, Any] = {
-          "memory": mem,
-          "hbm_fraction": mem["total"] / self.chip.usable_hbm,
-          "fits": mem["total"] <= FIT_FRACTION * self.chip.usable_hbm,
-          "collectives": collective_table(text, self.mesh),
-          "path_bytes": hlo.cross_axis_bytes(text, self.mesh, "path")}
+        "memory": mem,
+        "hbm_fraction": mem["total"] / self.chip.usable_hbm,
+        "fits": mem["total"] <= FIT_FRACTION * self.chip.usable_hbm,
+        "collectives": collective_table(text, self.mesh),
+        "path_bytes": hlo.cross_axis_bytes(text, self.mesh, "path"),
+      }
       if step == "inner":
         flops, nbytes, how = self._inner_cost(compiled)
         W, B, T = self.exp.batch_shape
         t = max(flops / self.chip.peak_flops, nbytes / self.chip.hbm_bw)
         model_flops = model_flops_per_token(self.exp) * W * B * T / self.n_devices
-        row.update(flops=flops, bytes=nbytes, cost_from=how, roofline_s=t,
-                   bound="compute" if flops / self.chip.peak_flops >= nbytes / self.chip.hbm_bw
-                   else "memory",
-                   model_flops=model_flops, tokens_per_s=W * B * T / t,
-                   mfu=model_flops / (t * self.chip.peak_flops),
-                   cross_path=[c for c in row["collectives"] if "path" in c["axes"]])
+        row.update(
+          flops=flops,
+          bytes=nbytes,
+          cost_from=how,
+          roofline_s=t,
+          bound="compute"
+          if flops / self.chip.peak_flops >= nbytes / self.chip.hbm_bw
+          else "memory",
+          model_flops=model_flops,
+          tokens_per_s=W * B * T / t,
+          mfu=model_flops / (t * self.chip.peak_flops),
+          cross_path=[c for c in row["collectives"] if "path" in c["axes"]],
+        )
       elif step == "outer":
         flops, nbytes = _cost(compiled)
-        row.update(flops=flops, bytes=nbytes,
-                   roofline_s=max(flops / self.chip.peak_flops, nbytes / self.chip.hbm_bw),
-                   dcn_s=row["path_bytes"] / self.dcn_bytes_per_s)
+        row.update(
+          flops=flops,
+          bytes=nbytes,
+          roofline_s=max(flops / self.chip.peak_flops, nbytes / self.chip.hbm_bw),
+          dcn_s=row["path_bytes"] / self.dcn_bytes_per_s,
+        )
       if not row["fits"]:
         row["advice"] = self.advice(step, None, mem)
       self.result["steps"][step] = row
@@ -334,33 +391,46 @@ class Report:
     usable = self.chip.usable_hbm
     if error is not None:
       parsed = _parse_oom(error)
-      need = (f"HLO temporaries need {parsed[0] / GiB:.1f} GiB per chip against "
-              f"{parsed[1] / GiB:.2f} GiB usable" if parsed else error)
+      need = (
+        f"HLO temporaries need {parsed[0] / GiB:.1f} GiB per chip against "
+        f"{parsed[1] / GiB:.2f} GiB usable"
+        if parsed
+        else error
+      )
     else:
-      need = (f"needs {mem['total'] / GiB:.2f} GiB per chip (temporaries "
-              f"{mem['temporaries'] / GiB:.2f}, arguments {mem['arguments'] / GiB:.2f}, "
-              f"resident state {mem['resident_state'] / GiB:.2f}) against "
-              f"{FIT_FRACTION:.0%} of {usable / GiB:.2f} GiB")
+      need = (
+        f"needs {mem['total'] / GiB:.2f} GiB per chip (temporaries "
+        f"{mem['temporaries'] / GiB:.2f}, arguments {mem['arguments'] / GiB:.2f}, "
+        f"resident state {mem['resident_state'] / GiB:.2f}) against "
+        f"{FIT_FRACTION:.0%} of {usable / GiB:.2f} GiB"
+      )
     helps = []
     M = int(c.inner.microbatches)
     rows = c.data.batch_size // (M * shape["data"])
     if rows > 1:
-      helps.append(f"inner.microbatches (now {M}; activations scale with "
-                   f"{rows} sequences per chip per microbatch)")
+      helps.append(
+        f"inner.microbatches (now {M}; activations scale with "
+        f"{rows} sequences per chip per microbatch)"
+      )
     if c.model.remat != "full":
       helps.append(f"model.remat=full (now {c.model.remat})")
     if not c.model.loss_chunk:
       logits = rows * c.data.seq_len * c.model.vocab_size * 4
-      helps.append(f"model.loss_chunk (the float32 logits are {logits / GiB:.2f} GiB "
-                   "per chip per microbatch)")
+      helps.append(
+        f"model.loss_chunk (the float32 logits are {logits / GiB:.2f} GiB per chip per microbatch)"
+      )
     if not c.mesh.get("fsdp", False) and shape["data"] > 1:
       st = self.exp.abstract_state
-      state = sum(per_device_bytes(x) for x in (st.params, st.inner_opt, st.store,
-                                                st.outer_opt))
-      helps.append(f"mesh.fsdp=True (params + optimizer state {state / GiB:.2f} GiB "
-                   f"per chip, /{shape['data']})")
-    return (f"{step} step does not fit on {self.chip_name}: {need}; would help: "
-            + ("; ".join(helps) if helps else "more chips per path (mesh.data)") + ".")
+      state = sum(per_device_bytes(x) for x in (st.params, st.inner_opt, st.store, st.outer_opt))
+      helps.append(
+        f"mesh.fsdp=True (params + optimizer state {state / GiB:.2f} GiB "
+        f"per chip, /{shape['data']})"
+      )
+    return (
+      f"{step} step does not fit on {self.chip_name}: {need}; would help: "
+      + ("; ".join(helps) if helps else "more chips per path (mesh.data)")
+      + "."
+    )
 
 
 def _g(x: float) -> str:
@@ -370,42 +440,52 @@ def _g(x: float) -> str:
 def format_report(r: dict[str, Any]) -> str:
   """The printed report."""
   c = r["config"]
-  lines = [f"{r['topology']} x {r['slices']} slice(s) = {r['chips']} chips "
-           f"({r['chip']['name']}: {r['chip']['peak_flops'] / 1e12:.0f} TFLOP/s bf16, "
-           f"{_g(r['chip']['usable_hbm'])} GiB usable HBM, "
-           f"{r['chip']['hbm_bw'] / 1e9:.0f} GB/s)",
-           "mesh " + " x ".join(f"{a}={n}" for a, n in c["mesh"].items()) +
-           f"; {c['workers']} workers x {c['batch_per_path']} x {c['seq_len']} tokens; "
-           f"microbatches {c['microbatches']}, remat {c['remat']}, fsdp {c['fsdp']}, "
-           f"loss_chunk {c['loss_chunk']}, attention {c['attention']}, {c['dtype']}"]
+  lines = [
+    f"{r['topology']} x {r['slices']} slice(s) = {r['chips']} chips "
+    f"({r['chip']['name']}: {r['chip']['peak_flops'] / 1e12:.0f} TFLOP/s bf16, "
+    f"{_g(r['chip']['usable_hbm'])} GiB usable HBM, "
+    f"{r['chip']['hbm_bw'] / 1e9:.0f} GB/s)",
+    "mesh "
+    + " x ".join(f"{a}={n}" for a, n in c["mesh"].items())
+    + f"; {c['workers']} workers x {c['batch_per_path']} x {c['seq_len']} tokens; "
+    f"microbatches {c['microbatches']}, remat {c['remat']}, fsdp {c['fsdp']}, "
+    f"loss_chunk {c['loss_chunk']}, attention {c['attention']}, {c['dtype']}",
+  ]
   for step, s in r["steps"].items():
     if "memory" not in s:
       lines.append(f"[{step}] DOES NOT FIT: {s['advice']}")
       continue
     m = s["memory"]
     lines.append(
-        f"[{step}] per chip: arguments {_g(m['arguments'])} + temporaries "
-        f"{_g(m['temporaries'])} + outputs {_g(m['outputs'])} + code {_g(m['code'])} "
-        f"+ resident state {_g(m['resident_state'])} = {_g(m['total'])} GiB "
-        f"({s['hbm_fraction']:.0%} of HBM){'' if s['fits'] else '  DOES NOT FIT'}")
+      f"[{step}] per chip: arguments {_g(m['arguments'])} + temporaries "
+      f"{_g(m['temporaries'])} + outputs {_g(m['outputs'])} + code {_g(m['code'])} "
+      f"+ resident state {_g(m['resident_state'])} = {_g(m['total'])} GiB "
+      f"({s['hbm_fraction']:.0%} of HBM){'' if s['fits'] else '  DOES NOT FIT'}"
+    )
     if "roofline_s" in s and step == "inner":
       lines.append(
-          f"[{step}] {s['flops']:.3e} flops, {s['bytes']:.3e} bytes per chip "
-          f"({s['cost_from']}); roofline {s['roofline_s'] * 1e3:.1f} ms "
-          f"({s['bound']}-bound), {s['tokens_per_s']:,.0f} tokens/s, "
-          f"MFU {s['mfu']:.1%} (model flops {s['model_flops']:.3e})")
+        f"[{step}] {s['flops']:.3e} flops, {s['bytes']:.3e} bytes per chip "
+        f"({s['cost_from']}); roofline {s['roofline_s'] * 1e3:.1f} ms "
+        f"({s['bound']}-bound), {s['tokens_per_s']:,.0f} tokens/s, "
+        f"MFU {s['mfu']:.1%} (model flops {s['model_flops']:.3e})"
+      )
     if step == "outer":
       lines.append(
-          f"[{step}] {s['flops']:.3e} flops, {s['bytes']:.3e} bytes per chip; roofline "
-          f"{s['roofline_s'] * 1e3:.1f} ms; across 'path' {s['path_bytes'] / 2**20:.1f} MiB "
-          f"per chip = {s['dcn_s'] * 1e3:.0f} ms at the assumed DCN bandwidth")
+        f"[{step}] {s['flops']:.3e} flops, {s['bytes']:.3e} bytes per chip; roofline "
+        f"{s['roofline_s'] * 1e3:.1f} ms; across 'path' {s['path_bytes'] / 2**20:.1f} MiB "
+        f"per chip = {s['dcn_s'] * 1e3:.0f} ms at the assumed DCN bandwidth"
+      )
     for col in s["collectives"]:
-      lines.append(f"    {col['op']:<26} x{col['count']:<4} {col['bytes'] / 2**20:10.2f} MiB"
-                   f"  groups of {col['group_size']} over {','.join(col['axes']) or '-'}"
-                   f"  e.g. {col['example_group'][:8]}")
+      lines.append(
+        f"    {col['op']:<26} x{col['count']:<4} {col['bytes'] / 2**20:10.2f} MiB"
+        f"  groups of {col['group_size']} over {','.join(col['axes']) or '-'}"
+        f"  e.g. {col['example_group'][:8]}"
+      )
     if step == "inner" and s.get("cross_path"):
-      lines.append(f"[inner] ERROR: {len(s['cross_path'])} collective kinds span 'path': "
-                   "paths must not talk during the inner phase.")
+      lines.append(
+        f"[inner] ERROR: {len(s['cross_path'])} collective kinds span 'path': "
+        "paths must not talk during the inner phase."
+      )
     if not s["fits"]:
       lines.append(f"[{step}] {s['advice']}")
   return "\n".join(lines)
@@ -421,17 +501,25 @@ _FLAGS: dict[str, Any] = {}
 def _define_flags() -> None:
   """The command's flags: defined only when it runs, so importing aot adds none."""
   _FLAGS["config"] = config_flags.DEFINE_config_file(
-      "config", None, "Config file (configs/*.py); override fields with "
-      "--config.section.field=value.", lock_config=True)
+    "config",
+    None,
+    "Config file (configs/*.py); override fields with --config.section.field=value.",
+    lock_config=True,
+  )
   _FLAGS["topology"] = flags.DEFINE_string(
-      "topology", None, "TPU topology of one slice as libtpu names it, CHIP:AxB[xC] "
-      f"with CHIP in {sorted(CHIPS)}, e.g. v5e:4x4 (a v5litepod-16) or v5p:2x2x4.")
+    "topology",
+    None,
+    "TPU topology of one slice as libtpu names it, CHIP:AxB[xC] "
+    f"with CHIP in {sorted(CHIPS)}, e.g. v5e:4x4 (a v5litepod-16) or v5p:2x2x4.",
+  )
   _FLAGS["slices"] = flags.DEFINE_integer("slices", 1, "Slices (multislice over DCN).")
   _FLAGS["out"] = flags.DEFINE_string("out", None, "Also write the report here as JSON.")
-  _FLAGS["steps"] = flags.DEFINE_list("steps", ["inner", "outer", "eval"],
-                             "Steps to compile: inner, outer, eval.")
-  _FLAGS["dcn_gbps"] = flags.DEFINE_float("dcn_gbps", DEFAULT_DCN_GBPS_PER_CHIP,
-                                 "DCN Gb/s per chip for the outer step's time estimate.")
+  _FLAGS["steps"] = flags.DEFINE_list(
+    "steps", ["inner", "outer", "eval"], "Steps to compile: inner, outer, eval."
+  )
+  _FLAGS["dcn_gbps"] = flags.DEFINE_float(
+    "dcn_gbps", DEFAULT_DCN_GBPS_PER_CHIP, "DCN Gb/s per chip for the outer step's time estimate."
+  )
   flags.mark_flags_as_required(["config", "topology"])
 
 
@@ -442,7 +530,12 @@ def main(argv):
   if unknown:
     raise app.UsageError(f"--steps: unknown {sorted(unknown)}; use inner, outer, eval.")
   try:
-    report = Report(_FLAGS["config"].value, _FLAGS["topology"].value, _FLAGS["slices"].value, _FLAGS["dcn_gbps"].value)
+    report = Report(
+      _FLAGS["config"].value,
+      _FLAGS["topology"].value,
+      _FLAGS["slices"].value,
+      _FLAGS["dcn_gbps"].value,
+    )
     result = report.run(_FLAGS["steps"].value)
   except (AotError, sharding.MeshError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)

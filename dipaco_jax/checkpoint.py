@@ -62,9 +62,12 @@ class NoCheckpointError(errors.UserError, FileNotFoundError):
 
 def module_chunks(tree: PyTree) -> PyTree:
   """SaveArgs storing each leading-axis row (module, path) in its own chunks."""
-  return jax.tree.map(lambda x: ocp.SaveArgs(
-      chunk_byte_size=max(int(np.prod(x.shape[1:])) * x.dtype.itemsize, 1),
-      shard_axes=(0,)), tree)
+  return jax.tree.map(
+    lambda x: ocp.SaveArgs(
+      chunk_byte_size=max(int(np.prod(x.shape[1:])) * x.dtype.itemsize, 1), shard_axes=(0,)
+    ),
+    tree,
+  )
 
 
 def save_args(state: PyTree) -> PyTree:
@@ -88,8 +91,10 @@ def latest_step(workdir: str) -> int:
   """The newest finished step (NoCheckpointError when there is none)."""
   found = steps(workdir)
   if not found:
-    raise NoCheckpointError(f"no finished checkpoint under {directory(workdir)}: train the run "
-                            "first (python -m dipaco_jax.main --config=... --workdir=...).")
+    raise NoCheckpointError(
+      f"no finished checkpoint under {directory(workdir)}: train the run "
+      "first (python -m dipaco_jax.main --config=... --workdir=...)."
+    )
   return found[-1]
 
 
@@ -147,10 +152,14 @@ def _damaged(root: epath.Path, step: int, what: str) -> DamagedCheckpointError:
   older = [s for s in steps(root.parent) if s < step]
   intact = next((s for s in reversed(older) if _quick_check(root / str(s))), None)
   aside = f"mv {root / str(step)} {root.parent / f'damaged_checkpoint_{step}'}"
-  then = (f"to resume from step {intact}, the newest intact checkpoint" if intact is not None
-          else "to start the run over from step 0 (no older checkpoint is intact)")
-  return DamagedCheckpointError(f"checkpoint step {step} in {root} is damaged ({what}); move it "
-                                f"aside ({aside}) {then}.")
+  then = (
+    f"to resume from step {intact}, the newest intact checkpoint"
+    if intact is not None
+    else "to start the run over from step 0 (no older checkpoint is intact)"
+  )
+  return DamagedCheckpointError(
+    f"checkpoint step {step} in {root} is damaged ({what}); move it aside ({aside}) {then}."
+  )
 
 
 # A restore that fails on a damaged file leaves echoes: orbax stops at the first unreadable
@@ -164,8 +173,11 @@ _ORBAX_READ_ERROR = "Encountered error while reading array index"
 def _is_echo(exc: BaseException | None, loop_closed: bool) -> bool:
   while exc is not None:
     msg = str(exc)
-    if (msg.startswith(_ORBAX_READ_ERROR) or any(msg.startswith(c + ":") for c in _DAMAGE_CODES)
-        or (loop_closed and isinstance(exc, RuntimeError) and msg == "Event loop is closed")):
+    if (
+      msg.startswith(_ORBAX_READ_ERROR)
+      or any(msg.startswith(c + ":") for c in _DAMAGE_CODES)
+      or (loop_closed and isinstance(exc, RuntimeError) and msg == "Event loop is closed")
+    ):
       return True
     exc = exc.__cause__ or exc.__context__
   return False
@@ -211,21 +223,22 @@ def _reading(root: epath.Path, step: int):
 class Checkpointer:
   """Saves and restores (train state, data state, best set) under `<workdir>/checkpoints`."""
 
-  def __init__(self, workdir: str, *, max_to_keep: int = 2,
-               async_save: bool = True):
+  def __init__(self, workdir: str, *, max_to_keep: int = 2, async_save: bool = True):
     self.directory = directory(workdir)
     self._manager = ocp.CheckpointManager(
-        self.directory,
-        options=ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep, create=True,
-            enable_async_checkpointing=async_save),
-        item_names=ITEMS)
+      self.directory,
+      options=ocp.CheckpointManagerOptions(
+        max_to_keep=max_to_keep, create=True, enable_async_checkpointing=async_save
+      ),
+      item_names=ITEMS,
+    )
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
 
-  def save(self, step: int, state: PyTree, data_state: dict,
-           best: tuple[PyTree, dict] | None = None) -> None:
+  def save(
+    self, step: int, state: PyTree, data_state: dict, best: tuple[PyTree, dict] | None = None
+  ) -> None:
     """Writes the items atomically (in the background when async); best = (params_W, records)."""
     items = {"state": ocp.args.StandardSave(state, save_args=save_args(state))}
     if best is not None:
@@ -241,9 +254,12 @@ class Checkpointer:
     if step is None:
       return None
     with _reading(self.directory, step):
-      out = self._manager.restore(step, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(abstract_state),
-          data=ocp.args.JsonRestore()))
+      out = self._manager.restore(
+        step,
+        args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()
+        ),
+      )
     data_state = dict(out["data"])
     data_state.pop(_BEST_RECORDS, None)
     return out["state"], data_state
@@ -255,8 +271,9 @@ class Checkpointer:
     if records is None:
       return None
     with _reading(self.directory, step):
-      out = self._manager.restore(step, args=ocp.args.Composite(
-          best=ocp.args.StandardRestore(abstract_params)))
+      out = self._manager.restore(
+        step, args=ocp.args.Composite(best=ocp.args.StandardRestore(abstract_params))
+      )
     return out["best"], records
 
   def close(self) -> None:
@@ -269,8 +286,9 @@ def read_data_state(workdir: str, step: int) -> dict:
   root = directory(workdir)
   path = root / str(step) / "data" / "metadata"  # Where orbax's JsonSave writes.
   if not path.exists():
-    raise NoCheckpointError(f"no checkpoint step {step} (or no data item) in {root}; its steps: "
-                            f"{steps(workdir)}.")
+    raise NoCheckpointError(
+      f"no checkpoint step {step} (or no data item) in {root}; its steps: {steps(workdir)}."
+    )
   with _reading(root, step):
     return json.loads(path.read_text())
 
@@ -303,15 +321,17 @@ def restore_numpy(workdir: str, step: int | None = None) -> PyTree:
   step = latest_step(workdir) if step is None else step
   # Handlers named up front, so the metadata (shapes, dtypes) can be read.
   manager = ocp.CheckpointManager(
-      root, options=ocp.CheckpointManagerOptions(read_only=True),
-      item_handlers={"state": ocp.PyTreeCheckpointHandler(),
-                     "data": ocp.JsonCheckpointHandler()})
+    root,
+    options=ocp.CheckpointManagerOptions(read_only=True),
+    item_handlers={"state": ocp.PyTreeCheckpointHandler(), "data": ocp.JsonCheckpointHandler()},
+  )
   try:
     with _reading(root, step):
       meta = manager.item_metadata(step)["state"]
       restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), meta)
-      return manager.restore(step, args=ocp.args.Composite(
-          state=ocp.args.PyTreeRestore(restore_args=restore_args)))["state"]
+      return manager.restore(
+        step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(restore_args=restore_args))
+      )["state"]
   finally:
     manager.close()
 
@@ -324,6 +344,7 @@ def restore_worker_params(workdir: str, worker: int = 0) -> PyTree:
 @dataclasses.dataclass(frozen=True)
 class Row:
   """Row `index` of a saved array of `count` rows (a module of K, a worker of W)."""
+
   index: int
   count: int
 
@@ -363,12 +384,17 @@ def read_rows(workdir: str, step: int, item: str, rows: PyTree) -> PyTree:
       name = ".".join(str(getattr(k, "key", k)) for k in key_path)  # orbax's array names.
       if driver is None:  # orbax writes every array of an item in one zarr format.
         driver = "zarr" if kv.read(f"{name}/.zarray").result().state == "value" else "zarr3"
-      spec = {"driver": driver, "recheck_cached_data": False,
-              "kvstore": {"driver": "ocdbt", "base": base, "path": f"{name}/"}}
+      spec = {
+        "driver": driver,
+        "recheck_cached_data": False,
+        "kvstore": {"driver": "ocdbt", "base": base, "path": f"{name}/"},
+      }
       arr = ts.open(spec, open=True, read=True, context=ctx).result()
       if arr.shape[0] != row.count:
-        raise ValueError(f"{item_dir}: {name} has {arr.shape[0]} rows but this grid has "
-                         f"{row.count}: the checkpoint was written by another grid. Pass the "
-                         "config the run was trained with.")
+        raise ValueError(
+          f"{item_dir}: {name} has {arr.shape[0]} rows but this grid has "
+          f"{row.count}: the checkpoint was written by another grid. Pass the "
+          "config the run was trained with."
+        )
       out.append(arr[row.index].read().result())
   return jax.tree.unflatten(treedef, out)

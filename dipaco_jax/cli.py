@@ -24,14 +24,23 @@ from dipaco_jax import distributed
 from dipaco_jax import errors
 
 _VERBOSE = flags.DEFINE_bool(
-    "verbose_errors", False, "Show the traceback of a user error (a bad config field, a "
-    "missing file) instead of its one line.")
+  "verbose_errors",
+  False,
+  "Show the traceback of a user error (a bad config field, a "
+  "missing file) instead of its one line.",
+)
 _CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "Config file (configs/*.py); override fields with "
-    "--config.section.field=value.", lock_config=True)
+  "config",
+  None,
+  "Config file (configs/*.py); override fields with --config.section.field=value.",
+  lock_config=True,
+)
 _WORKDIR = flags.DEFINE_string(
-    "workdir", None, "The run's directory (local or gs://): checkpoints, metrics, shards, "
-    "router. An existing run there is resumed.")
+  "workdir",
+  None,
+  "The run's directory (local or gs://): checkpoints, metrics, shards, "
+  "router. An existing run there is resumed.",
+)
 flags.mark_flags_as_required(["config", "workdir"])
 
 _CONFIG_FLAG = re.compile(r"^--?(?:no)?config\.([^=]+)")
@@ -42,11 +51,18 @@ _FLAG_ERROR = re.compile(r"^flag --config\.([\w.]+)=(.*?): (.*)$")
 def is_user_error(e: BaseException) -> bool:
   """Errors of the input, reported in one line: the config, missing files, data, divergence."""
   from dipaco_jax.data import shards  # pylint: disable=g-import-not-at-top
-  return isinstance(e, (
+
+  return isinstance(
+    e,
+    (
       config_defaults.ConfigError,  # Also TopologyError, MeshError, ElasticConfigError.
       errors.UserError,  # Damaged files, no checkpoint, divergence (metrics.DivergenceError).
       FileNotFoundError,  # A missing input named by the OS.
-      shards.EmptyShardError, app.UsageError, flags.Error))
+      shards.EmptyShardError,
+      app.UsageError,
+      flags.Error,
+    ),
+  )
 
 
 def one_line(e: BaseException) -> str:
@@ -73,12 +89,14 @@ def _check_config_args(argv: list[str]) -> None:
       path = m.group(1) if m.group(1) is not None else (argv[i + 1] if i + 1 < len(argv) else "")
       path = path.split(":", 1)[0]
       if not os.path.isfile(path):
-        raise config_defaults.ConfigError(f"--config={path}: no such config file; give one of "
-                                          "configs/*.py.")
+        raise config_defaults.ConfigError(
+          f"--config={path}: no such config file; give one of configs/*.py."
+        )
     elif m := _CONFIG_FLAG.match(arg):
       if m.group(1) not in config_check.field_names():
         raise config_defaults.ConfigError(
-            config_check.unknown_name_message(m.group(1), prefix="--config."))
+          config_check.unknown_name_message(m.group(1), prefix="--config.")
+        )
 
 
 def _flag_error(e: flags.Error) -> BaseException:
@@ -87,8 +105,9 @@ def _flag_error(e: flags.Error) -> BaseException:
   if m is None or m.group(1) not in config_check.field_names():
     return e
   key, value, reason = m.groups()
-  return config_defaults.ConfigError(f"--config.{key}={value} cannot be read ({reason}): "
-                                     f"{config_check.requirement(key)}")
+  return config_defaults.ConfigError(
+    f"--config.{key}={value} cannot be read ({reason}): {config_check.requirement(key)}"
+  )
 
 
 def parse_flags(argv: list[str]) -> list[str]:
@@ -105,6 +124,7 @@ def parse_flags(argv: list[str]) -> list[str]:
 
 def guard(main: Callable[[list[str]], Any]) -> Callable[[list[str]], Any]:
   """`main` with user errors reduced to one line (see the module docstring)."""
+
   def guarded(argv):
     try:
       return main(argv)
@@ -112,6 +132,7 @@ def guard(main: Callable[[list[str]], Any]) -> Callable[[list[str]], Any]:
       if not is_user_error(e):
         raise
       fail(e, _VERBOSE.value)
+
   return guarded
 
 
@@ -130,8 +151,9 @@ def start(argv: list[str]) -> tuple[Any, str]:
   config, workdir = _CONFIG.value, _WORKDIR.value
   config_check.validate(config)
   if workdir.strip() in ("", "None", "none"):
-    raise config_defaults.ConfigError(f"--workdir={workdir!r} names no directory: give the run's "
-                                      "directory.")
+    raise config_defaults.ConfigError(
+      f"--workdir={workdir!r} names no directory: give the run's directory."
+    )
   if config.mesh.cpu_devices:  # Before any backend starts; TPU/GPU runs are unaffected.
     jax.config.update("jax_num_cpu_devices", config.mesh.cpu_devices)
   distributed.initialize()

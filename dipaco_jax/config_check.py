@@ -24,12 +24,17 @@ from dipaco_jax.config_defaults import ConfigError
 Rule = tuple[Callable[[Any], bool], str]
 
 # Fields that moved to another section: old name -> new name.
-MOVED = {"routing.early_stopping": "early_stopping.enabled",
-         "routing.eval_seq_len": "eval.seq_len", "routing.eval_max_docs": "eval.max_docs",
-         "routing.eval_rerouting_windows": "eval.rerouting_windows",
-         "routing.reroute_routers": "eval.rerouters",
-         **{f"routing.reroute_{k}": f"eval.reroute_{k}"
-            for k in ("label_window", "stride", "steps", "lr", "batch_size")}}
+MOVED = {
+  "routing.early_stopping": "early_stopping.enabled",
+  "routing.eval_seq_len": "eval.seq_len",
+  "routing.eval_max_docs": "eval.max_docs",
+  "routing.eval_rerouting_windows": "eval.rerouting_windows",
+  "routing.reroute_routers": "eval.rerouters",
+  **{
+    f"routing.reroute_{k}": f"eval.reroute_{k}"
+    for k in ("label_window", "stride", "steps", "lr", "batch_size")
+  },
+}
 
 
 @functools.cache
@@ -68,8 +73,11 @@ def unknown_name_message(key: str, prefix: str = "config.") -> str:
   if key in MOVED:
     return f"{prefix}{key} is not a config field: it moved to {prefix}{MOVED[key]}."
   near = nearest_name(key)
-  hint = (f"did you mean {prefix}{near}?" if near else
-          "every field is listed in dipaco_jax/config_defaults.py base().")
+  hint = (
+    f"did you mean {prefix}{near}?"
+    if near
+    else "every field is listed in dipaco_jax/config_defaults.py base()."
+  )
   return f"{prefix}{key} is not a config field: {hint}"
 
 
@@ -82,15 +90,19 @@ def check_name(key: str) -> None:
 def _check_names(config) -> dict[str, Any]:
   """The config's fields, flattened; an added or a missing field is an error."""
   if not isinstance(config, ml_collections.ConfigDict):
-    raise ConfigError(f"the config is a {type(config).__name__}, not a ConfigDict: get_config() "
-                      "must return config_defaults.base() with changes.")
+    raise ConfigError(
+      f"the config is a {type(config).__name__}, not a ConfigDict: get_config() "
+      "must return config_defaults.base() with changes."
+    )
   flat = _flatten(config)
   for key in flat:
     check_name(key)
   missing = [k for k in field_names() if k not in flat]
   if missing:
-    raise ConfigError(f"config.{missing[0]} is missing: build the config on "
-                      "config_defaults.base() (it sets every field).")
+    raise ConfigError(
+      f"config.{missing[0]} is missing: build the config on "
+      "config_defaults.base() (it sets every field)."
+    )
   return flat
 
 
@@ -108,10 +120,12 @@ def _integer(lo: int, *, unset: int | None = None, what: str = "") -> Rule:
 
 def _number(lo: float, *, above: bool = True, hi: float | None = None) -> Rule:
   need = f"a number {'>' if above else '>='} {lo}" + (f" and < {hi}" if hi is not None else "")
+
   def ok(v):
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
       return False
     return (v > lo if above else v >= lo) and (hi is None or v < hi)
+
   return ok, need
 
 
@@ -138,13 +152,18 @@ def _names_a_folder(v) -> bool:
 
 def _path(unset: str) -> Rule:
   """None (the default) or a real path: a flag cannot set None, and "None" names no folder."""
-  return ((lambda v: v is None or _names_a_folder(v)),
-          f"a path, or unset for {unset} (leave the flag out: a flag cannot set None)")
+  return (
+    (lambda v: v is None or _names_a_folder(v)),
+    f"a path, or unset for {unset} (leave the flag out: a flag cannot set None)",
+  )
 
 
 def _tuple(item: Rule, need: str, *, nonempty: bool = False) -> Rule:
-  return (lambda v: (isinstance(v, (tuple, list)) and (len(v) > 0 or not nonempty)
-                     and all(item[0](x) for x in v))), need
+  return (
+    lambda v: (
+      isinstance(v, (tuple, list)) and (len(v) > 0 or not nonempty) and all(item[0](x) for x in v)
+    )
+  ), need
 
 
 @functools.cache
@@ -160,89 +179,135 @@ def _rules() -> dict[str, Rule]:
   from dipaco_jax.routing import discriminative
   from dipaco_jax.routing import phases
   from dipaco_jax.routing import rerouting
+
   # pylint: enable=g-import-not-at-top
   count, count0 = _integer(1), _integer(0)
   rerouters = _choice(rerouting.KINDS)[1].removeprefix("one of ")
   return {
-      "seed": count0, "log_every_steps": count, "stop_at_step": _integer(1, unset=-1),
-      "model.vocab_size": count, "model.pad_vocab": _bool(), "model.d_model": count,
-      "model.num_layers": count, "model.num_heads": count, "model.head_dim": count,
-      "model.mlp_ratio": _number(0), "model.max_len": count,
-      "model.positions": _choice(model.POSITIONS), "model.tie_embeddings": _bool(),
-      "model.dtype": _choice(model.DTYPES), "model.remat": _choice(tuple(model.REMAT_POLICIES)),
-      "model.attention": _choice(model.ATTENTION), "model.loss_chunk": _integer(0, what=" (0 = off)"),
-      "inner.lr": _number(0), "inner.warmup_steps": count0,
-      "inner.total_steps": ((lambda v: v is None or _is_int(v) and v >= 1),
-                            "an integer >= 1, or unset for H*T"),
-      "inner.final_lr_fraction": _fraction(), "inner.b1": _number(0, above=False, hi=1),
-      "inner.b2": _number(0, above=False, hi=1), "inner.eps": _number(0),
-      "inner.weight_decay": _number(0, above=False),
-      "inner.clip_norm": _number(0, above=False), "inner.decay_norms": _bool(),
-      "inner.microbatches": count,
-      "outer.enabled": _bool(), "outer.lr": _number(0),
-      "outer.momentum": _number(0, above=False, hi=1), "outer.nesterov": _bool(),
-      "outer.weighting": _choice(outer.WEIGHTINGS),
-      "outer.sqrt_paths": _choice(outer.SQRT_MODES),
-      "dipaco.level_groups": _tuple(_string(), "a tuple of strings, one per level",
-                                    nonempty=True),
-      "dipaco.modules_per_level": _tuple(_integer(1), "a tuple of integers >= 1 (K per level)",
-                                         nonempty=True),
-      "dipaco.path_specific": _string(),
-      "dipaco.paths": _tuple(_string(), "a tuple of paths such as '0-1-0'"),
-      "dipaco.replicas": count, "dipaco.inner_steps": count, "dipaco.outer_steps": count,
-      "dipaco.init": _choice(experiment.INITS),
-      # None: required, given at run time (config_defaults.check_init_from).
-      "dipaco.init_from": ((lambda v: v is None or v == "" or _names_a_folder(v)),
-                           "a dense run's workdir, or '' for a random θ̄"),
-      "dipaco.mode": _choice(elastic_errors.MODES),
-      "data.task": _choice(data_lib.TASKS),
-      "data.tfds_data_dir": _path("tfds's default directory"),
-      "data.vocab_path": _path("the task's shipped tokenizer"),
-      "data.seq_len": count, "data.batch_size": count, "data.seed": count0,
-      "data.subsample": count, "data.top_k": count,
-      "data.shard_dir": _path("<workdir>/shards"),
-      "data.empty_shard_policy": _choice(prepare.EMPTY_POLICIES),
-      "mesh.path": _integer(1, unset=-1), "mesh.data": _integer(1, unset=-1),
-      "mesh.model": count, "mesh.num_slices": count0, "mesh.cpu_devices": count0,
-      "mesh.fsdp": _bool(),
-      "ckpt.every_steps": count, "ckpt.max_to_keep": count, "ckpt.async_save": _bool(),
-      "routing.router": _choice(phases.PHASE0_ROUTERS), "routing.prefix_len": count,
-      "routing.feature_batch_size": count, "routing.kmeans_restarts": count,
-      "routing.kmeans_iters": count, "routing.seed": count0,
-      "routing.replica_shards": _choice(phases.REPLICA_SHARDS),
-      "routing.router_max_docs": _integer(0, what=" (0 = all)"),
-      "routing.discriminative_at_outer_step": _integer(1, unset=-1),
-      "routing.discriminative_phases": count, "routing.discriminative_every": count,
-      "routing.discriminative_target": _choice(discriminative.TARGETS),
-      "routing.discriminative_min_share": _fraction(), "routing.restart_schedule": _bool(),
-      "routing.score_len": _integer(0, what=" (0 = eval.seq_len)"),
-      "eval.every_steps": count, "eval.batches": count,
-      "eval.seq_len": _integer(0, what=" (0 = data.seq_len)"),
-      "eval.max_docs": _integer(0, what=" (0 = all)"),
-      "eval.rerouting_windows": _tuple(count, "a tuple of integers >= 1"),
-      "eval.rerouters": _tuple(_choice(rerouting.KINDS), f"a tuple of any of {rerouters}"),
-      "eval.reroute_label_window": _integer(0, what=" (0 = to the end)"),
-      "eval.reroute_stride": count, "eval.reroute_steps": count,
-      "eval.reroute_lr": _number(0), "eval.reroute_batch_size": count,
-      "early_stopping.enabled": _bool(),
-      "guard.stuck_steps": _integer(0, what=" (0 = rule off)"),
-      "guard.max_param_norm_ratio": ((lambda v: _number(0, above=False)[0](v) and (v == 0 or v > 1)),
-                                     "a number > 1, or 0 (rule off)"),
-      "elastic.address": _string(), "elastic.num_workers": count,
-      "elastic.num_executors": count,
-      "elastic.worker_resources": _string(),  # Its JSON: elastic check_config.
-      "elastic.task_timeout_s": _number(0),
-      "elastic.step_delay_s": _tuple(_number(0, above=False), "a tuple of seconds >= 0"),
-      "elastic.chaos_worker_kills": count0, "elastic.chaos_executor_kills": count0,
-      "elastic.chaos_seed": count0, "elastic.stop_after_tasks": _integer(1, unset=-1),
+    "seed": count0,
+    "log_every_steps": count,
+    "stop_at_step": _integer(1, unset=-1),
+    "model.vocab_size": count,
+    "model.pad_vocab": _bool(),
+    "model.d_model": count,
+    "model.num_layers": count,
+    "model.num_heads": count,
+    "model.head_dim": count,
+    "model.mlp_ratio": _number(0),
+    "model.max_len": count,
+    "model.positions": _choice(model.POSITIONS),
+    "model.tie_embeddings": _bool(),
+    "model.dtype": _choice(model.DTYPES),
+    "model.remat": _choice(tuple(model.REMAT_POLICIES)),
+    "model.attention": _choice(model.ATTENTION),
+    "model.loss_chunk": _integer(0, what=" (0 = off)"),
+    "inner.lr": _number(0),
+    "inner.warmup_steps": count0,
+    "inner.total_steps": (
+      (lambda v: v is None or _is_int(v) and v >= 1),
+      "an integer >= 1, or unset for H*T",
+    ),
+    "inner.final_lr_fraction": _fraction(),
+    "inner.b1": _number(0, above=False, hi=1),
+    "inner.b2": _number(0, above=False, hi=1),
+    "inner.eps": _number(0),
+    "inner.weight_decay": _number(0, above=False),
+    "inner.clip_norm": _number(0, above=False),
+    "inner.decay_norms": _bool(),
+    "inner.microbatches": count,
+    "outer.enabled": _bool(),
+    "outer.lr": _number(0),
+    "outer.momentum": _number(0, above=False, hi=1),
+    "outer.nesterov": _bool(),
+    "outer.weighting": _choice(outer.WEIGHTINGS),
+    "outer.sqrt_paths": _choice(outer.SQRT_MODES),
+    "dipaco.level_groups": _tuple(_string(), "a tuple of strings, one per level", nonempty=True),
+    "dipaco.modules_per_level": _tuple(
+      _integer(1), "a tuple of integers >= 1 (K per level)", nonempty=True
+    ),
+    "dipaco.path_specific": _string(),
+    "dipaco.paths": _tuple(_string(), "a tuple of paths such as '0-1-0'"),
+    "dipaco.replicas": count,
+    "dipaco.inner_steps": count,
+    "dipaco.outer_steps": count,
+    "dipaco.init": _choice(experiment.INITS),
+    # None: required, given at run time (config_defaults.check_init_from).
+    "dipaco.init_from": (
+      (lambda v: v is None or v == "" or _names_a_folder(v)),
+      "a dense run's workdir, or '' for a random θ̄",
+    ),
+    "dipaco.mode": _choice(elastic_errors.MODES),
+    "data.task": _choice(data_lib.TASKS),
+    "data.tfds_data_dir": _path("tfds's default directory"),
+    "data.vocab_path": _path("the task's shipped tokenizer"),
+    "data.seq_len": count,
+    "data.batch_size": count,
+    "data.seed": count0,
+    "data.subsample": count,
+    "data.top_k": count,
+    "data.shard_dir": _path("<workdir>/shards"),
+    "data.empty_shard_policy": _choice(prepare.EMPTY_POLICIES),
+    "mesh.path": _integer(1, unset=-1),
+    "mesh.data": _integer(1, unset=-1),
+    "mesh.model": count,
+    "mesh.num_slices": count0,
+    "mesh.cpu_devices": count0,
+    "mesh.fsdp": _bool(),
+    "ckpt.every_steps": count,
+    "ckpt.max_to_keep": count,
+    "ckpt.async_save": _bool(),
+    "routing.router": _choice(phases.PHASE0_ROUTERS),
+    "routing.prefix_len": count,
+    "routing.feature_batch_size": count,
+    "routing.kmeans_restarts": count,
+    "routing.kmeans_iters": count,
+    "routing.seed": count0,
+    "routing.replica_shards": _choice(phases.REPLICA_SHARDS),
+    "routing.router_max_docs": _integer(0, what=" (0 = all)"),
+    "routing.discriminative_at_outer_step": _integer(1, unset=-1),
+    "routing.discriminative_phases": count,
+    "routing.discriminative_every": count,
+    "routing.discriminative_target": _choice(discriminative.TARGETS),
+    "routing.discriminative_min_share": _fraction(),
+    "routing.restart_schedule": _bool(),
+    "routing.score_len": _integer(0, what=" (0 = eval.seq_len)"),
+    "eval.every_steps": count,
+    "eval.batches": count,
+    "eval.seq_len": _integer(0, what=" (0 = data.seq_len)"),
+    "eval.max_docs": _integer(0, what=" (0 = all)"),
+    "eval.rerouting_windows": _tuple(count, "a tuple of integers >= 1"),
+    "eval.rerouters": _tuple(_choice(rerouting.KINDS), f"a tuple of any of {rerouters}"),
+    "eval.reroute_label_window": _integer(0, what=" (0 = to the end)"),
+    "eval.reroute_stride": count,
+    "eval.reroute_steps": count,
+    "eval.reroute_lr": _number(0),
+    "eval.reroute_batch_size": count,
+    "early_stopping.enabled": _bool(),
+    "guard.stuck_steps": _integer(0, what=" (0 = rule off)"),
+    "guard.max_param_norm_ratio": (
+      (lambda v: _number(0, above=False)[0](v) and (v == 0 or v > 1)),
+      "a number > 1, or 0 (rule off)",
+    ),
+    "elastic.address": _string(),
+    "elastic.num_workers": count,
+    "elastic.num_executors": count,
+    "elastic.worker_resources": _string(),  # Its JSON: elastic check_config.
+    "elastic.task_timeout_s": _number(0),
+    "elastic.step_delay_s": _tuple(_number(0, above=False), "a tuple of seconds >= 0"),
+    "elastic.chaos_worker_kills": count0,
+    "elastic.chaos_executor_kills": count0,
+    "elastic.chaos_seed": count0,
+    "elastic.stop_after_tasks": _integer(1, unset=-1),
   }
 
 
 def requirement(key: str) -> str:
   """What field `key` must be, and its default."""
   default = _defaults()[key]
-  return (f"it must be {_rules()[key][1]}; set --config.{key} "
-          f"(default {'unset' if default is None else repr(default)}).")
+  return (
+    f"it must be {_rules()[key][1]}; set --config.{key} "
+    f"(default {'unset' if default is None else repr(default)})."
+  )
 
 
 def field_message(key: str, value) -> str:
@@ -280,38 +345,51 @@ def _check_relations(c) -> None:
   from dipaco_jax import sharding
   from dipaco_jax import topology
   from dipaco_jax.elastic import errors as elastic_errors
+
   # pylint: enable=g-import-not-at-top
   topo = topology.from_config(c)  # TopologyError, a ConfigError.
   if c.data.top_k > topo.num_paths:
-    raise ConfigError(f"config.data.top_k={c.data.top_k} exceeds the {topo.num_paths} paths of "
-                      "the grid: give each document at most as many shards as there are paths.")
+    raise ConfigError(
+      f"config.data.top_k={c.data.top_k} exceeds the {topo.num_paths} paths of "
+      "the grid: give each document at most as many shards as there are paths."
+    )
   m = c.model
   if m.positions == "rope" and m.head_dim % 2:
-    raise ConfigError(f"config.model.head_dim={m.head_dim} is odd: RoPE rotates pairs of "
-                      "dimensions, so use an even head_dim (or model.positions='learned').")
+    raise ConfigError(
+      f"config.model.head_dim={m.head_dim} is odd: RoPE rotates pairs of "
+      "dimensions, so use an even head_dim (or model.positions='learned')."
+    )
   if m.positions == "learned":
     for key in ("data.seq_len", "eval.seq_len", "routing.score_len"):
       section, field = key.split(".")
       if c[section][field] > m.max_len:
-        raise ConfigError(f"config.{key}={c[section][field]} exceeds config.model.max_len="
-                          f"{m.max_len}, the learned positions: raise model.max_len or shorten "
-                          "the sequences.")
+        raise ConfigError(
+          f"config.{key}={c[section][field]} exceeds config.model.max_len="
+          f"{m.max_len}, the learned positions: raise model.max_len or shorten "
+          "the sequences."
+        )
   if c.mesh.path > 0:  # The device count is checked when the mesh is built.
     sharding.check_path_axis(c.mesh.path, topo.num_workers)
   if c.mesh.data > 0:
     sharding.check_batch_divides(c.data.batch_size, c.mesh.data)
   mb = c.inner.microbatches
   if c.data.batch_size % (mb * max(c.mesh.data, 1)):
-    raise ConfigError(f"config.inner.microbatches={mb} does not split config.data.batch_size="
-                      f"{c.data.batch_size} into equal microbatches over the 'data' axis: choose a "
-                      "divisor of batch_size / mesh.data.")
+    raise ConfigError(
+      f"config.inner.microbatches={mb} does not split config.data.batch_size="
+      f"{c.data.batch_size} into equal microbatches over the 'data' axis: choose a "
+      "divisor of batch_size / mesh.data."
+    )
   if m.loss_chunk and c.data.seq_len % m.loss_chunk:
-    raise ConfigError(f"config.model.loss_chunk={m.loss_chunk} does not divide config.data.seq_len="
-                      f"{c.data.seq_len}: choose a divisor of seq_len, or 0 for no chunking.")
+    raise ConfigError(
+      f"config.model.loss_chunk={m.loss_chunk} does not divide config.data.seq_len="
+      f"{c.data.seq_len}: choose a divisor of seq_len, or 0 for no chunking."
+    )
   if c.dipaco.init == "independent" and c.dipaco.init_from:
-    raise ConfigError(f"config.dipaco.init='independent' with config.dipaco.init_from="
-                      f"{c.dipaco.init_from!r}: init_from gives every module the same θ̄; set "
-                      "init='shared' or init_from=''.")
+    raise ConfigError(
+      f"config.dipaco.init='independent' with config.dipaco.init_from="
+      f"{c.dipaco.init_from!r}: init_from gives every module the same θ̄; set "
+      "init='shared' or init_from=''."
+    )
   routing.discriminative_steps(c)  # The re-shards fit in 1..T-1.
   routing.phase0_grid(c, topo)  # The phase-0 router suits the grid and the replicas.
   if c.dipaco.mode == "elastic":  # What the Ray pool cannot run (ElasticConfigError).
@@ -324,12 +402,15 @@ def _check_run_inputs(c) -> None:
   from etils import epath
 
   from dipaco_jax.data import vocab
+
   # pylint: enable=g-import-not-at-top
   config_defaults.check_init_from(c)
   if c.data.vocab_path is None and c.data.task != "dipaco_embedded":
-    raise ConfigError(f"config.data.vocab_path is unset but data.task={c.data.task!r} has no "
-                      "shipped tokenizer: set --config.data.vocab_path (e.g. "
-                      f"{vocab.T5_VOCAB_PATH}).")
+    raise ConfigError(
+      f"config.data.vocab_path is unset but data.task={c.data.task!r} has no "
+      "shipped tokenizer: set --config.data.vocab_path (e.g. "
+      f"{vocab.T5_VOCAB_PATH})."
+    )
   path = vocab.resolve(c.data.task, c.data.vocab_path)
   try:
     size = vocab.load(path).vocab_size()
@@ -338,9 +419,13 @@ def _check_run_inputs(c) -> None:
   v = c.model.vocab_size
   if v < size or (v > size and not c.model.pad_vocab):
     raise ConfigError(
-        f"config.model.vocab_size={v} but the tokenizer {path} has {size} tokens: set "
-        f"model.vocab_size={size}" + ("" if v < size else
-                                      " (or model.pad_vocab=True to keep the extra rows)") + ".")
+      f"config.model.vocab_size={v} but the tokenizer {path} has {size} tokens: set "
+      f"model.vocab_size={size}"
+      + ("" if v < size else " (or model.pad_vocab=True to keep the extra rows)")
+      + "."
+    )
   if c.dipaco.init_from and not epath.Path(c.dipaco.init_from).exists():
-    raise ConfigError(f"config.dipaco.init_from={c.dipaco.init_from!r} does not exist: give the "
-                      "workdir of a finished dense run, or '' for a random θ̄.")
+    raise ConfigError(
+      f"config.dipaco.init_from={c.dipaco.init_from!r} does not exist: give the "
+      "workdir of a finished dense run, or '' for a random θ̄."
+    )

@@ -19,7 +19,8 @@ def base() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.seed = 0  # Parameter init seed (θ̄ when not loaded from init_from).
   c.log_every_steps = 10  # Inner steps between metrics.jsonl records.
-  c.stop_at_step = -1  # Checkpoint and exit after this inner step (time-boxed jobs); -1 = run to the end.
+  # Checkpoint and exit after this inner step (time-boxed jobs); -1 = run to the end.
+  c.stop_at_step = -1
 
   c.model = ml_collections.ConfigDict()
   c.model.vocab_size = 32_000  # Must match the tokenizer (8192 shipped; 32k T5 for C4).
@@ -33,9 +34,14 @@ def base() -> ml_collections.ConfigDict:
   c.model.positions = "rope"  # "rope" | "learned" (paper silent).
   c.model.tie_embeddings = True  # Paper silent; tied fits its 150M count.
   c.model.dtype = "float32"  # Compute dtype: "bfloat16" on TPU.
-  c.model.remat = "none"  # Backward-pass memory: "none" (keep all) | "full" (recompute blocks) | "save_matmuls" (keep weight-matmul outputs).
-  c.model.attention = "xla"  # "xla" (einsum + masked softmax) | "dot_product_attention" (jax.nn's; cuDNN flash on GPU).
-  c.model.loss_chunk = 0  # Sequence positions per cross-entropy chunk (never the full [B, T, V] logits); 0 = off. Divides seq_len.
+  # Backward-pass memory: "none" (keep all) | "full" (recompute blocks) | "save_matmuls"
+  # (keep weight-matmul outputs).
+  c.model.remat = "none"
+  # "xla" (einsum + masked softmax) | "dot_product_attention" (jax.nn's; cuDNN flash on GPU).
+  c.model.attention = "xla"
+  # Sequence positions per cross-entropy chunk (never the full [B, T, V] logits); 0 = off.
+  # Divides seq_len.
+  c.model.loss_chunk = 0
 
   c.inner = ml_collections.ConfigDict()
   c.inner.lr = 4e-4  # Peak AdamW LR (paper 150M: 4e-4; 1.3B: 2e-4).
@@ -48,15 +54,18 @@ def base() -> ml_collections.ConfigDict:
   c.inner.weight_decay = 0.1  # Decoupled weight decay (paper: 0.1), matrices only.
   c.inner.clip_norm = 1.0  # Global-norm clip per path (paper silent; [SL]: 1.0); 0 disables.
   c.inner.decay_norms = False  # Weight-decay the norm scales too (default: matrices only).
-  c.inner.microbatches = 1  # Gradient accumulation steps inside one inner step (divides batch_size / mesh.data).
+  # Gradient accumulation steps inside one inner step (divides batch_size / mesh.data).
+  c.inner.microbatches = 1
 
   c.outer = ml_collections.ConfigDict()
   c.outer.enabled = True  # False: no outer step (dense); store mirrors the path.
   c.outer.lr = 0.7  # Outer Nesterov LR (paper/DiLoCo: 0.7).
   c.outer.momentum = 0.9  # Outer momentum (paper/DiLoCo: 0.9).
   c.outer.nesterov = True  # Nesterov momentum (paper: yes).
-  c.outer.weighting = "shard_size"  # α_p: "shard_size" (∝ |D_p|, DiLoCo non-iid) | "uniform" (Alg. 1).
-  c.outer.sqrt_paths = "multiply"  # ×√P_{l,e} on Δ (paper §2.7; direction inferred) | "divide" | "none".
+  # α_p: "shard_size" (∝ |D_p|, DiLoCo non-iid) | "uniform" (Alg. 1).
+  c.outer.weighting = "shard_size"
+  # ×√P_{l,e} on Δ (paper §2.7; direction inferred) | "divide" | "none".
+  c.outer.sqrt_paths = "multiply"
 
   c.dipaco = ml_collections.ConfigDict()
   c.dipaco.level_groups = ("embed,head", "block_0-5", "block_6-11")  # Groups per level.
@@ -68,25 +77,29 @@ def base() -> ml_collections.ConfigDict:
   c.dipaco.outer_steps = 427  # T (≈ 64k / 150 after 24k dense pretraining).
   c.dipaco.init = "shared"  # "shared": every module from one θ̄ (paper) | "independent".
   c.dipaco.init_from = ""  # Workdir of a dense run whose params are θ̄ ("" = random).
-  c.dipaco.mode = "spmd"  # "spmd": all paths in one lock-step program | "elastic": Ray task pool (docs/elastic.md).
+  # "spmd": all paths in one lock-step program | "elastic": Ray task pool (docs/elastic.md).
+  c.dipaco.mode = "spmd"
 
   c.data = ml_collections.ConfigDict()
   c.data.task = "dipaco_embedded"  # seqio task: "dipaco_embedded" | "c4_en".
   c.data.tfds_data_dir = ml_collections.config_dict.placeholder(str)  # tfds dir (gs:// for C4).
-  c.data.vocab_path = ml_collections.config_dict.placeholder(str)  # SentencePiece model; None = shipped.
+  # SentencePiece model; None = shipped.
+  c.data.vocab_path = ml_collections.config_dict.placeholder(str)
   c.data.seq_len = 1024  # Training sequence length (paper: 1024).
   c.data.batch_size = 512  # Sequences per path per inner step (paper: 512).
   c.data.seed = 0  # Shard assignment and batch order seed.
   c.data.subsample = 1  # Keep one document in N of every split (doc-id hash; quick runs). 1 = all.
   c.data.top_k = 1  # Shards per training document (paper 16x16: 2); eval never overlaps.
   c.data.shard_dir = ml_collections.config_dict.placeholder(str)  # None = <workdir>/shards.
-  c.data.empty_shard_policy = "error"  # Empty shard: "error" | "allow_validation" (own-shard val loss NaN, no early stop) | "allow".
+  # Empty shard: "error" | "allow_validation" (own-shard val loss NaN, no early stop) | "allow".
+  c.data.empty_shard_policy = "error"
 
   c.mesh = ml_collections.ConfigDict()
   c.mesh.path = -1  # Device groups on the 'path' axis (-1: gcd(workers, devices/model)).
   c.mesh.data = -1  # Data parallelism inside a path (-1: the devices left).
   c.mesh.model = 1  # Tensor parallelism inside a path.
-  c.mesh.fsdp = False  # Also split params and AdamW state over 'data' inside a path (FSDP); False = replicated.
+  # Also split params and AdamW state over 'data' inside a path (FSDP); False = replicated.
+  c.mesh.fsdp = False
   c.mesh.num_slices = 0  # TPU slices ('path' spans them over DCN); 0 = detect.
   c.mesh.cpu_devices = 0  # On CPU only: split the host into N devices (0 = JAX's default).
 
@@ -102,17 +115,22 @@ def base() -> ml_collections.ConfigDict:
   c.routing.kmeans_restarts = 4  # k-means++ restarts (best inertia kept).
   c.routing.kmeans_iters = 100  # Lloyd iterations per restart.
   c.routing.seed = 0  # Seed of k-means and of the logistic regressions.
-  c.routing.replica_shards = "hash"  # Replicas of a path: "hash" (i.i.d.) | "router" (one cluster per worker: DiLoCo non-i.i.d.).
+  # Replicas of a path: "hash" (i.i.d.) | "router" (one cluster per worker: DiLoCo non-i.i.d.).
+  c.routing.replica_shards = "hash"
   c.routing.router_max_docs = 0  # Router-split documents scored per discriminative phase (0 = all).
-  c.routing.discriminative_at_outer_step = -1  # Re-shard after this outer step (1..T-1); -1 = never.
+  # Re-shard after this outer step (1..T-1); -1 = never.
+  c.routing.discriminative_at_outer_step = -1
   c.routing.discriminative_phases = 1  # Number of discriminative re-shards (paper: 1).
   c.routing.discriminative_every = 1  # Outer steps between successive re-shards (phases > 1).
   c.routing.discriminative_target = "labels"  # Shard sizes the bias matches: "labels" | "uniform".
-  c.routing.discriminative_min_share = 0.0  # Floor of every path's target share, x 1/P (0 = none; 1 = uniform).
-  c.routing.restart_schedule = True  # Restart the inner warmup+cosine at a re-shard (paper Fig. 10).
+  # Floor of every path's target share, x 1/P (0 = none; 1 = uniform).
+  c.routing.discriminative_min_share = 0.0
+  # Restart the inner warmup+cosine at a re-shard (paper Fig. 10).
+  c.routing.restart_schedule = True
   c.routing.score_len = 0  # Tokens per router document each path scores (0 = eval.seq_len).
 
-  c.eval = ml_collections.ConfigDict()  # Validation while training; routed evaluation (evaluate.py).
+  # Validation while training; routed evaluation (evaluate.py).
+  c.eval = ml_collections.ConfigDict()
   c.eval.every_steps = 150  # Inner steps between validation on each path's shard.
   c.eval.batches = 4  # Validation batches per path.
   c.eval.seq_len = 0  # Tokens per validation sequence (a document's start); 0 = data.seq_len.
@@ -126,19 +144,28 @@ def base() -> ml_collections.ConfigDict:
   c.eval.reroute_batch_size = 16  # Transformer re-router: sequences per step.
 
   c.early_stopping = ml_collections.ConfigDict()  # Per-path early stopping (paper §2.7).
-  c.early_stopping.enabled = True  # Keep each worker's best params by own-shard val loss (+1 params copy).
+  # Keep each worker's best params by own-shard val loss (+1 params copy).
+  c.early_stopping.enabled = True
 
   c.elastic = ml_collections.ConfigDict()  # dipaco.mode="elastic" only (docs/elastic.md).
-  c.elastic.address = ""  # "" = a local Ray cluster on 127.0.0.1 inside the command; "auto" or "HOST:PORT" joins one.
-  c.elastic.num_workers = 2  # Worker actors; each runs one (phase, worker) task of H inner steps at a time.
+  # "" = a local Ray cluster on 127.0.0.1 inside the command; "auto" or "HOST:PORT" joins one.
+  c.elastic.address = ""
+  # Worker actors; each runs one (phase, worker) task of H inner steps at a time.
+  c.elastic.num_workers = 2
   c.elastic.num_executors = 1  # Outer executors; store groups are dealt to them round-robin.
-  c.elastic.worker_resources = ""  # JSON of Ray resources one worker actor needs, e.g. '{"TPU": 4}' ("" = 1 CPU).
-  c.elastic.task_timeout_s = 600.0  # A task not reported after this long goes back on the queue (its worker restarts).
-  c.elastic.step_delay_s = ()  # Injected sleep per inner step of worker actor i (heterogeneity tests, benchmarks).
-  c.elastic.chaos_worker_kills = 0  # Fault injection: SIGKILL a busy worker process this many times at random moments.
-  c.elastic.chaos_executor_kills = 0  # Fault injection: SIGKILL an outer executor process this many times.
+  # JSON of Ray resources one worker actor needs, e.g. '{"TPU": 4}' ("" = 1 CPU).
+  c.elastic.worker_resources = ""
+  # A task not reported after this long goes back on the queue (its worker restarts).
+  c.elastic.task_timeout_s = 600.0
+  # Injected sleep per inner step of worker actor i (heterogeneity tests, benchmarks).
+  c.elastic.step_delay_s = ()
+  # Fault injection: SIGKILL a busy worker process this many times at random moments.
+  c.elastic.chaos_worker_kills = 0
+  # Fault injection: SIGKILL an outer executor process this many times.
+  c.elastic.chaos_executor_kills = 0
   c.elastic.chaos_seed = 0  # Seed of the fault-injection schedule.
-  c.elastic.stop_after_tasks = -1  # Driver exits after this many accepted task results (rerun resumes); -1 = never.
+  # Driver exits after this many accepted task results (rerun resumes); -1 = never.
+  c.elastic.stop_after_tasks = -1
 
   c.guard = ml_collections.ConfigDict()  # Divergence guard (metrics.DivergenceGuard); 0 = rule off.
   c.guard.stuck_steps = 100  # Stop when the mean train loss of this many steps past warmup >= ln V.
@@ -177,13 +204,15 @@ ROUTER_MAX_DOCS = 2**18
 
 # The dense pretraining that makes θ̄ (§3.1): dense_150m for 24k steps.
 PRETRAIN_COMMAND = (
-    "python -m dipaco_jax.main --config=configs/dense_150m.py --workdir=DENSE_WORKDIR "
-    "--config.dipaco.outer_steps=24 --config.data.tfds_data_dir=gs://BUCKET/tfds "
-    "--config.data.vocab_path=gs://BUCKET/t5_32k.model")
+  "python -m dipaco_jax.main --config=configs/dense_150m.py --workdir=DENSE_WORKDIR "
+  "--config.dipaco.outer_steps=24 --config.data.tfds_data_dir=gs://BUCKET/tfds "
+  "--config.data.vocab_path=gs://BUCKET/t5_32k.model"
+)
 
 
-def paper_fork(c: ml_collections.ConfigDict, *, router: str,
-               discriminative: bool = True) -> ml_collections.ConfigDict:
+def paper_fork(
+  c: ml_collections.ConfigDict, *, router: str, discriminative: bool = True
+) -> ml_collections.ConfigDict:
   """A run forked from θ̄ with the paper's routing (§2.4): phase-0 `router`, one re-shard.
 
   `init_from` becomes required (check_init_from): every DiLoCo / DiPaCo run of
@@ -201,7 +230,8 @@ def paper_fork(c: ml_collections.ConfigDict, *, router: str,
     # LR floor like every 88k-step run of the paper (phase 0 uses the same length).
     # A reference: it follows --config overrides of H, T and the re-shard step.
     c.inner.total_steps = c.dipaco.get_ref("inner_steps") * (
-        c.dipaco.get_ref("outer_steps") - c.routing.get_ref("discriminative_at_outer_step"))
+      c.dipaco.get_ref("outer_steps") - c.routing.get_ref("discriminative_at_outer_step")
+    )
   return c
 
 
@@ -209,15 +239,17 @@ def check_init_from(config) -> None:
   """Refuses a run whose config requires θ̄ (`dipaco.init_from` is None) but got none."""
   if config.dipaco.init_from is None:
     raise ConfigError(
-        "config.dipaco.init_from is required by this config (the paper forks its DiLoCo and "
-        "DiPaCo runs from θ̄, a dense model pretrained for 24k steps, and routes with its "
-        f"features): train θ̄ first with `{PRETRAIN_COMMAND}`, then pass "
-        "--config.dipaco.init_from=DENSE_WORKDIR (or --config.dipaco.init_from='' to start "
-        "from random parameters instead).")
+      "config.dipaco.init_from is required by this config (the paper forks its DiLoCo and "
+      "DiPaCo runs from θ̄, a dense model pretrained for 24k steps, and routes with its "
+      f"features): train θ̄ first with `{PRETRAIN_COMMAND}`, then pass "
+      "--config.dipaco.init_from=DENSE_WORKDIR (or --config.dipaco.init_from='' to start "
+      "from random parameters instead)."
+    )
 
 
-def paper_grid(k1: int, k2: int, *, path_specific: str = "",
-               top_k: int = 1) -> ml_collections.ConfigDict:
+def paper_grid(
+  k1: int, k2: int, *, path_specific: str = "", top_k: int = 1
+) -> ml_collections.ConfigDict:
   """The paper's two-level grids of 150M paths (levels inferred, see README).
 
   Embedding + final norm shared by all paths (K=1); blocks 0-5 form level 1
@@ -243,7 +275,9 @@ def load(path: str, **overrides) -> ml_collections.ConfigDict:
   config_check.validate(config) before they touch the workdir.
   """
   import importlib.util  # pylint: disable=g-import-not-at-top
+
   from dipaco_jax import config_check  # pylint: disable=g-import-not-at-top
+
   spec = importlib.util.spec_from_file_location("dipaco_config", path)
   if spec is None or spec.loader is None or not path.endswith(".py"):
     raise ConfigError(f"no config file at {path}: give a configs/NAME.py path.")
@@ -262,8 +296,9 @@ def load(path: str, **overrides) -> ml_collections.ConfigDict:
     try:
       node[leaf] = value
     except TypeError as e:
-      raise ConfigError(f"config.{key}={value!r} has the wrong type: "
-                        f"{config_check.requirement(key)}") from e
+      raise ConfigError(
+        f"config.{key}={value!r} has the wrong type: {config_check.requirement(key)}"
+      ) from e
   config_check.validate(c, for_run=False)
   c.lock()
   return c
@@ -274,7 +309,9 @@ def from_section(cls, section, **given):
   kw = {}
   for f in dataclasses.fields(cls):
     if f.name not in given and f.name not in section:
-      raise ConfigError(f"the config section has no field {f.name!r} ({cls.__name__}): build "
-                        "configs on config_defaults.base().")
+      raise ConfigError(
+        f"the config section has no field {f.name!r} ({cls.__name__}): build "
+        "configs on config_defaults.base()."
+      )
     kw[f.name] = given[f.name] if f.name in given else section[f.name]
   return cls(**kw)

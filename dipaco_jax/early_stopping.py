@@ -27,13 +27,18 @@ class BestPaths:
     self.meta = self._empty(num_workers, phase=0)
     # Keeps the old best row unless the new loss is lower; old best buffers are donated.
     self._select = jax.jit(
-        lambda old, new, better_W: jax.tree.map(
-            lambda o, n: jnp.where(better_W.reshape((-1,) + (1,) * (n.ndim - 1)), n, o),
-            old, new),
-        in_shardings=(params_sharding, params_sharding, None), out_shardings=params_sharding,
-        donate_argnums=(0,))
-    self._copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t), in_shardings=(params_sharding,),
-                         out_shardings=params_sharding)
+      lambda old, new, better_W: jax.tree.map(
+        lambda o, n: jnp.where(better_W.reshape((-1,) + (1,) * (n.ndim - 1)), n, o), old, new
+      ),
+      in_shardings=(params_sharding, params_sharding, None),
+      out_shardings=params_sharding,
+      donate_argnums=(0,),
+    )
+    self._copy = jax.jit(
+      lambda t: jax.tree.map(jnp.copy, t),
+      in_shardings=(params_sharding,),
+      out_shardings=params_sharding,
+    )
 
   @staticmethod
   def _empty(num_workers: int, phase: int) -> dict:

@@ -1,6 +1,6 @@
 """Routed evaluation of a run's latest checkpoint (once per sequence and every W tokens).
 
-  python -m dipaco_jax.evaluate --config=configs/tiny.py --workdir=DIR
+python -m dipaco_jax.evaluate --config=configs/tiny.py --workdir=DIR
 """
 
 from absl import flags
@@ -13,6 +13,7 @@ _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest
 def main(argv):
   config, workdir = cli.start(argv)
   from dipaco_jax import evaluation  # pylint: disable=g-import-not-at-top
+
   print(evaluation.evaluate_and_write(config, workdir, step=_STEP.value))
 
 

@@ -29,10 +29,10 @@ from dipaco_jax.routing import report as report_lib
 from dipaco_jax.routing import rerouting
 
 
-
 @dataclasses.dataclass
 class Run:
   """A restored run: config, Experiment, state, phase and the phase's shard set."""
+
   config: Any
   workdir: str
   exp: exp_lib.Experiment
@@ -50,24 +50,39 @@ def load_run(config, workdir: str, step: int | None = None) -> Run:
   ckpt.close()
   if restored is None:
     raise ckpt_lib.NoCheckpointError(
-        f"no checkpoint in {ckpt.directory}: train the run first "
-        "(python -m dipaco_jax.main --config=... --workdir=...).")
+      f"no checkpoint in {ckpt.directory}: train the run first "
+      "(python -m dipaco_jax.main --config=... --workdir=...)."
+    )
   state, data_state = restored
   phase = ckpt_lib.routing_phase(data_state)
   shard_dir = routing.shard_dir(config, workdir, phase)
-  return Run(config, str(workdir), exp, state, int(jax.device_get(state.step)), phase,
-             data_lib.ShardSet(shard_dir))
+  return Run(
+    config,
+    str(workdir),
+    exp,
+    state,
+    int(jax.device_get(state.step)),
+    phase,
+    data_lib.ShardSet(shard_dir),
+  )
 
 
 def config_from_workdir(workdir: str):
   """The config a run was trained with (<workdir>/config.json, written by the trainer)."""
   import ml_collections  # pylint: disable=g-import-not-at-top
+
   path = os.path.join(workdir, "config.json")
   if not os.path.exists(path):
-    raise FileNotFoundError(f"no {path}: pass the run's --config instead (the trainer writes "
-                            "config.json when it starts).")
-  tuples = lambda x: ({k: tuples(v) for k, v in x.items()} if isinstance(x, dict) else
-                      tuple(tuples(v) for v in x) if isinstance(x, list) else x)
+    raise FileNotFoundError(
+      f"no {path}: pass the run's --config instead (the trainer writes config.json when it starts)."
+    )
+  tuples = lambda x: (
+    {k: tuples(v) for k, v in x.items()}
+    if isinstance(x, dict)
+    else tuple(tuples(v) for v in x)
+    if isinstance(x, list)
+    else x
+  )
   with open(path) as f:
     return ml_collections.ConfigDict(tuples(json.load(f)))
 
@@ -81,15 +96,18 @@ def validation_sequences(run: Run, max_docs: int = 0) -> dict[str, np.ndarray]:
     for d in shard.read_many(range(n)) if n else []:
       docs.append(d)
       workers.append(w)
-  order = np.argsort(routing.hash_ids(np.array([d.doc_id for d in docs], np.int64)),
-                     kind="stable")
+  order = np.argsort(routing.hash_ids(np.array([d.doc_id for d in docs], np.int64)), kind="stable")
   if max_docs:
     order = order[:max_docs]
   T = routing.eval_seq_len(run.config)
   tokens, lengths = routing.pad_rows([docs[i].tokens for i in order], T)
-  return {"doc_ids": np.array([docs[i].doc_id for i in order], np.int64),
-          "domains": np.array([docs[i].domain for i in order]),
-          "workers": np.array(workers, np.int64)[order], "tokens": tokens, "lengths": lengths}
+  return {
+    "doc_ids": np.array([docs[i].doc_id for i in order], np.int64),
+    "domains": np.array([docs[i].domain for i in order]),
+    "workers": np.array(workers, np.int64)[order],
+    "tokens": tokens,
+    "lengths": lengths,
+  }
 
 
 def rerouter_dir(workdir: str, step: int) -> str:
@@ -130,25 +148,37 @@ def fit_rerouters(run: Run, scorer: routing.PathScorer, extractor, *, kinds) -> 
   s_NxTxP = scorer.score_all_paths(list(docs))
   labels = rerouting.window_labels(s_NxTxP, lengths, ev.reroute_label_window)
   if "linear" in todo:
-    r = rerouting.fit_linear(extractor.running_means(tokens), labels, lengths, prefix_len=L,
-                             stride=ev.reroute_stride,
-                             grid=routing.router_grid(topo), seed=cfg.seed)
+    r = rerouting.fit_linear(
+      extractor.running_means(tokens),
+      labels,
+      lengths,
+      prefix_len=L,
+      stride=ev.reroute_stride,
+      grid=routing.router_grid(topo),
+      seed=cfg.seed,
+    )
     r.info["features"] = extractor.fingerprint
     r.save(os.path.join(directory, "linear"), overwrite=True)
     out["linear"] = r
   if "transformer" in todo:
     mask = (np.arange(T)[None] >= L) & (np.arange(T)[None] < lengths[:, None])
     tr = rerouting.TransformerRerouter(run.exp.model_cfg, topo.num_paths)
-    params = tr.fit(extractor.params, tokens, labels, mask, steps=ev.reroute_steps,
-                    lr=ev.reroute_lr, batch_size=ev.reroute_batch_size,
-                    seed=cfg.seed)
+    params = tr.fit(
+      extractor.params,
+      tokens,
+      labels,
+      mask,
+      steps=ev.reroute_steps,
+      lr=ev.reroute_lr,
+      batch_size=ev.reroute_batch_size,
+      seed=cfg.seed,
+    )
     rerouting.save_transformer(params, os.path.join(directory, "transformer"))
     out["transformer"] = params
   return out
 
 
-def _deciders(rerouters: dict, run: Run, block: dict, running, transformer
-              ) -> dict[str, Callable]:
+def _deciders(rerouters: dict, run: Run, block: dict, running, transformer) -> dict[str, Callable]:
   """kind -> decide(rows, b): paths for the chunk starting at target b."""
   out = {}
   if run.exp.topo.num_paths == 1:
@@ -162,14 +192,24 @@ def _deciders(rerouters: dict, run: Run, block: dict, running, transformer
   return out
 
 
-def evaluate(run: Run, *, params: str = "store", windows=None, rerouters=None,
-             oracle: bool = True, max_docs: int | None = None, block: int = 128) -> dict:
+def evaluate(
+  run: Run,
+  *,
+  params: str = "store",
+  windows=None,
+  rerouters=None,
+  oracle: bool = True,
+  max_docs: int | None = None,
+  block: int = 128,
+) -> dict:
   """Routed perplexity once per sequence and per W, per-path and own-shard losses."""
   config, topo = run.config, run.exp.topo
   cfg = config.routing
   L = routing.check_prefix_len(cfg.prefix_len)
-  windows = [rerouting.check_window(w) for w in
-             (config.eval.rerouting_windows if windows is None else windows)]
+  windows = [
+    rerouting.check_window(w)
+    for w in (config.eval.rerouting_windows if windows is None else windows)
+  ]
   kinds = tuple(config.eval.rerouters if rerouters is None else rerouters)
   T = routing.eval_seq_len(config)
   store_scorer = routing.PathScorer.from_store(run.exp, run.state.store, seq_len=T)
@@ -181,12 +221,14 @@ def evaluate(run: Run, *, params: str = "store", windows=None, rerouters=None,
     ckpt.close()
     if best is None:
       raise ckpt_lib.NoCheckpointError(
-          f"no early-stopping set in checkpoint step {run.step} of {run.workdir}: train with "
-          "config.early_stopping.enabled=True.")
+        f"no early-stopping set in checkpoint step {run.step} of {run.workdir}: train with "
+        "config.early_stopping.enabled=True."
+      )
     scorer = routing.PathScorer(run.exp, best[0], seq_len=T)
   else:
-    raise ValueError(f"params={params!r}: use 'store' (the global modules) or 'best' (per-path "
-                     "early stopping).")
+    raise ValueError(
+      f"params={params!r}: use 'store' (the global modules) or 'best' (per-path early stopping)."
+    )
   extractor = routing.extractor_from_config(config)
   router = routing.load_phase_router(config, run.workdir, topo, run.phase, extractor)
   rr = fit_rerouters(run, store_scorer, extractor, kinds=kinds) if windows else {}
@@ -197,15 +239,20 @@ def evaluate(run: Run, *, params: str = "store", windows=None, rerouters=None,
     names += ["oracle/once"] + [f"oracle/W={w}" for w in windows]
   nll = dict.fromkeys(names, 0.0)
   switches = dict.fromkeys(names, 0)
-  path_nll, path_tok, shard_nll, shard_tok = (np.zeros(P), np.zeros(P), np.zeros(topo.num_workers),
-                                              np.zeros(topo.num_workers))
+  path_nll, path_tok, shard_nll, shard_tok = (
+    np.zeros(P),
+    np.zeros(P),
+    np.zeros(topo.num_workers),
+    np.zeros(topo.num_workers),
+  )
   first_all, tokens_total, agree = [], 0, 0
   transformer = rerouting.TransformerRerouter(run.exp.model_cfg, P)  # One jit for all blocks.
   for s in range(0, len(seqs["doc_ids"]), block):
-    b = {k: v[s:s + block] for k, v in seqs.items()}
+    b = {k: v[s : s + block] for k, v in seqs.items()}
     n, lens = len(b["doc_ids"]), b["lengths"]
-    running = (extractor.running_means(b["tokens"]) if router.needs_features or "linear" in rr
-               else None)
+    running = (
+      extractor.running_means(b["tokens"]) if router.needs_features or "linear" in rr else None
+    )
     pre = running[np.arange(n), np.minimum(L, lens)] if router.needs_features else None
     first = router.paths(b["doc_ids"], pre)[:, 0]
     shard_path = topo.path_of_worker[b["workers"]]
@@ -216,13 +263,18 @@ def evaluate(run: Run, *, params: str = "store", windows=None, rerouters=None,
     for k, dec in deciders.items():
       for w in windows:
         assign[f"{k}/W={w}"] = rerouting.chunk_paths(first, lens, L, w, dec)
-    units = {(i, int(p)) for a in list(assign.values()) + [shard_path[:, None]]
-             for i in range(n) for p in np.unique(a[i, :max(lens[i], 1)])}
+    units = {
+      (i, int(p))
+      for a in list(assign.values()) + [shard_path[:, None]]
+      for i in range(n)
+      for p in np.unique(a[i, : max(lens[i], 1)])
+    }
     if oracle:
       units |= {(i, p) for i in range(n) for p in range(P)}
     units = sorted(units)
-    lp = dict(zip(units, scorer.score([b["tokens"][i, :lens[i]] for i, _ in units],
-                                      [p for _, p in units])))
+    lp = dict(
+      zip(units, scorer.score([b["tokens"][i, : lens[i]] for i, _ in units], [p for _, p in units]))
+    )
     for i in range(n):
       m = slice(L, lens[i])
       k = max(lens[i] - L, 0)
@@ -241,37 +293,55 @@ def evaluate(run: Run, *, params: str = "store", windows=None, rerouters=None,
       if oracle and k:
         nll["oracle/once"] -= s_TxU.sum(0).max()  # All P paths were scored.
         for w_ in windows:
-          nll[f"oracle/W={w_}"] -= sum(s_TxU[c:c + w_].sum(0).max() for c in range(0, k, w_))
+          nll[f"oracle/W={w_}"] -= sum(s_TxU[c : c + w_].sum(0).max() for c in range(0, k, w_))
   if tokens_total == 0:
-    raise ValueError(f"no validation sequence is longer than the {L}-token prefix; lower "
-                     "config.routing.prefix_len or raise config.eval.seq_len.")
+    raise ValueError(
+      f"no validation sequence is longer than the {L}-token prefix; lower "
+      "config.routing.prefix_len or raise config.eval.seq_len."
+    )
   seqs_n = max(len(seqs["doc_ids"]), 1)
   return {
-      "step": run.step, "params": params, "phase": run.phase, "router": router.kind,
-      "prefix_len": L, "seq_len": T, "num_sequences": len(seqs["doc_ids"]),
-      "scored_tokens": int(tokens_total), "windows": windows, "rerouters": list(rr),
-      "ppl": {k: float(np.exp(v / tokens_total)) for k, v in nll.items()},
-      "loss": {k: float(v / tokens_total) for k, v in nll.items()},
-      "switches_per_sequence": {k: v / seqs_n for k, v in switches.items()},
-      "per_path": {"tokens": path_tok.astype(int).tolist(),
-                   "loss": (path_nll / np.maximum(path_tok, 1)).tolist()},
-      "own_shard": {"tokens": shard_tok.astype(int).tolist(),
-                    "loss": (shard_nll / np.maximum(shard_tok, 1)).tolist()},
-      "route_agreement_with_shards": agree / seqs_n,
-      "sequence_paths": np.concatenate(first_all).tolist() if first_all else [],
-      "domains": seqs["domains"].tolist(),
+    "step": run.step,
+    "params": params,
+    "phase": run.phase,
+    "router": router.kind,
+    "prefix_len": L,
+    "seq_len": T,
+    "num_sequences": len(seqs["doc_ids"]),
+    "scored_tokens": int(tokens_total),
+    "windows": windows,
+    "rerouters": list(rr),
+    "ppl": {k: float(np.exp(v / tokens_total)) for k, v in nll.items()},
+    "loss": {k: float(v / tokens_total) for k, v in nll.items()},
+    "switches_per_sequence": {k: v / seqs_n for k, v in switches.items()},
+    "per_path": {
+      "tokens": path_tok.astype(int).tolist(),
+      "loss": (path_nll / np.maximum(path_tok, 1)).tolist(),
+    },
+    "own_shard": {
+      "tokens": shard_tok.astype(int).tolist(),
+      "loss": (shard_nll / np.maximum(shard_tok, 1)).tolist(),
+    },
+    "route_agreement_with_shards": agree / seqs_n,
+    "sequence_paths": np.concatenate(first_all).tolist() if first_all else [],
+    "domains": seqs["domains"].tolist(),
   }
 
 
 def to_markdown(rep: dict) -> str:
   """The report's perplexities and per-path losses as markdown tables."""
-  lines = [f"step {rep['step']}, params {rep['params']}, router {rep['router']} (phase "
-           f"{rep['phase']}), {rep['num_sequences']} sequences of <= {rep['seq_len']} tokens, "
-           f"{rep['scored_tokens']} scored tokens (first {rep['prefix_len']} excluded)", "",
-           "| routing | ppl | loss | path switches / seq |", "|---|---:|---:|---:|"]
+  lines = [
+    f"step {rep['step']}, params {rep['params']}, router {rep['router']} (phase "
+    f"{rep['phase']}), {rep['num_sequences']} sequences of <= {rep['seq_len']} tokens, "
+    f"{rep['scored_tokens']} scored tokens (first {rep['prefix_len']} excluded)",
+    "",
+    "| routing | ppl | loss | path switches / seq |",
+    "|---|---:|---:|---:|",
+  ]
   for k, v in rep["ppl"].items():
-    lines.append(f"| {k} | {v:.3f} | {rep['loss'][k]:.4f} | "
-                 f"{rep['switches_per_sequence'][k]:.2f} |")
+    lines.append(
+      f"| {k} | {v:.3f} | {rep['loss'][k]:.4f} | {rep['switches_per_sequence'][k]:.2f} |"
+    )
   lines += ["", "| path | routed tokens | routed loss |", "|---:|---:|---:|"]
   for p, (t, l) in enumerate(zip(rep["per_path"]["tokens"], rep["per_path"]["loss"])):
     lines.append(f"| {p} | {t} | {l:.4f} |")
@@ -295,8 +365,10 @@ def evaluate_and_write(config, workdir: str, step: int | None = None) -> str:
     reports["best"] = evaluate(run, params="best")
   P = run.exp.topo.num_paths
   text = "\n".join(
-      f"## params: {k}\n\n{to_markdown(r)}\n### domains (validation)\n\n"
-      f"{report_lib.to_markdown(domain_report(r, P))}" for k, r in reports.items())
+    f"## params: {k}\n\n{to_markdown(r)}\n### domains (validation)\n\n"
+    f"{report_lib.to_markdown(domain_report(r, P))}"
+    for k, r in reports.items()
+  )
   out = os.path.join(workdir, "eval")
   os.makedirs(out, exist_ok=True)
   with open(os.path.join(out, f"step_{run.step}.json"), "w") as f:

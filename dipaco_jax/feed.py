@@ -27,8 +27,10 @@ def local_block(sharding: NamedSharding, global_shape: Sequence[int]):
     rows.update(range(*idx[1].indices(global_shape[1])))
   lo, hi = min(rows), max(rows) + 1
   if len(rows) != hi - lo:
-    raise ValueError("this process's batch rows are not contiguous; put the "
-                     "'data' axis inside a host (config.mesh).")
+    raise ValueError(
+      "this process's batch rows are not contiguous; put the "
+      "'data' axis inside a host (config.mesh)."
+    )
   return sorted(workers), slice(lo, hi)
 
 
@@ -55,19 +57,22 @@ class Feed:
   those workers get padding-only batches. Training shards never may.
   """
 
-  def __init__(self, shard_set, split: str, workers: Sequence[int],
-               rows: slice, **batcher_kw):
+  def __init__(self, shard_set, split: str, workers: Sequence[int], rows: slice, **batcher_kw):
     self.workers = list(workers)
     self._rows = rows
     docs = shard_set.num_docs(split)
-    self._its = {w: (_NoDocuments(**batcher_kw) if split != "train" and docs[w] == 0 else
-                     data_lib.WorkerBatcher(shard_set, split, [w], **batcher_kw))
-                 for w in self.workers}
+    self._its = {
+      w: (
+        _NoDocuments(**batcher_kw)
+        if split != "train" and docs[w] == 0
+        else data_lib.WorkerBatcher(shard_set, split, [w], **batcher_kw)
+      )
+      for w in self.workers
+    }
 
   def next_batch(self) -> dict[str, np.ndarray]:
     parts = [self._its[w].next_batch() for w in self.workers]
-    return {k: np.concatenate([p[k][:, self._rows] for p in parts])
-            for k in parts[0]}
+    return {k: np.concatenate([p[k][:, self._rows] for p in parts]) for k in parts[0]}
 
   def local_state(self) -> dict[str, dict]:
     return {str(w): it.get_state() for w, it in self._its.items()}
@@ -82,8 +87,10 @@ class Feed:
   def set_state(self, state: dict[str, dict]) -> None:
     missing = [w for w in self.workers if str(w) not in state]
     if missing:
-      raise ValueError(f"the checkpoint's data state has no position for "
-                       f"workers {missing}; it was written by another grid.")
+      raise ValueError(
+        f"the checkpoint's data state has no position for "
+        f"workers {missing}; it was written by another grid."
+      )
     for w, it in self._its.items():
       it.set_state(state[str(w)])
 
@@ -92,8 +99,9 @@ def make_feed(exp, shard_set, split: str, **kw) -> Feed:
   """This process's workers and rows of `split` for an Experiment, one batcher each."""
   workers, rows = local_block(exp.batch_sharding, exp.batch_shape)
   c = exp.config.data
-  return Feed(shard_set, split, workers, rows, seq_len=c.seq_len,
-              batch_size=c.batch_size, seed=c.seed, **kw)
+  return Feed(
+    shard_set, split, workers, rows, seq_len=c.seq_len, batch_size=c.batch_size, seed=c.seed, **kw
+  )
 
 
 def gather_json(obj) -> list:
@@ -103,7 +111,7 @@ def gather_json(obj) -> list:
   raw = np.frombuffer(json.dumps(obj).encode(), np.uint8)
   n = int(np.max(multihost_utils.process_allgather(np.array([raw.size]))))
   padded = np.zeros(n, np.uint8)
-  padded[:raw.size] = raw
+  padded[: raw.size] = raw
   every = np.asarray(multihost_utils.process_allgather(padded)).reshape(-1, n)
   return [json.loads(bytes(row).rstrip(b"\0").decode()) for row in every]
 

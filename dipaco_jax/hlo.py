@@ -21,22 +21,49 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
-       "ragged-all-to-all", "collective-permute", "collective-broadcast")
+OPS = (
+  "all-reduce",
+  "all-gather",
+  "reduce-scatter",
+  "all-to-all",
+  "ragged-all-to-all",
+  "collective-permute",
+  "collective-broadcast",
+)
 _OP_RE = re.compile(r"\s(" + "|".join(OPS) + r")(-start)?\(")
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2,
-                "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8,
-                "f64": 8, "c64": 8, "c128": 16, "s4": 0.5, "u4": 0.5,
-                "s2": 0.25, "u2": 0.25, "token": 0}
+_DTYPE_BYTES = {
+  "pred": 1,
+  "s8": 1,
+  "u8": 1,
+  "s16": 2,
+  "u16": 2,
+  "f16": 2,
+  "bf16": 2,
+  "s32": 4,
+  "u32": 4,
+  "f32": 4,
+  "s64": 8,
+  "u64": 8,
+  "f64": 8,
+  "c64": 8,
+  "c128": 16,
+  "s4": 0.5,
+  "u4": 0.5,
+  "s2": 0.25,
+  "u2": 0.25,
+  "token": 0,
+}
 _ARRAY_RE = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9]\w*)?)\[([^\]]*)\]")
 _IOTA_RE = re.compile(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
 _MESH_RE = re.compile(
-    r"(?:maximal_mesh\[device_id=(\d+)\]|mesh\[([^\]]*)\]"
-    r"(?:, device_ids=\(([^)]*\)?)\))?) \{([^}]*)\}")
+  r"(?:maximal_mesh\[device_id=(\d+)\]|mesh\[([^\]]*)\]"
+  r"(?:, device_ids=\(([^)]*\)?)\))?) \{([^}]*)\}"
+)
 
 
 class Collective(NamedTuple):
   """One collective: opcode, bytes per device, and its device groups."""
+
   op: str  # e.g. "all-reduce" or "all-gather-start".
   nbytes: int  # Full buffer per device: the larger of its input and output.
   groups: tuple[tuple[int, ...], ...]  # Logical ids; () = all devices.
@@ -77,8 +104,9 @@ def _tuple_elements(shape: str) -> list[str]:
 
 def _int_lists(s: str) -> tuple[tuple[int, ...], ...]:
   """'{{0,1},{2,3}}' -> ((0, 1), (2, 3)); '{}' -> ()."""
-  return tuple(tuple(int(x) for x in g.split(",") if x.strip())
-               for g in re.findall(r"\{([\d,\s]*)\}", s[1:-1]))
+  return tuple(
+    tuple(int(x) for x in g.split(",") if x.strip()) for g in re.findall(r"\{([\d,\s]*)\}", s[1:-1])
+  )
 
 
 def _iota_groups(m: re.Match) -> tuple[tuple[int, ...], ...]:
@@ -88,8 +116,7 @@ def _iota_groups(m: re.Match) -> tuple[tuple[int, ...], ...]:
   ids = np.arange(math.prod(dims)).reshape(dims)
   if m.group(3):
     ids = ids.transpose([int(x) for x in m.group(3).split(",")])
-  return tuple(tuple(int(i) for i in row)
-               for row in ids.reshape(group_shape[0], -1))
+  return tuple(tuple(int(i) for i in row) for row in ids.reshape(group_shape[0], -1))
 
 
 def _mesh_device_array(sizes: list[int], device_ids: str | None) -> np.ndarray:
@@ -124,13 +151,11 @@ def _mesh_groups(m: re.Match) -> tuple[tuple[int, ...], ...]:
     if sub is None:
       raise ValueError(f"unparsed mesh axis {item!r} in replica_groups")
     axis = names.index(sub.group(1))
-    pre, size = ((int(sub.group(2)), int(sub.group(3))) if sub.group(2)
-                 else (1, sizes[axis]))
+    pre, size = (int(sub.group(2)), int(sub.group(3))) if sub.group(2) else (1, sizes[axis])
     refs.append((axis, pre, size))
   dims, grouped = [], []
   for axis, full in enumerate(sizes):
-    cuts = sorted((pre, size, k) for k, (a, pre, size) in enumerate(refs)
-                  if a == axis)
+    cuts = sorted((pre, size, k) for k, (a, pre, size) in enumerate(refs) if a == axis)
     # Sub-axis (pre)size of an axis is the dim of that size after a major
     # part of size `pre` (Shardy's convention); pieces run major to minor.
     pieces, done = [], 1
@@ -170,8 +195,10 @@ def _groups(attrs: str) -> tuple[tuple[int, ...], ...]:
   m = _MESH_RE.match(rest)
   if m:
     return _mesh_groups(m)
-  raise ValueError(f"unparsed replica_groups: {rest[:120]!r}; this XLA "
-                   "prints a form dipaco_jax/hlo.py does not know: add it there.")
+  raise ValueError(
+    f"unparsed replica_groups: {rest[:120]!r}; this XLA "
+    "prints a form dipaco_jax/hlo.py does not know: add it there."
+  )
 
 
 def _nbytes(op: str, shape: str, groups) -> int:
@@ -180,7 +207,7 @@ def _nbytes(op: str, shape: str, groups) -> int:
   elements = _tuple_elements(shape)
   if is_start and base == "all-gather":
     # all-gather-start returns (operands, results): count the results.
-    return _shape_bytes(", ".join(elements[len(elements) // 2:]))
+    return _shape_bytes(", ".join(elements[len(elements) // 2 :]))
   if is_start and base == "collective-permute":
     return _shape_bytes(elements[0])  # (operand, result, contexts...).
   out = _shape_bytes(shape)
@@ -194,11 +221,11 @@ def collectives(hlo_text: str) -> list[Collective]:
   out = []
   for line in hlo_text.splitlines():
     m = _OP_RE.search(line)
-    if m is None or " = " not in line[:m.start() + 1]:
+    if m is None or " = " not in line[: m.start() + 1]:
       continue
-    shape = re.sub(r"/\*.*?\*/", "", line[line.index(" = ") + 3:m.start()])
+    shape = re.sub(r"/\*.*?\*/", "", line[line.index(" = ") + 3 : m.start()])
     op = m.group(1) + (m.group(2) or "")
-    attrs = line[m.end():]
+    attrs = line[m.end() :]
     groups = _groups(attrs)
     out.append(Collective(op, _nbytes(op, shape, groups), groups))
   return out
@@ -219,5 +246,4 @@ def crosses_axis(groups: Sequence[Sequence[int]], mesh, axis: str) -> bool:
 
 def cross_axis_bytes(hlo_text: str, mesh, axis: str) -> int:
   """Bytes per device, per execution, of collectives spanning `axis`."""
-  return sum(c.nbytes for c in collectives(hlo_text)
-             if crosses_axis(c.groups, mesh, axis))
+  return sum(c.nbytes for c in collectives(hlo_text) if crosses_axis(c.groups, mesh, axis))

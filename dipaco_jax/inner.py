@@ -18,10 +18,10 @@ from dipaco_jax import model as model_lib
 from dipaco_jax.types import PyTree
 
 
-
 @dataclasses.dataclass(frozen=True)
 class InnerConfig:
   """Inner optimizer (config.inner; defaults in config_defaults.base)."""
+
   lr: float
   warmup_steps: int
   total_steps: int  # Length of the cosine decay (inner steps).
@@ -38,10 +38,12 @@ class InnerConfig:
 def schedule(cfg: InnerConfig) -> optax.Schedule:
   """Linear warmup then cosine decay to `final_lr_fraction * lr`."""
   return optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=cfg.lr,
-      warmup_steps=min(cfg.warmup_steps, max(cfg.total_steps - 1, 0)),
-      decay_steps=max(cfg.total_steps, 1),
-      end_value=cfg.lr * cfg.final_lr_fraction)
+    init_value=0.0,
+    peak_value=cfg.lr,
+    warmup_steps=min(cfg.warmup_steps, max(cfg.total_steps - 1, 0)),
+    decay_steps=max(cfg.total_steps, 1),
+    end_value=cfg.lr * cfg.final_lr_fraction,
+  )
 
 
 def _decay_mask(params: PyTree, decay_norms: bool) -> PyTree:
@@ -50,9 +52,14 @@ def _decay_mask(params: PyTree, decay_norms: bool) -> PyTree:
 
 def optimizer(cfg: InnerConfig) -> optax.GradientTransformation:
   """Clip, then AdamW with the warmup-cosine schedule."""
-  adamw = optax.adamw(schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                      weight_decay=cfg.weight_decay,
-                      mask=lambda p: _decay_mask(p, cfg.decay_norms))
+  adamw = optax.adamw(
+    schedule(cfg),
+    b1=cfg.b1,
+    b2=cfg.b2,
+    eps=cfg.eps,
+    weight_decay=cfg.weight_decay,
+    mask=lambda p: _decay_mask(p, cfg.decay_norms),
+  )
   if cfg.clip_norm > 0:
     return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw)
   return adamw
@@ -67,18 +74,20 @@ def loss_sums(params: PyTree, batch: dict, model: model_lib.Transformer):
   w_BxT = batch["weights"].astype(jnp.float32)
   chunk = model.cfg.loss_chunk
   if not chunk:
-    logits_BxTxV = model.apply({"params": params}, batch["inputs"],
-                               batch["segment_ids"], batch["positions"])
-    ce_BxT = optax.softmax_cross_entropy_with_integer_labels(
-        logits_BxTxV, batch["targets"])
+    logits_BxTxV = model.apply(
+      {"params": params}, batch["inputs"], batch["segment_ids"], batch["positions"]
+    )
+    ce_BxT = optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, batch["targets"])
     return (ce_BxT * w_BxT).sum(), w_BxT.sum()
   feats_BxTxD, unembed_DxV = model.apply(
-      {"params": params}, batch["inputs"], batch["segment_ids"],
-      batch["positions"], unembed=False)
+    {"params": params}, batch["inputs"], batch["segment_ids"], batch["positions"], unembed=False
+  )
   B, T, D = feats_BxTxD.shape
   if T % chunk:
-    raise ValueError(f"model.loss_chunk={chunk} does not divide the sequence "
-                     f"length {T}: choose a divisor of it (0 = no chunking).")
+    raise ValueError(
+      f"model.loss_chunk={chunk} does not divide the sequence "
+      f"length {T}: choose a divisor of it (0 = no chunking)."
+    )
   n = T // chunk
   # Chunks along T (not B), so each keeps the batch's 'data' sharding.
   split = lambda x: x.reshape((B, n, chunk) + x.shape[2:]).swapaxes(0, 1)
@@ -89,12 +98,13 @@ def loss_sums(params: PyTree, batch: dict, model: model_lib.Transformer):
   def body(total, xs):
     feats_BxCxD, targets_BxC, w_BxC = xs
     ce_BxC = optax.softmax_cross_entropy_with_integer_labels(
-        model_lib.logits(feats_BxCxD, unembed_DxV), targets_BxC)
+      model_lib.logits(feats_BxCxD, unembed_DxV), targets_BxC
+    )
     return total + (ce_BxC * w_BxC).sum(), None
 
-  total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32),
-                          (split(feats_BxTxD), split(batch["targets"]),
-                           split(w_BxT)))
+  total, _ = jax.lax.scan(
+    body, jnp.zeros((), jnp.float32), (split(feats_BxTxD), split(batch["targets"]), split(w_BxT))
+  )
   return total, w_BxT.sum()
 
 
@@ -112,19 +122,19 @@ def microbatch(batch: dict, microbatches: int) -> dict:
   """
   B = jax.tree.leaves(batch)[0].shape[0]
   if B % microbatches:
-    raise ValueError(f"inner.microbatches={microbatches} does not divide the "
-                     f"batch of {B} sequences: choose a divisor of it.")
+    raise ValueError(
+      f"inner.microbatches={microbatches} does not divide the "
+      f"batch of {B} sequences: choose a divisor of it."
+    )
   return jax.tree.map(
-      lambda x: x.reshape((B // microbatches, microbatches) + x.shape[1:]).swapaxes(0, 1),
-      batch)
+    lambda x: x.reshape((B // microbatches, microbatches) + x.shape[1:]).swapaxes(0, 1), batch
+  )
 
 
-def _grads(params: PyTree, batch: dict, model: model_lib.Transformer,
-           microbatches: int):
+def _grads(params: PyTree, batch: dict, model: model_lib.Transformer, microbatches: int):
   """(mean loss, gradient of the mean loss) of the whole batch."""
   if microbatches == 1:
-    (loss, _), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-        params, batch, model)
+    (loss, _), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, model)
     return loss, grads
   # Gradient accumulation: scan the summed loss's gradient over microbatches,
   # then divide once by the batch's weight, as the full-batch mean would.
@@ -138,15 +148,22 @@ def _grads(params: PyTree, batch: dict, model: model_lib.Transformer,
   zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
   zero = jnp.zeros((), jnp.float32)
   (g_sum, loss_sum, weight), _ = jax.lax.scan(
-      body, (zeros, zero, zero), microbatch(batch, microbatches))
+    body, (zeros, zero, zero), microbatch(batch, microbatches)
+  )
   denom = jnp.maximum(weight, 1.0)
   grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), g_sum, params)
   return loss_sum / denom, grads
 
 
-def train_step(params: PyTree, opt_state: PyTree, batch: dict, *,
-               model: model_lib.Transformer,
-               tx: optax.GradientTransformation, microbatches: int = 1):
+def train_step(
+  params: PyTree,
+  opt_state: PyTree,
+  batch: dict,
+  *,
+  model: model_lib.Transformer,
+  tx: optax.GradientTransformation,
+  microbatches: int = 1,
+):
   """One AdamW step on one path; returns (params, opt_state, metrics).
 
   microbatches > 1 accumulates the gradient over that many parts of the batch
@@ -155,8 +172,7 @@ def train_step(params: PyTree, opt_state: PyTree, batch: dict, *,
   loss, grads = _grads(params, batch, model, microbatches)
   updates, opt_state = tx.update(grads, opt_state, params)
   params = optax.apply_updates(params, updates)
-  metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
-             "param_norm": group_norms(params)}
+  metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "param_norm": group_norms(params)}
   return params, opt_state, metrics
 
 
@@ -168,18 +184,18 @@ def group_norms(params: PyTree) -> dict:
   return {g: optax.tree.norm(sub) for g, sub in params.items()}
 
 
-def eval_step(params: PyTree, batch: dict, *, model: model_lib.Transformer,
-              microbatches: int = 1):
+def eval_step(params: PyTree, batch: dict, *, model: model_lib.Transformer, microbatches: int = 1):
   """Summed loss and token count of one batch for one path (scanned in microbatches)."""
   if microbatches == 1:
     loss_sum, weight = loss_sums(params, batch, model)
   else:
+
     def body(carry, mb):
       l, w = loss_sums(params, mb, model)
       return (carry[0] + l, carry[1] + w), None
+
     zero = jnp.zeros((), jnp.float32)
-    (loss_sum, weight), _ = jax.lax.scan(body, (zero, zero),
-                                         microbatch(batch, microbatches))
+    (loss_sum, weight), _ = jax.lax.scan(body, (zero, zero), microbatch(batch, microbatches))
   return {"loss_sum": loss_sum, "weight": weight}
 
 
@@ -206,6 +222,8 @@ def restart_schedule(inner_opt: PyTree) -> PyTree:
 
   out = jax.tree.map(reset, inner_opt, is_leaf=is_sched)
   if not found:
-    raise ValueError("the inner optimizer state holds no schedule count to restart; set "
-                     "config.routing.restart_schedule=False.")
+    raise ValueError(
+      "the inner optimizer state holds no schedule count to restart; set "
+      "config.routing.restart_schedule=False."
+    )
   return out

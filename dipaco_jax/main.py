@@ -12,6 +12,7 @@ def main(argv):
   config, workdir = cli.start(argv)  # Validated before the workdir is touched.
   # Imported after jax.distributed is up: the trainer touches devices.
   from dipaco_jax import train  # pylint: disable=g-import-not-at-top
+
   logging.info("config:\n%s", config)
   train.train_and_evaluate(config, workdir)
 

@@ -32,18 +32,23 @@ class NonFiniteLossError(DivergenceError):
   """A worker's training loss (or a parameter) became NaN or Inf."""
 
 
-_LOWER_LR = ("Lower config.inner.lr, raise config.inner.warmup_steps or set "
-             "config.inner.clip_norm, then rerun the same command to resume")
+_LOWER_LR = (
+  "Lower config.inner.lr, raise config.inner.warmup_steps or set "
+  "config.inner.clip_norm, then rerun the same command to resume"
+)
 
 
-def guard_losses(step: int, losses_W: np.ndarray, labels: list[str],
-                 kept: str = "the last good checkpoint is kept") -> None:
+def guard_losses(
+  step: int, losses_W: np.ndarray, labels: list[str], kept: str = "the last good checkpoint is kept"
+) -> None:
   """Stops the run with one line on a non-finite loss (DivergenceGuard's first rule)."""
   bad_W = ~np.isfinite(np.asarray(losses_W, np.float64))
   if bad_W.any():
     bad = [labels[w] for w in np.flatnonzero(bad_W)]
-    raise NonFiniteLossError(f"non-finite training loss at step {step} on paths {bad}: the run "
-                             f"diverged; {kept}. {_LOWER_LR}.")
+    raise NonFiniteLossError(
+      f"non-finite training loss at step {step} on paths {bad}: the run "
+      f"diverged; {kept}. {_LOWER_LR}."
+    )
 
 
 STUCK_MARGIN = 0.01  # Nats: a loss this close to ln V counts as "at" it.
@@ -68,8 +73,9 @@ class DivergenceGuard:
   each save (`not_finite`).
   """
 
-  def __init__(self, config, labels: list[str], initial_norms: dict[str, np.ndarray],
-               last_saved: int | None):
+  def __init__(
+    self, config, labels: list[str], initial_norms: dict[str, np.ndarray], last_saved: int | None
+  ):
     self.labels = labels
     self.ln_v = math.log(config.model.vocab_size)
     self.warmup = config.inner.warmup_steps
@@ -82,8 +88,11 @@ class DivergenceGuard:
     self._losses = collections.deque(maxlen=max(self.stuck_steps, 1))
 
   def _kept(self) -> str:
-    return ("no checkpoint was saved" if self.last_saved is None else
-            f"the last checkpoint, step {self.last_saved}, is kept and nothing later was saved")
+    return (
+      "no checkpoint was saved"
+      if self.last_saved is None
+      else f"the last checkpoint, step {self.last_saved}, is kept and nothing later was saved"
+    )
 
   def _stop(self, cls, what: str, fix: str):
     raise cls(f"{what}: the run diverged; {self._kept()}. {fix}.")
@@ -99,13 +108,17 @@ class DivergenceGuard:
     ratio_GxW = norm_GxW / np.maximum(self.norm0_GxW, 1e-30)
     bad_GxW = ~(ratio_GxW <= self.max_ratio)  # NaN too.
     if self.max_ratio > 0 and bad_GxW.any():
-      g, w = np.unravel_index(np.argmax(np.where(bad_GxW, np.nan_to_num(ratio_GxW, nan=np.inf),
-                                                 -np.inf)), ratio_GxW.shape)
-      self._stop(DivergenceError,
-                 f"parameter norm of {self.groups[g]} grew {ratio_GxW[g, w]:.3g}x since step "
-                 f"{self.start} (to {norm_GxW[g, w]:.3g}) on paths "
-                 f"{self._paths(bad_GxW.any(0))} at step {step}, over "
-                 f"config.guard.max_param_norm_ratio={self.max_ratio:g}", _LOWER_LR)
+      g, w = np.unravel_index(
+        np.argmax(np.where(bad_GxW, np.nan_to_num(ratio_GxW, nan=np.inf), -np.inf)), ratio_GxW.shape
+      )
+      self._stop(
+        DivergenceError,
+        f"parameter norm of {self.groups[g]} grew {ratio_GxW[g, w]:.3g}x since step "
+        f"{self.start} (to {norm_GxW[g, w]:.3g}) on paths "
+        f"{self._paths(bad_GxW.any(0))} at step {step}, over "
+        f"config.guard.max_param_norm_ratio={self.max_ratio:g}",
+        _LOWER_LR,
+      )
     if not self.stuck_steps:
       return
     self._losses.append(loss_W)
@@ -113,17 +126,22 @@ class DivergenceGuard:
       mean_W = np.mean(self._losses, axis=0)
       bad_W = mean_W >= self.ln_v - STUCK_MARGIN
       if bad_W.any():
-        self._stop(DivergenceError,
-                   f"training loss stayed at or above ln V = {self.ln_v:.3f} (uniform prediction; "
-                   f"mean {np.max(mean_W):.3f}) over steps {step - self.stuck_steps + 1}-{step} "
-                   f"on paths {self._paths(bad_W)}, after warmup",
-                   "Check config.inner.lr (too high blows the model up, too low never leaves "
-                   "ln V) and start again in a new --workdir, or raise config.guard.stuck_steps")
+        self._stop(
+          DivergenceError,
+          f"training loss stayed at or above ln V = {self.ln_v:.3f} (uniform prediction; "
+          f"mean {np.max(mean_W):.3f}) over steps {step - self.stuck_steps + 1}-{step} "
+          f"on paths {self._paths(bad_W)}, after warmup",
+          "Check config.inner.lr (too high blows the model up, too low never leaves "
+          "ln V) and start again in a new --workdir, or raise config.guard.stuck_steps",
+        )
 
   def not_finite(self, step: int) -> None:
     """Stops on non-finite params found before the save at `step`."""
-    self._stop(NonFiniteLossError, f"non-finite parameters after step {step}",
-               "Lower config.inner.lr or config.outer.lr, then rerun the same command to resume")
+    self._stop(
+      NonFiniteLossError,
+      f"non-finite parameters after step {step}",
+      "Lower config.inner.lr or config.outer.lr, then rerun the same command to resume",
+    )
 
 
 def _plain(x: Any) -> Any:
@@ -141,8 +159,7 @@ class MetricsLogger:
   def __init__(self, workdir: str, *, resume_step: int = 0):
     self.active = jax.process_index() == 0
     self._path = epath.Path(workdir) / "metrics.jsonl"
-    self._writer = metric_writers.create_default_writer(
-        workdir, just_logging=not self.active)
+    self._writer = metric_writers.create_default_writer(workdir, just_logging=not self.active)
     self._lines: list[str] = []
     if self.active and self._path.exists():
       for line in self._path.read_text().splitlines():

@@ -21,9 +21,9 @@ DTYPES = ("float32", "bfloat16")
 # "save_matmuls" keeps the outputs of the weight matmuls (not the attention
 # scores, whose einsums carry a batch dim) and recomputes the cheap rest.
 REMAT_POLICIES = {
-    "none": None,
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "save_matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+  "none": None,
+  "full": jax.checkpoint_policies.nothing_saveable,
+  "save_matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
 ATTENTION = ("xla", "dot_product_attention")
 
@@ -31,6 +31,7 @@ ATTENTION = ("xla", "dot_product_attention")
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Hyper-parameters of one path model (config.model; defaults in config_defaults.base)."""
+
   vocab_size: int
   d_model: int
   num_layers: int
@@ -71,6 +72,7 @@ def _rope(x_BxTxHxK: jax.Array, positions_BxT: jax.Array) -> jax.Array:
 
 class Attention(nn.Module):
   """Causal multi-head attention that never crosses packed segments."""
+
   cfg: ModelConfig
 
   @nn.compact
@@ -78,7 +80,8 @@ class Attention(nn.Module):
     cfg = self.cfg
     dtype = jnp.dtype(cfg.dtype)
     dense = lambda name, features, axis=-1: nn.DenseGeneral(
-        features, axis=axis, use_bias=False, dtype=dtype, name=name)
+      features, axis=axis, use_bias=False, dtype=dtype, name=name
+    )
     shape = (cfg.num_heads, cfg.head_dim)
     q_BxTxHxK = dense("query", shape)(x_BxTxD)
     k_BxTxHxK = dense("key", shape)(x_BxTxD)
@@ -88,18 +91,19 @@ class Attention(nn.Module):
       k_BxTxHxK = _rope(k_BxTxHxK, positions_BxT)
     T = x_BxTxD.shape[1]
     same_BxTxT = segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :]
-    scale = cfg.head_dim ** -0.5
+    scale = cfg.head_dim**-0.5
     if cfg.attention == "dot_product_attention":
       # jax.nn picks the implementation (cuDNN flash on GPU where it applies).
       out_BxTxHxK = jax.nn.dot_product_attention(
-          q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, mask=same_BxTxT[:, None],
-          scale=scale, is_causal=True)
+        q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, mask=same_BxTxT[:, None], scale=scale, is_causal=True
+      )
       return dense("out", cfg.d_model, axis=(-2, -1))(out_BxTxHxK)
     causal_TxT = jnp.tril(jnp.ones((T, T), dtype=bool))
     mask_Bx1xTxT = (causal_TxT[None] & same_BxTxT)[:, None]
     att_BxHxTxT = jnp.einsum("bqhk,bshk->bhqs", q_BxTxHxK * scale, k_BxTxHxK)
-    att_BxHxTxT = jnp.where(mask_Bx1xTxT, att_BxHxTxT.astype(jnp.float32),
-                            jnp.finfo(jnp.float32).min)
+    att_BxHxTxT = jnp.where(
+      mask_Bx1xTxT, att_BxHxTxT.astype(jnp.float32), jnp.finfo(jnp.float32).min
+    )
     att_BxHxTxT = jax.nn.softmax(att_BxHxTxT, axis=-1).astype(dtype)
     out_BxTxHxK = jnp.einsum("bhqs,bshk->bqhk", att_BxHxTxT, v_BxTxHxK)
     return dense("out", cfg.d_model, axis=(-2, -1))(out_BxTxHxK)
@@ -107,6 +111,7 @@ class Attention(nn.Module):
 
 class Block(nn.Module):
   """Pre-norm transformer block: attention then a GELU MLP."""
+
   cfg: ModelConfig
 
   @nn.compact
@@ -114,13 +119,10 @@ class Block(nn.Module):
     cfg = self.cfg
     dtype = jnp.dtype(cfg.dtype)
     h_BxTxD = nn.RMSNorm(dtype=dtype, name="attn_norm")(x_BxTxD)
-    x_BxTxD = x_BxTxD + Attention(cfg, name="attn")(
-        h_BxTxD, segment_ids_BxT, positions_BxT)
+    x_BxTxD = x_BxTxD + Attention(cfg, name="attn")(h_BxTxD, segment_ids_BxT, positions_BxT)
     h_BxTxD = nn.RMSNorm(dtype=dtype, name="mlp_norm")(x_BxTxD)
-    h_BxTxF = nn.Dense(cfg.mlp_dim, use_bias=False, dtype=dtype,
-                       name="mlp_in")(h_BxTxD)
-    h_BxTxD = nn.Dense(cfg.d_model, use_bias=False, dtype=dtype,
-                       name="mlp_out")(nn.gelu(h_BxTxF))
+    h_BxTxF = nn.Dense(cfg.mlp_dim, use_bias=False, dtype=dtype, name="mlp_in")(h_BxTxD)
+    h_BxTxD = nn.Dense(cfg.d_model, use_bias=False, dtype=dtype, name="mlp_out")(nn.gelu(h_BxTxF))
     return x_BxTxD + h_BxTxD
 
 
@@ -130,11 +132,18 @@ class Transformer(nn.Module):
   unembed=False returns (features_BxTxD, unembedding_DxV) instead of logits:
   logits = features @ unembedding, for a loss that builds them in chunks.
   """
+
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, inputs_BxT, segment_ids_BxT=None, positions_BxT=None,
-               return_hidden: bool = False, unembed: bool = True):
+  def __call__(
+    self,
+    inputs_BxT,
+    segment_ids_BxT=None,
+    positions_BxT=None,
+    return_hidden: bool = False,
+    unembed: bool = True,
+  ):
     cfg = self.cfg
     dtype = jnp.dtype(cfg.dtype)
     B, T = inputs_BxT.shape
@@ -147,8 +156,7 @@ class Transformer(nn.Module):
     policy = REMAT_POLICIES[cfg.remat]
     block_cls = Block if cfg.remat == "none" else nn.remat(Block, policy=policy)
     for i in range(cfg.num_layers):
-      x_BxTxD = block_cls(cfg, name=f"block_{i}")(
-          x_BxTxD, segment_ids_BxT, positions_BxT)
+      x_BxTxD = block_cls(cfg, name=f"block_{i}")(x_BxTxD, segment_ids_BxT, positions_BxT)
     hidden_BxTxD = x_BxTxD
     table_VxD = embed.variables["params"]["token"] if cfg.tie_embeddings else None
     head = Head(cfg, name="head")
@@ -162,6 +170,7 @@ class Transformer(nn.Module):
 
 class Embed(nn.Module):
   """Token (and, when configured, learned position) embeddings."""
+
   cfg: ModelConfig
 
   @nn.compact
@@ -171,24 +180,26 @@ class Embed(nn.Module):
     table_VxD = self.param("token", init, (cfg.vocab_size, cfg.d_model))
     x_BxTxD = jnp.take(table_VxD, inputs_BxT, axis=0)
     if cfg.positions == "learned":
-      pos_LxD = self.param("position", nn.initializers.normal(0.02),
-                           (cfg.max_len, cfg.d_model))
+      pos_LxD = self.param("position", nn.initializers.normal(0.02), (cfg.max_len, cfg.d_model))
       x_BxTxD = x_BxTxD + jnp.take(pos_LxD, positions_BxT, axis=0)
     return x_BxTxD.astype(jnp.dtype(cfg.dtype))
 
 
 class Unembed(nn.Module):
   """The untied unembedding kernel [D, V] (the tree of nn.Dense(name="unembed"))."""
+
   cfg: ModelConfig
 
   @nn.compact
   def __call__(self):
-    return self.param("kernel", nn.initializers.lecun_normal(),
-                      (self.cfg.d_model, self.cfg.vocab_size))
+    return self.param(
+      "kernel", nn.initializers.lecun_normal(), (self.cfg.d_model, self.cfg.vocab_size)
+    )
 
 
 class Head(nn.Module):
   """Final norm and unembedding (the tied table is passed in when tied)."""
+
   cfg: ModelConfig
 
   def setup(self):
@@ -205,7 +216,7 @@ class Head(nn.Module):
     if table_VxD is None:
       return x_BxTxD, self.unembed().astype(dtype)
     # Tied: scale so logits start O(1) with the unit-variance token table.
-    return x_BxTxD * cfg.d_model ** -0.5, table_VxD.astype(dtype).T
+    return x_BxTxD * cfg.d_model**-0.5, table_VxD.astype(dtype).T
 
   def __call__(self, x_BxTxD, table_VxD=None):
     return logits(*self.features(x_BxTxD, table_VxD))
@@ -213,8 +224,7 @@ class Head(nn.Module):
 
 def logits(features_BxTxD: jax.Array, unembed_DxV: jax.Array) -> jax.Array:
   """Float32 logits from the head's features and unembedding (compute dtype)."""
-  return jnp.einsum("btd,dv->btv", features_BxTxD,
-                    unembed_DxV).astype(jnp.float32)
+  return jnp.einsum("btd,dv->btv", features_BxTxD, unembed_DxV).astype(jnp.float32)
 
 
 def init_params(cfg: ModelConfig, rng: jax.Array) -> PyTree:

@@ -32,6 +32,7 @@ SQRT_MODES = ("multiply", "divide", "none")  # √P_{l,e} rescale of Δ (paper �
 @dataclasses.dataclass(frozen=True)
 class OuterConfig:
   """Outer optimizer (config.outer, paper §3.3, §3.5; defaults in config_defaults.base)."""
+
   lr: float
   momentum: float
   nesterov: bool
@@ -42,18 +43,23 @@ class OuterConfig:
     if self.weighting not in WEIGHTINGS:
       raise ValueError(f"outer.weighting={self.weighting!r}: use one of {WEIGHTINGS}.")
     if self.sqrt_paths not in SQRT_MODES:
-      raise ValueError(f"outer.sqrt_paths={self.sqrt_paths!r}: use one of "
-                       f"{SQRT_MODES}.")
+      raise ValueError(f"outer.sqrt_paths={self.sqrt_paths!r}: use one of {SQRT_MODES}.")
 
 
 def optimizer(cfg: OuterConfig) -> optax.GradientTransformation:
   """SGD with (Nesterov) momentum; momentum 0 means plain SGD."""
-  return optax.sgd(cfg.lr, momentum=cfg.momentum or None,
-                   nesterov=cfg.nesterov and cfg.momentum > 0)
+  return optax.sgd(
+    cfg.lr, momentum=cfg.momentum or None, nesterov=cfg.nesterov and cfg.momentum > 0
+  )
 
 
-def module_deltas(store: PyTree, params_W: PyTree, alpha_W: jax.Array,
-                  topo: topo_lib.Topology, sqrt_paths: str = "multiply"):
+def module_deltas(
+  store: PyTree,
+  params_W: PyTree,
+  alpha_W: jax.Array,
+  topo: topo_lib.Topology,
+  sqrt_paths: str = "multiply",
+):
   """Averaged outer gradient per module, which modules were trained, counts.
 
   Args:
@@ -95,28 +101,33 @@ def module_deltas(store: PyTree, params_W: PyTree, alpha_W: jax.Array,
 def _where_trained(new: PyTree, old: PyTree, masks: PyTree) -> PyTree:
   """Leaf-wise `where(trained_K, new, old)`; a None mask keeps `new`."""
   mask_leaves = jax.tree.leaves(masks, is_leaf=lambda x: x is None)
-  kept = [n if m is None else jnp.where(
-      m.reshape((-1,) + (1,) * (n.ndim - 1)), n, o)
-          for n, o, m in zip(jax.tree.leaves(new), jax.tree.leaves(old),
-                             mask_leaves)]
+  kept = [
+    n if m is None else jnp.where(m.reshape((-1,) + (1,) * (n.ndim - 1)), n, o)
+    for n, o, m in zip(jax.tree.leaves(new), jax.tree.leaves(old), mask_leaves)
+  ]
   return jax.tree.unflatten(jax.tree.structure(new), kept)
 
 
-def outer_step(store: PyTree, opt_state: PyTree, params_W: PyTree,
-               alpha_W: jax.Array, *, topo: topo_lib.Topology,
-               cfg: OuterConfig):
+def outer_step(
+  store: PyTree,
+  opt_state: PyTree,
+  params_W: PyTree,
+  alpha_W: jax.Array,
+  *,
+  topo: topo_lib.Topology,
+  cfg: OuterConfig,
+):
   """One outer step; returns (store, opt_state, worker params, metrics)."""
   tx = optimizer(cfg)
-  deltas, trained, _ = module_deltas(store, params_W, alpha_W, topo,
-                                     cfg.sqrt_paths)
+  deltas, trained, _ = module_deltas(store, params_W, alpha_W, topo, cfg.sqrt_paths)
   updates, new_opt_state = tx.update(deltas, opt_state, store)
   # An untrained module keeps its params and momentum (its Δ is 0, but
   # momentum alone would still move it).
   masks = {g: jax.tree.map(lambda _, m=trained[g]: m, store[g]) for g in store}
   new_store = _where_trained(optax.apply_updates(store, updates), store, masks)
   opt_masks = optax.tree_utils.tree_map_params(
-      tx, lambda _, m: m, new_opt_state, masks,
-      transform_non_params=lambda _: None)
+    tx, lambda _, m: m, new_opt_state, masks, transform_non_params=lambda _: None
+  )
   new_opt_state = _where_trained(new_opt_state, opt_state, opt_masks)
   metrics = {"delta_norm": delta_norms(deltas, topo)}
   return new_store, new_opt_state, paths_lib.assemble(new_store, topo), metrics
@@ -127,8 +138,9 @@ def delta_norms(deltas: PyTree, topo: topo_lib.Topology) -> dict[str, jax.Array]
   sq: dict[str, jax.Array] = {}
   for s in topo.store_groups():
     leaves = jax.tree.leaves(deltas[s.name])
-    g_K = sum(jnp.sum(jnp.square(x.astype(jnp.float32)),
-                      axis=tuple(range(1, x.ndim))) for x in leaves)
+    g_K = sum(
+      jnp.sum(jnp.square(x.astype(jnp.float32)), axis=tuple(range(1, x.ndim))) for x in leaves
+    )
     sq[s.level] = sq.get(s.level, 0.0) + g_K
   return {lvl: jnp.sqrt(v) for lvl, v in sq.items()}
 
@@ -143,8 +155,16 @@ class _OneModule:
     return (self._group,)
 
 
-def module_outer_step(theta: PyTree, opt_state: PyTree, params_N: PyTree,
-                      alpha_N: jax.Array, *, group: str, level: str, cfg: OuterConfig):
+def module_outer_step(
+  theta: PyTree,
+  opt_state: PyTree,
+  params_N: PyTree,
+  alpha_N: jax.Array,
+  *,
+  group: str,
+  level: str,
+  cfg: OuterConfig,
+):
   """`outer_step` of ONE module from the N workers through it (the elastic executors).
 
   theta: {group: leaves [1, ...]}; opt_state: `optimizer(cfg).init(theta)`;
@@ -153,6 +173,7 @@ def module_outer_step(theta: PyTree, opt_state: PyTree, params_N: PyTree,
   are the synchronous mode's; returns (theta, opt_state, metrics).
   """
   topo = _OneModule(group, level, jax.tree.leaves(params_N)[0].shape[0])
-  new_theta, new_opt, _, metrics = outer_step(theta, opt_state, params_N, alpha_N,
-                                              topo=topo, cfg=cfg)
+  new_theta, new_opt, _, metrics = outer_step(
+    theta, opt_state, params_N, alpha_N, topo=topo, cfg=cfg
+  )
   return new_theta, new_opt, metrics

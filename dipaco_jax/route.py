@@ -10,6 +10,7 @@ from dipaco_jax import cli
 def main(argv):
   config, workdir = cli.start(argv)
   from dipaco_jax import routing  # pylint: disable=g-import-not-at-top
+
   print(routing.route_run(config, workdir))
 
 

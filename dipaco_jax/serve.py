@@ -1,6 +1,6 @@
 """Route a text to one path, load only that path from the checkpoint, generate or score.
 
-  python -m dipaco_jax.serve --config=configs/tiny.py --workdir=DIR --text="..."
+python -m dipaco_jax.serve --config=configs/tiny.py --workdir=DIR --text="..."
 """
 
 from absl import flags
@@ -8,10 +8,15 @@ from absl import flags
 from dipaco_jax import cli
 
 _TEXT = flags.DEFINE_string("text", None, "The input text.", required=True)
-_MODE = flags.DEFINE_enum("mode", "generate", ["generate", "score"],
-                          "generate: continue the text; score: perplexity after the prefix.")
-_SOURCE = flags.DEFINE_enum("source", "store", ["store", "best"],
-                            "store: the trained modules; best: per-path early stopping.")
+_MODE = flags.DEFINE_enum(
+  "mode",
+  "generate",
+  ["generate", "score"],
+  "generate: continue the text; score: perplexity after the prefix.",
+)
+_SOURCE = flags.DEFINE_enum(
+  "source", "store", ["store", "best"], "store: the trained modules; best: per-path early stopping."
+)
 _PATH = flags.DEFINE_integer("path", None, "Serve this path instead of the routed one.")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 32, "Tokens to generate.")
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "Sampling temperature (0: greedy).")
@@ -20,9 +25,19 @@ _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "Sampling temperature (0: 
 def main(argv):
   config, workdir = cli.start(argv)
   from dipaco_jax import serving  # pylint: disable=g-import-not-at-top
-  print(serving.serve(config, workdir, _TEXT.value, mode=_MODE.value,
-                      source=_SOURCE.value, path=_PATH.value, max_new_tokens=_MAX_NEW.value,
-                      temperature=_TEMPERATURE.value))
+
+  print(
+    serving.serve(
+      config,
+      workdir,
+      _TEXT.value,
+      mode=_MODE.value,
+      source=_SOURCE.value,
+      path=_PATH.value,
+      max_new_tokens=_MAX_NEW.value,
+      temperature=_TEMPERATURE.value,
+    )
+  )
 
 
 if __name__ == "__main__":

@@ -29,8 +29,9 @@ from dipaco_jax.data import vocab as vocab_lib
 from dipaco_jax.types import PyTree
 
 
-def load_path_params(workdir: str, config, path: int, *, source: str = "store",
-                     step: int | None = None) -> tuple[PyTree, dict]:
+def load_path_params(
+  workdir: str, config, path: int, *, source: str = "store", step: int | None = None
+) -> tuple[PyTree, dict]:
   """Path `path`'s params (no leading axis) and what was read: from the store or best set.
 
   Both come from one checkpoint step (the latest by default): the best set
@@ -40,36 +41,46 @@ def load_path_params(workdir: str, config, path: int, *, source: str = "store",
   if not 0 <= path < topo.num_paths:
     raise ValueError(f"path {path} is not in this grid (paths 0-{topo.num_paths - 1}).")
   if source not in ("store", "best"):
-    raise ValueError(f"source={source!r}: use 'store' (trained modules) or 'best' (per-path "
-                     "early stopping).")
-  theta = jax.eval_shape(functools.partial(model_lib.init_params, exp_lib.model_config(config)),
-                         jax.random.key(0))
+    raise ValueError(
+      f"source={source!r}: use 'store' (trained modules) or 'best' (per-path early stopping)."
+    )
+  theta = jax.eval_shape(
+    functools.partial(model_lib.init_params, exp_lib.model_config(config)), jax.random.key(0)
+  )
   step = checkpoint.latest_step(workdir) if step is None else step
   worker = int(np.flatnonzero(topo.path_of_worker == path)[0])
   if source == "store":
-    row = {s.name: checkpoint.Row(int(s.module_of_worker[worker]), s.num_modules)
-           for s in topo.store_groups()}
+    row = {
+      s.name: checkpoint.Row(int(s.module_of_worker[worker]), s.num_modules)
+      for s in topo.store_groups()
+    }
     rows = {"store": {g: jax.tree.map(lambda _, g=g: row[g], sub) for g, sub in theta.items()}}
   else:
     if checkpoint.read_best_records(workdir, step) is None:
       raise checkpoint.NoCheckpointError(
-          f"checkpoint step {step} of {workdir} holds no early-stopping set: train with "
-          "config.early_stopping.enabled=True (the set is saved with every checkpoint after "
-          "the first evaluation).")
+        f"checkpoint step {step} of {workdir} holds no early-stopping set: train with "
+        "config.early_stopping.enabled=True (the set is saved with every checkpoint after "
+        "the first evaluation)."
+      )
     rows = jax.tree.map(lambda _: checkpoint.Row(worker, topo.num_workers), theta)
   before = checkpoint.bytes_read()
   arrays = checkpoint.read_rows(workdir, step, "state" if source == "store" else "best", rows)
   params = arrays["store"] if source == "store" else arrays
   flat = jax.tree.leaves(params)
-  info = {"step": step, "source": source, "arrays": len(flat),
-          "bytes": int(sum(a.nbytes for a in flat)),
-          "bytes_read": checkpoint.bytes_read() - before}
+  info = {
+    "step": step,
+    "source": source,
+    "arrays": len(flat),
+    "bytes": int(sum(a.nbytes for a in flat)),
+    "bytes_read": checkpoint.bytes_read() - before,
+  }
   return params, info
 
 
 @dataclasses.dataclass
 class PathServer:
   """Routes texts and serves the chosen path (one path's params in memory at a time)."""
+
   config: Any
   workdir: str
   source: str = "store"
@@ -86,8 +97,7 @@ class PathServer:
     kind = c.routing.router
     needs = self.phase > 0 or kind != "random"
     self.extractor = routing.extractor_from_config(c) if needs else None
-    self.router = routing.load_phase_router(c, self.workdir, self.topo, self.phase,
-                                            self.extractor)
+    self.router = routing.load_phase_router(c, self.workdir, self.topo, self.phase, self.extractor)
     self._path, self._params, self.load_info = None, None, None
     self._logits = jax.jit(lambda p, x: self.model.apply({"params": p}, x))
 
@@ -107,8 +117,9 @@ class PathServer:
   def params(self, path: int) -> PyTree:
     """Loads path `path` (dropping any other path held)."""
     if path != self._path:
-      self._params, self.load_info = load_path_params(self.workdir, self.config, path,
-                                                      source=self.source, step=self.step)
+      self._params, self.load_info = load_path_params(
+        self.workdir, self.config, path, source=self.source, step=self.step
+      )
       self._path = path
     return self._params
 
@@ -119,13 +130,25 @@ class PathServer:
     inputs = np.concatenate([[0], ids[:-1]]).astype(np.int32)[None]
     logp = jax.nn.log_softmax(self._logits(self.params(path), inputs)[0])
     lp = np.asarray(jnp.take_along_axis(logp, ids[:, None], -1))[:, 0]
-    scored = lp[self.prefix_len:]
+    scored = lp[self.prefix_len :]
     loss = float(-scored.mean()) if len(scored) else float("nan")
-    return {"path": path, "tokens": len(ids), "scored_tokens": len(scored), "loss": loss,
-            "ppl": float(np.exp(loss)) if len(scored) else float("nan")}
+    return {
+      "path": path,
+      "tokens": len(ids),
+      "scored_tokens": len(scored),
+      "loss": loss,
+      "ppl": float(np.exp(loss)) if len(scored) else float("nan"),
+    }
 
-  def generate(self, text: str, *, max_new_tokens: int = 32, temperature: float = 0.0,
-               seed: int = 0, path: int | None = None) -> dict:
+  def generate(
+    self,
+    text: str,
+    *,
+    max_new_tokens: int = 32,
+    temperature: float = 0.0,
+    seed: int = 0,
+    path: int | None = None,
+  ) -> dict:
     """Continues the text with one path (greedy at temperature 0); stops at EOS."""
     ids = self.tokenize(text)
     path = self.route(text) if path is None else path
@@ -133,7 +156,7 @@ class PathServer:
     n0 = len(ids)
     size = -(-(n0 + max_new_tokens) // 32) * 32  # Few buffer sizes: few compiles.
     buf = np.zeros((1, size + 1), np.int32)
-    buf[0, 1:n0 + 1] = ids  # buf = [BOS, tokens...]: position n predicts token n.
+    buf[0, 1 : n0 + 1] = ids  # buf = [BOS, tokens...]: position n predicts token n.
     rng = np.random.default_rng(seed)
     n = n0
     while n < n0 + max_new_tokens:
@@ -147,19 +170,27 @@ class PathServer:
         break
       buf[0, n + 1] = nxt
       n += 1
-    new = buf[0, n0 + 1:n + 1].tolist()
+    new = buf[0, n0 + 1 : n + 1].tolist()
     return {"path": path, "text": self.sp.decode(new), "new_tokens": len(new)}
 
 
-def serve(config, workdir: str, text: str, *, mode: str = "generate", source: str = "store",
-          path: int | None = None, max_new_tokens: int = 32, temperature: float = 0.0) -> str:
+def serve(
+  config,
+  workdir: str,
+  text: str,
+  *,
+  mode: str = "generate",
+  source: str = "store",
+  path: int | None = None,
+  max_new_tokens: int = 32,
+  temperature: float = 0.0,
+) -> str:
   """The serve CLI's one call: route, load one path, generate or score; JSON out."""
   server = PathServer(config, workdir, source=source)
   if mode == "score":
     out = server.score(text, path=path)
   elif mode == "generate":
-    out = server.generate(text, path=path, max_new_tokens=max_new_tokens,
-                          temperature=temperature)
+    out = server.generate(text, path=path, max_new_tokens=max_new_tokens, temperature=temperature)
   else:
     raise ValueError(f"mode={mode!r}: use 'generate' or 'score'.")
   return json.dumps({**out, "loaded": server.load_info}, indent=1)

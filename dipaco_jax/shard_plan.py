@@ -25,12 +25,14 @@ from dipaco_jax.types import PyTree
 def prepare_shards(config, num_workers: int, shard_dir: str, assign=None) -> data_lib.ShardSet:
   """Process 0 writes the shards once; the others wait, then open them."""
   if jax.process_index() == 0:
-    shard_set = data_lib.prepare_shards(config.data, num_workers=num_workers,
-                                        shard_dir=shard_dir, assign=assign)
+    shard_set = data_lib.prepare_shards(
+      config.data, num_workers=num_workers, shard_dir=shard_dir, assign=assign
+    )
   multihost_utils.sync_global_devices("dipaco_shards_ready")
   if jax.process_index() != 0:
-    shard_set = data_lib.prepare_shards(config.data, num_workers=num_workers,
-                                        shard_dir=shard_dir, assign=assign)
+    shard_set = data_lib.prepare_shards(
+      config.data, num_workers=num_workers, shard_dir=shard_dir, assign=assign
+    )
   return shard_set
 
 
@@ -39,8 +41,9 @@ class ShardPlan:
 
   def __init__(self, config, workdir: str, exp):
     self.config, self.workdir, self.exp = config, str(workdir), exp
-    self.reshard_steps = [s * config.dipaco.inner_steps
-                          for s in routing.discriminative_steps(config)]
+    self.reshard_steps = [
+      s * config.dipaco.inner_steps for s in routing.discriminative_steps(config)
+    ]
     needs = config.routing.router != "random" or self.reshard_steps
     self.extractor = routing.extractor_from_config(config) if needs else None
     self.phase = -1
@@ -48,12 +51,16 @@ class ShardPlan:
 
   def _open(self, phase: int) -> None:
     """Prepares (or reopens) phase `phase`'s shards; rebuilds feed, α and eval batches."""
-    self.router = routing.load_phase_router(self.config, self.workdir, self.exp.topo, phase,
-                                            self.extractor)
+    self.router = routing.load_phase_router(
+      self.config, self.workdir, self.exp.topo, phase, self.extractor
+    )
     assign = routing.make_assignment(self.config, self.router, self.extractor)
-    self.shard_set = prepare_shards(self.config, self.exp.topo.num_workers,
-                                    routing.shard_dir(self.config, self.workdir, phase),
-                                    assign=assign)
+    self.shard_set = prepare_shards(
+      self.config,
+      self.exp.topo.num_workers,
+      routing.shard_dir(self.config, self.workdir, phase),
+      assign=assign,
+    )
     self.alpha_W = self.exp.alpha(self.shard_set.sizes("train"))
     self.train_it = feed_lib.make_feed(self.exp, self.shard_set, "train")
     val_it = feed_lib.make_feed(self.exp, self.shard_set, "validation", shuffle=False)
@@ -68,15 +75,17 @@ class ShardPlan:
     self.train_it.set_state(data_state["train"])
 
   def data_state(self) -> dict:
-    return {"train": self.train_it.get_state(),
-            "routing": {"phase": self.phase, "assignment": self.shard_set.meta.get("assignment")}}
+    return {
+      "train": self.train_it.get_state(),
+      "routing": {"phase": self.phase, "assignment": self.shard_set.meta.get("assignment")},
+    }
 
   def reshards_after(self, step: int) -> bool:
     """Whether a discriminative re-shard follows the outer step at inner step `step`."""
     return step in self.reshard_steps
 
   def reshard(self, step: int, params_W: PyTree) -> None:
-    """The next discriminative phase: fit (or reload) its router with `params_W`, open its shards."""
+    """The next discriminative phase: fit (or reload) its router on `params_W`; open its shards."""
     phase = self.reshard_steps.index(step) + 1
     directory = routing.router_dir(self.workdir, phase)
     if not routing.Router.exists(directory):

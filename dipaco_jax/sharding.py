@@ -26,8 +26,16 @@ from dipaco_jax.types import PyTree
 AXES = ("path", "data", "model")
 
 # Which dim of a parameter (by its name) is split over 'model'.
-_MODEL_DIM = {"token": 0, "query": 1, "key": 1, "value": 1, "out": 0,
-              "mlp_in": 1, "mlp_out": 0, "unembed": 1}
+_MODEL_DIM = {
+  "token": 0,
+  "query": 1,
+  "key": 1,
+  "value": 1,
+  "out": 0,
+  "mlp_in": 1,
+  "mlp_out": 0,
+  "unembed": 1,
+}
 
 
 class MeshError(config_defaults.ConfigError):
@@ -44,17 +52,20 @@ def check_path_axis(path: int, num_workers: int) -> None:
   """Every group of the 'path' axis trains the same number of workers."""
   if num_workers % path:
     raise MeshError(
-        f"the 'path' mesh axis has {path} device groups, which does not divide "
-        f"the {num_workers} workers (paths x replicas): choose config.mesh.path "
-        "among the divisors of the worker count, or change the grid.")
+      f"the 'path' mesh axis has {path} device groups, which does not divide "
+      f"the {num_workers} workers (paths x replicas): choose config.mesh.path "
+      "among the divisors of the worker count, or change the grid."
+    )
 
 
 def check_batch_divides(batch_size: int, data_axis: int) -> None:
   """The 'data' mesh axis splits every path's batch evenly."""
   if batch_size % data_axis:
-    raise MeshError(f"config.data.batch_size={batch_size} is not divisible by the 'data' mesh "
-                    f"axis ({data_axis}): make the batch a multiple of it or set "
-                    "config.mesh.data to a divisor of the batch.")
+    raise MeshError(
+      f"config.data.batch_size={batch_size} is not divisible by the 'data' mesh "
+      f"axis ({data_axis}): make the batch a multiple of it or set "
+      "config.mesh.data to a divisor of the batch."
+    )
 
 
 def make_mesh(mesh_cfg, num_workers: int, devices=None) -> Mesh:
@@ -69,36 +80,39 @@ def make_mesh(mesh_cfg, num_workers: int, devices=None) -> Mesh:
   fixed = model * (data if data > 0 else 1) * (path if path > 0 else 1)
   if model < 1 or n % fixed:
     raise MeshError(
-        f"mesh path={path} x data={data} x model={model} does not divide the "
-        f"{n} devices: set config.mesh.* to divisors of the device count "
-        "(-1 = derive).")
+      f"mesh path={path} x data={data} x model={model} does not divide the "
+      f"{n} devices: set config.mesh.* to divisors of the device count "
+      "(-1 = derive)."
+    )
   if path == -1:  # As many path groups as divide both the rest and W.
     path = math.gcd(num_workers, n // fixed)
   if data == -1:  # Whatever is left goes to data parallelism.
     data = n // (path * model)
   if path * data * model != n:
     raise MeshError(
-        f"mesh path={path} x data={data} x model={model} = "
-        f"{path * data * model} but there are {n} devices: make the product "
-        "equal the device count (-1 derives an axis).")
+      f"mesh path={path} x data={data} x model={model} = "
+      f"{path * data * model} but there are {n} devices: make the product "
+      "equal the device count (-1 derives an axis)."
+    )
   check_path_axis(path, num_workers)
   slices = _num_slices(devices, int(mesh_cfg["num_slices"]))
   if slices > 1:
     if path % slices:
       raise MeshError(
-          f"{slices} slices but path axis {path}: the path axis spans slices, "
-          "so it must be a multiple of the slice count.")
+        f"{slices} slices but path axis {path}: the path axis spans slices, "
+        "so it must be a multiple of the slice count."
+      )
     arr = mesh_utils.create_hybrid_device_mesh(
-        (path // slices, data, model), (slices, 1, 1), devices,
-        allow_split_physical_axes=True)
+      (path // slices, data, model), (slices, 1, 1), devices, allow_split_physical_axes=True
+    )
   else:
-    arr = mesh_utils.create_device_mesh((path, data, model), devices,
-                                        allow_split_physical_axes=True)
+    arr = mesh_utils.create_device_mesh(
+      (path, data, model), devices, allow_split_physical_axes=True
+    )
   return Mesh(arr, AXES, axis_types=(AxisType.Auto,) * 3)
 
 
-def _inner_spec(name: str, shape: Sequence[int], model_size: int,
-                fsdp_size: int = 0) -> list:
+def _inner_spec(name: str, shape: Sequence[int], model_size: int, fsdp_size: int = 0) -> list:
   """PartitionSpec entries for one path's parameter (no leading axis).
 
   fsdp_size > 0: a matrix also goes over 'data' (of that size) on its largest
@@ -109,8 +123,7 @@ def _inner_spec(name: str, shape: Sequence[int], model_size: int,
   if dim is not None and dim < len(shape) and shape[dim] % model_size == 0:
     spec[dim] = "model"
   if fsdp_size and len(shape) >= 2:
-    free = [i for i in range(len(shape))
-            if i != dim and shape[i] % fsdp_size == 0]
+    free = [i for i in range(len(shape)) if i != dim and shape[i] % fsdp_size == 0]
     if free:
       spec[max(free, key=lambda i: shape[i])] = "data"
   return spec
@@ -125,8 +138,7 @@ def _leaf_name(key_path) -> str:
   return keys[-1] if keys else ""
 
 
-def stacked_specs(tree: PyTree, mesh: Mesh, *, leading: str | None,
-                  fsdp: bool = False) -> PyTree:
+def stacked_specs(tree: PyTree, mesh: Mesh, *, leading: str | None, fsdp: bool = False) -> PyTree:
   """Specs for a tree whose leaves have a leading stacked axis (W or K).
 
   `leading` names the mesh axis for that axis ('path' or None = replicate);
@@ -134,8 +146,10 @@ def stacked_specs(tree: PyTree, mesh: Mesh, *, leading: str | None,
   """
   msize = mesh.shape["model"]
   fsize = mesh.shape["data"] if fsdp else 0
+
   def spec(kp, x):
     return P(leading, *_inner_spec(_leaf_name(kp), x.shape[1:], msize, fsize))
+
   return jax.tree_util.tree_map_with_path(spec, tree)
 
 
@@ -149,20 +163,27 @@ def store_specs(store: PyTree, mesh: Mesh, fsdp: bool = False) -> PyTree:
   out = {}
   for g, sub in store.items():
     k = jax.tree.leaves(sub)[0].shape[0]
-    out[g] = stacked_specs(sub, mesh, leading="path" if k % npath == 0 else None,
-                           fsdp=fsdp)
+    out[g] = stacked_specs(sub, mesh, leading="path" if k % npath == 0 else None, fsdp=fsdp)
   return out
 
 
-def opt_state_specs(tx: optax.GradientTransformation, state: PyTree,
-                    param_specs: PyTree, *, leading: str | None) -> PyTree:
+def opt_state_specs(
+  tx: optax.GradientTransformation, state: PyTree, param_specs: PyTree, *, leading: str | None
+) -> PyTree:
   """Optimizer state specs: param-shaped parts follow the params."""
+
   def other(x):
     nd = getattr(x, "ndim", 0)
     return P(leading) if (nd >= 1 and leading) else P()
+
   return optax.tree_utils.tree_map_params(
-      tx, lambda _, s: s, state, param_specs, transform_non_params=other,
-      is_leaf=lambda x: isinstance(x, P))
+    tx,
+    lambda _, s: s,
+    state,
+    param_specs,
+    transform_non_params=other,
+    is_leaf=lambda x: isinstance(x, P),
+  )
 
 
 def batch_spec() -> P:
@@ -171,10 +192,10 @@ def batch_spec() -> P:
 
 
 def named(mesh: Mesh, specs: PyTree) -> PyTree:
-  return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
-                      is_leaf=lambda x: isinstance(x, P))
+  return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
 
 
 def describe(mesh: Mesh) -> str:
   return " x ".join(f"{a}={mesh.shape[a]}" for a in AXES) + (
-      f" on {np.asarray(mesh.devices).size} {jax.devices()[0].platform} devices")
+    f" on {np.asarray(mesh.devices).size} {jax.devices()[0].platform} devices"
+  )

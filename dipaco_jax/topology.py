@@ -31,6 +31,7 @@ class TopologyError(config_defaults.ConfigError):
 @dataclasses.dataclass(frozen=True)
 class StoreGroup:
   """One parameter group in the store: K modules, and which one each worker uses."""
+
   name: str  # Model parameter group, e.g. "block_3".
   level: str  # Level name ("level_0", ...) or PRIVATE.
   module_of_worker: np.ndarray  # [W] int: module index used by each worker.
@@ -40,6 +41,7 @@ class StoreGroup:
 @dataclasses.dataclass(frozen=True)
 class Topology:
   """A validated grid: levels, paths, workers and the store layout."""
+
   groups: tuple[str, ...]  # All model groups, in model order.
   level_groups: tuple[tuple[str, ...], ...]  # Shared (non-private) groups per level.
   modules_per_level: tuple[int, ...]  # K_l.
@@ -77,8 +79,7 @@ class Topology:
     out, wm = [], self.worker_modules
     for l, names in enumerate(self.level_groups):
       for g in names:
-        out.append(StoreGroup(g, self.level_name(l), wm[:, l],
-                              self.modules_per_level[l]))
+        out.append(StoreGroup(g, self.level_name(l), wm[:, l], self.modules_per_level[l]))
     for g in self.private_groups:
       out.append(StoreGroup(g, PRIVATE, self.path_of_worker, self.num_paths))
     order = {g: i for i, g in enumerate(self.groups)}
@@ -89,9 +90,11 @@ class Topology:
 
   def describe(self) -> str:
     grid = "x".join(str(k) for k in self.modules_per_level)
-    return (f"grid {grid}: {self.num_paths} paths x {self.replicas} replicas = "
-            f"{self.num_workers} workers; private groups: "
-            f"{','.join(self.private_groups) or 'none'}")
+    return (
+      f"grid {grid}: {self.num_paths} paths x {self.replicas} replicas = "
+      f"{self.num_workers} workers; private groups: "
+      f"{','.join(self.private_groups) or 'none'}"
+    )
 
 
 def expand_groups(spec: str, num_layers: int) -> list[str]:
@@ -106,90 +109,113 @@ def expand_groups(spec: str, num_layers: int) -> list[str]:
       hi = int(m.group(2)) if m.group(2) else lo
       if hi < lo or hi >= num_layers:
         raise TopologyError(
-            f"group range '{item}' is outside blocks 0-{num_layers - 1}: "
-            "fix config.dipaco.level_groups / path_specific.")
+          f"group range '{item}' is outside blocks 0-{num_layers - 1}: "
+          "fix config.dipaco.level_groups / path_specific."
+        )
       out.extend(f"block_{i}" for i in range(lo, hi + 1))
     elif item in ("embed", "head"):
       out.append(item)
     else:
       raise TopologyError(
-          f"unknown parameter group '{item}': use embed, head, block_i or "
-          "block_i-j.")
+        f"unknown parameter group '{item}': use embed, head, block_i or block_i-j."
+      )
   return out
 
 
 def _parse_paths(specs: Sequence[str], ks: Sequence[int]) -> np.ndarray:
   """('0-1', '1-0') -> [[0, 1], [1, 0]]; empty -> every path of the grid."""
   if not specs:
-    return np.array(list(itertools.product(*[range(k) for k in ks])),
-                    dtype=np.int32).reshape(-1, len(ks))
+    return np.array(list(itertools.product(*[range(k) for k in ks])), dtype=np.int32).reshape(
+      -1, len(ks)
+    )
   rows = []
   for s in specs:
     ids = [int(x) for x in str(s).split("-")]
     if len(ids) != len(ks):
       raise TopologyError(
-          f"path '{s}' names {len(ids)} modules but the grid has {len(ks)} "
-          "levels: write one module id per level, e.g. '0-1'.")
+        f"path '{s}' names {len(ids)} modules but the grid has {len(ks)} "
+        "levels: write one module id per level, e.g. '0-1'."
+      )
     for l, (m, k) in enumerate(zip(ids, ks)):
       if not 0 <= m < k:
         raise TopologyError(
-            f"path '{s}' names module {m} of level {l}, which has only {k} "
-            f"modules (0-{k - 1}).")
+          f"path '{s}' names module {m} of level {l}, which has only {k} modules (0-{k - 1})."
+        )
     rows.append(ids)
   paths = np.array(rows, dtype=np.int32)
   if len({tuple(r) for r in rows}) != len(rows):
-    raise TopologyError("config.dipaco.paths lists a path twice: use "
-                        "config.dipaco.replicas for several workers per path.")
+    raise TopologyError(
+      "config.dipaco.paths lists a path twice: use "
+      "config.dipaco.replicas for several workers per path."
+    )
   return paths
 
 
-def build(level_groups: Sequence[str], modules_per_level: Sequence[int],
-          num_layers: int, *, path_specific: str = "",
-          paths: Sequence[str] = (), replicas: int = 1) -> Topology:
+def build(
+  level_groups: Sequence[str],
+  modules_per_level: Sequence[int],
+  num_layers: int,
+  *,
+  path_specific: str = "",
+  paths: Sequence[str] = (),
+  replicas: int = 1,
+) -> Topology:
   """Validates a grid description and returns its Topology."""
   for l, k in enumerate(modules_per_level):  # An integer count: 2.5 is refused, not truncated.
     if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or k < 1:
-      raise TopologyError(f"level {l} has K={k!r} modules; every level needs an integer K>=1 "
-                          "(config.dipaco.modules_per_level).")
+      raise TopologyError(
+        f"level {l} has K={k!r} modules; every level needs an integer K>=1 "
+        "(config.dipaco.modules_per_level)."
+      )
   ks = tuple(int(k) for k in modules_per_level)
   if len(level_groups) != len(ks):
     raise TopologyError(
-        f"{len(level_groups)} levels in config.dipaco.level_groups but "
-        f"{len(ks)} entries in modules_per_level: give one K per level.")
+      f"{len(level_groups)} levels in config.dipaco.level_groups but "
+      f"{len(ks)} entries in modules_per_level: give one K per level."
+    )
   if not ks:
     raise TopologyError("the grid needs at least one level.")
   if replicas < 1:
     raise TopologyError(f"config.dipaco.replicas={replicas}: must be >= 1.")
-  all_groups = tuple(["embed"] + [f"block_{i}" for i in range(num_layers)]
-                     + ["head"])
+  all_groups = tuple(["embed"] + [f"block_{i}" for i in range(num_layers)] + ["head"])
   private = expand_groups(path_specific, num_layers)
   owner: dict[str, int] = {}
   for l, spec in enumerate(level_groups):
     for g in expand_groups(spec, num_layers):
       if g in owner:
         raise TopologyError(
-            f"group '{g}' is in level {owner[g]} and level {l}: each group "
-            "belongs to exactly one level.")
+          f"group '{g}' is in level {owner[g]} and level {l}: each group "
+          "belongs to exactly one level."
+        )
       owner[g] = l
   orphans = [g for g in all_groups if g not in owner and g not in private]
   if orphans:
     raise TopologyError(
-        f"groups {orphans} belong to no level: add them to a level in "
-        "config.dipaco.level_groups or to config.dipaco.path_specific.")
-  shared = tuple(tuple(g for g in all_groups if owner.get(g) == l and
-                       g not in private) for l in range(len(ks)))
+      f"groups {orphans} belong to no level: add them to a level in "
+      "config.dipaco.level_groups or to config.dipaco.path_specific."
+    )
+  shared = tuple(
+    tuple(g for g in all_groups if owner.get(g) == l and g not in private) for l in range(len(ks))
+  )
   path_arr = _parse_paths(paths, ks)
-  return Topology(groups=all_groups, level_groups=shared,
-                  modules_per_level=ks,
-                  private_groups=tuple(g for g in all_groups if g in private),
-                  paths=path_arr, replicas=int(replicas))
+  return Topology(
+    groups=all_groups,
+    level_groups=shared,
+    modules_per_level=ks,
+    private_groups=tuple(g for g in all_groups if g in private),
+    paths=path_arr,
+    replicas=int(replicas),
+  )
 
 
 def from_config(config) -> Topology:
   """Builds the Topology named by `config.dipaco` for `config.model`."""
   d = config.dipaco
-  return build(tuple(d.level_groups), tuple(d.modules_per_level),
-               config.model.num_layers,
-               path_specific=d.path_specific, paths=tuple(d.paths),
-               replicas=d.replicas)
-
+  return build(
+    tuple(d.level_groups),
+    tuple(d.modules_per_level),
+    config.model.num_layers,
+    path_specific=d.path_specific,
+    paths=tuple(d.paths),
+    replicas=d.replicas,
+  )

@@ -39,17 +39,17 @@ def _check_config_matches(workdir: epath.Path, config) -> None:
     changed = [s for s in _FROZEN_SECTIONS if old.get(s) != new.get(s)]
     if changed:
       raise config_defaults.ConfigError(
-          f"{workdir} holds a run with different config sections {changed}; "
-          "its checkpoints would not fit. Use a new --workdir (nothing was "
-          "changed in the old one).")
+        f"{workdir} holds a run with different config sections {changed}; "
+        "its checkpoints would not fit. Use a new --workdir (nothing was "
+        "changed in the old one)."
+      )
 
 
 def _write_config(workdir: epath.Path, config) -> None:
   """config.json, once the config is valid and the run's shards are ready."""
   path = workdir / "config.json"
   if jax.process_index() == 0 and not path.exists():
-    path.write_text(json.dumps(json.loads(config.to_json_best_effort()), indent=2,
-                               sort_keys=True))
+    path.write_text(json.dumps(json.loads(config.to_json_best_effort()), indent=2, sort_keys=True))
 
 
 def _initial_theta(config):
@@ -81,12 +81,16 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   plan = shard_plan.ShardPlan(config, workdir, exp)
   # Per-path early stopping (paper §2.7) on each worker's own validation shard; the
   # set is saved with each checkpoint.
-  best = (early_stopping.BestPaths(exp.state_sharding.params, topo.num_workers)
-          if config.early_stopping.enabled else None)
+  best = (
+    early_stopping.BestPaths(exp.state_sharding.params, topo.num_workers)
+    if config.early_stopping.enabled
+    else None
+  )
   _write_config(workdir_path, config)  # The run's inputs are all valid and ready.
 
-  ckpt = ckpt_lib.Checkpointer(workdir, max_to_keep=config.ckpt.max_to_keep,
-                               async_save=config.ckpt.async_save)
+  ckpt = ckpt_lib.Checkpointer(
+    workdir, max_to_keep=config.ckpt.max_to_keep, async_save=config.ckpt.async_save
+  )
   try:
     restored = ckpt.restore(exp.abstract_state)
   except BaseException:  # E.g. a damaged checkpoint: stop orbax's threads before the error.
@@ -103,16 +107,23 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   log = metrics_lib.MetricsLogger(workdir, resume_step=step)
   if step == 0:
     log.write_hparams(config.to_dict())
-  labels = [topo.path_label(int(p)) + (f"/r{w % topo.replicas}" if topo.replicas > 1
-                                        else "") for w, p in enumerate(topo.path_of_worker)]
-  guard = metrics_lib.DivergenceGuard(config, labels, feed_lib.host(exp.group_norms(state.params)),
-                                      last_saved=None if restored is None else step)
+  labels = [
+    topo.path_label(int(p)) + (f"/r{w % topo.replicas}" if topo.replicas > 1 else "")
+    for w, p in enumerate(topo.path_of_worker)
+  ]
+  guard = metrics_lib.DivergenceGuard(
+    config,
+    labels,
+    feed_lib.host(exp.group_norms(state.params)),
+    last_saved=None if restored is None else step,
+  )
   tokens_per_step = W * config.data.batch_size * config.data.seq_len
   log_every = config.log_every_steps
   eval_every = config.eval.every_steps
   ckpt_every = config.ckpt.every_steps
-  bar = tqdm.tqdm(total=total, initial=step, disable=jax.process_index() > 0,
-                  desc="inner steps", unit="step")
+  bar = tqdm.tqdm(
+    total=total, initial=step, disable=jax.process_index() > 0, desc="inner steps", unit="step"
+  )
   record: dict[str, Any] = {}
   last = {"time": time.perf_counter(), "step": step}
   result: dict[str, Any] = {}
@@ -130,7 +141,8 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
       if step % H == 0:
         if exp.outer_enabled:
           store, outer_opt, params, om = exp.outer_step(
-              state.store, state.outer_opt, state.params, plan.alpha_W)
+            state.store, state.outer_opt, state.params, plan.alpha_W
+          )
           state = state.replace(store=store, outer_opt=outer_opt, params=params)
           record["outer_delta_norm"] = feed_lib.host(om["delta_norm"])
         else:
@@ -142,10 +154,13 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
       bar.update(1)
       if step % log_every == 0 or step % H == 0 or step == total:
         now = time.perf_counter()
-        record.update(phase=(step - 1) // H, train_loss=m["loss"],
-                      grad_norm=m["grad_norm"], param_norm=m["param_norm"],
-                      tokens_per_s=tokens_per_step * (step - last["step"]) /
-                      max(now - last["time"], 1e-9))
+        record.update(
+          phase=(step - 1) // H,
+          train_loss=m["loss"],
+          grad_norm=m["grad_norm"],
+          param_norm=m["param_norm"],
+          tokens_per_s=tokens_per_step * (step - last["step"]) / max(now - last["time"], 1e-9),
+        )
         bar.set_postfix(loss=f"{float(np.mean(m['loss'])):.3f}")
       if step % eval_every == 0 or step == stop:
         val = exp.evaluate(state.params, plan.eval_batches)
@@ -153,9 +168,12 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
           best.update(step, val, state.params, plan.phase)
         # Workers whose validation shard is empty read NaN (allow_validation): skipped.
         record.update(val_loss=val, val_loss_mean=metrics_lib.nan_mean(val))
-        result = {"step": step, "val_loss": val.tolist(),
-                  "val_loss_mean": metrics_lib.nan_mean(val),
-                  "train_loss_mean": float(np.mean(m["loss"]))}
+        result = {
+          "step": step,
+          "val_loss": val.tolist(),
+          "val_loss_mean": metrics_lib.nan_mean(val),
+          "train_loss_mean": float(np.mean(m["loss"])),
+        }
       if record:
         log.write(step, record)
         record = {}

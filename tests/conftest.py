@@ -4,8 +4,9 @@ import os
 
 # Must happen before jax is imported anywhere in the test process.
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             " --xla_force_host_platform_device_count=4").strip()
+  os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+  ).strip()
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # Tests run on CPU devices. With libtpu installed (the test extra, for
 # test_aot.py) jax would otherwise try to start a TPU backend in every process;
@@ -28,8 +29,7 @@ def micro_extractor():
   """θ̄'s 5-token prefix features on micro_config's model, built once for every test file."""
   cfg = helpers.micro_config()
   params = model_lib.init_params(experiment.model_config(cfg), jax.random.key(0))
-  return features.FeatureExtractor(experiment.model_config(cfg), params, prefix_len=5,
-                                   batch_size=4)
+  return features.FeatureExtractor(experiment.model_config(cfg), params, prefix_len=5, batch_size=4)
 
 
 @pytest.fixture

@@ -17,14 +17,23 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def micro_config(**overrides):
   """configs/tiny.py shrunk to a seconds-long model (vocab 256, d 32, 2 blocks)."""
   base = {
-      "model.vocab_size": 256, "model.d_model": 32, "model.num_layers": 2,
-      "model.num_heads": 2, "model.head_dim": 16, "model.max_len": 64,
-      "dipaco.level_groups": ("embed,head", "block_0", "block_1"),
-      "dipaco.modules_per_level": (1, 2, 2),
-      "dipaco.inner_steps": 2, "dipaco.outer_steps": 2,
-      "inner.warmup_steps": 2, "data.seq_len": 16, "data.batch_size": 2,
-      "ckpt.every_steps": 2, "eval.every_steps": 2, "eval.batches": 1,
-      "ckpt.async_save": False,
+    "model.vocab_size": 256,
+    "model.d_model": 32,
+    "model.num_layers": 2,
+    "model.num_heads": 2,
+    "model.head_dim": 16,
+    "model.max_len": 64,
+    "dipaco.level_groups": ("embed,head", "block_0", "block_1"),
+    "dipaco.modules_per_level": (1, 2, 2),
+    "dipaco.inner_steps": 2,
+    "dipaco.outer_steps": 2,
+    "inner.warmup_steps": 2,
+    "data.seq_len": 16,
+    "data.batch_size": 2,
+    "ckpt.every_steps": 2,
+    "eval.every_steps": 2,
+    "eval.batches": 1,
+    "ckpt.async_save": False,
   }
   base.update(overrides)
   return config_defaults.load(os.path.join(ROOT, "configs", "tiny.py"), **base)
@@ -62,9 +71,11 @@ def truncate(path, keep: float = 0.5) -> None:
 @contextlib.contextmanager
 def compile_cache(directory: str):
   """A persistent compilation cache, so runs of one config in one test compile once."""
-  cache = {"jax_compilation_cache_dir": str(directory),
-           "jax_persistent_cache_min_compile_time_secs": 0.0,
-           "jax_persistent_cache_min_entry_size_bytes": 0}
+  cache = {
+    "jax_compilation_cache_dir": str(directory),
+    "jax_persistent_cache_min_compile_time_secs": 0.0,
+    "jax_persistent_cache_min_entry_size_bytes": 0,
+  }
   old = {k: getattr(jax.config, k) for k in cache}
   for k, v in cache.items():
     jax.config.update(k, v)

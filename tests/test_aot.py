@@ -16,8 +16,10 @@ import sys
 import pytest
 
 pytest.importorskip(
-    "libtpu", reason="libtpu is not installed (pip install -e '.[aot]'): "
-    "the TPU compiler is needed to compile for a TPU topology.")
+  "libtpu",
+  reason="libtpu is not installed (pip install -e '.[aot]'): "
+  "the TPU compiler is needed to compile for a TPU topology.",
+)
 
 from dipaco_jax import aot  # pylint: disable=g-import-not-at-top,wrong-import-position
 from dipaco_jax import config_defaults  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -55,9 +57,9 @@ def test_paper_dipaco_2x4_on_two_v5e_16_slices():
   # configs/dipaco_2x4.py as shipped but 2 blocks (one per level) and the inner
   # step only, for compile time (the tiny config covers outer and eval).
   cfg = config_defaults.load(
-      os.path.join(helpers.ROOT, "configs", "dipaco_2x4.py"),
-      **{"model.num_layers": 2,
-         "dipaco.level_groups": ("embed,head", "block_0", "block_1")})
+    os.path.join(helpers.ROOT, "configs", "dipaco_2x4.py"),
+    **{"model.num_layers": 2, "dipaco.level_groups": ("embed,head", "block_0", "block_1")},
+  )
   assert (cfg.data.batch_size, cfg.data.seq_len) == (512, 1024)
   r = aot.Report(cfg, "v5e:4x4", slices=2).run(["inner"])
   assert r["chips"] == 32 and r["config"]["workers"] == 8
@@ -66,15 +68,16 @@ def test_paper_dipaco_2x4_on_two_v5e_16_slices():
 
 
 def test_advice_names_the_need_and_the_switches():
-  cfg = config_defaults.load(os.path.join(helpers.ROOT, "configs", "tiny.py"),
-                             **{"mesh.data": 2})
+  cfg = config_defaults.load(os.path.join(helpers.ROOT, "configs", "tiny.py"), **{"mesh.data": 2})
   rep = aot.Report(cfg, "v5e:2x2", slices=2)
-  line = rep.advice("inner", "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total "
-                    "memory required for HLO temporaries (110.78G) exceeds available "
-                    "HBM (15.75G).")
+  line = rep.advice(
+    "inner",
+    "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total "
+    "memory required for HLO temporaries (110.78G) exceeds available "
+    "HBM (15.75G).",
+  )
   assert "110.8 GiB" in line and "15.75 GiB" in line
-  for switch in ("inner.microbatches", "model.remat=full", "model.loss_chunk",
-                 "mesh.fsdp=True"):
+  for switch in ("inner.microbatches", "model.remat=full", "model.loss_chunk", "mesh.fsdp=True"):
     assert switch in line
 
 
@@ -92,8 +95,12 @@ def test_bad_input_is_refused_with_one_clear_error():
 
 def test_cli_reports_bad_topology_in_one_line():
   out = subprocess.run(
-      [sys.executable, "-m", "dipaco_jax.aot", "--config=configs/tiny.py",
-       "--topology=v5e-16"], cwd=helpers.ROOT, capture_output=True, text=True,
-      env={**os.environ, "PYTHONPATH": helpers.ROOT}, check=False)
+    [sys.executable, "-m", "dipaco_jax.aot", "--config=configs/tiny.py", "--topology=v5e-16"],
+    cwd=helpers.ROOT,
+    capture_output=True,
+    text=True,
+    env={**os.environ, "PYTHONPATH": helpers.ROOT},
+    check=False,
+  )
   assert out.returncode == 2
   assert "error: --topology=v5e-16: unknown chip 'v5e-16'" in out.stderr

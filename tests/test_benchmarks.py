@@ -9,9 +9,14 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-KEYS = ("dipaco_vs_plain_tokens_ratio", "inner_flops_fraction_of_gemm_peak",
-        "outer_step_fraction_of_inner_phase", "cross_path_bytes_inner_step",
-        "cross_path_bytes_outer_step", "module_bytes")
+KEYS = (
+  "dipaco_vs_plain_tokens_ratio",
+  "inner_flops_fraction_of_gemm_peak",
+  "outer_step_fraction_of_inner_phase",
+  "cross_path_bytes_inner_step",
+  "cross_path_bytes_outer_step",
+  "module_bytes",
+)
 
 # A child process runs the benchmark end to end: outside the fast suite (-m "not slow").
 pytestmark = pytest.mark.slow
@@ -21,9 +26,21 @@ def test_throughput_quick(tmp_path):
   out = tmp_path / "throughput.json"
   # A child process: the script sets its own fake-device count before jax.
   proc = subprocess.run(
-      [sys.executable, os.path.join(ROOT, "benchmarks", "throughput.py"),
-       "--quick", "--paths", "4", "--out", str(out)],
-      cwd=ROOT, capture_output=True, text=True, timeout=240, check=False)
+    [
+      sys.executable,
+      os.path.join(ROOT, "benchmarks", "throughput.py"),
+      "--quick",
+      "--paths",
+      "4",
+      "--out",
+      str(out),
+    ],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=240,
+    check=False,
+  )
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "dipaco_vs_plain_tokens_ratio" in proc.stdout
   (r,) = json.loads(out.read_text())["results"]
@@ -35,5 +52,6 @@ def test_throughput_quick(tmp_path):
   assert r["cross_path_bytes_inner_step"] == 0
   assert r["cross_path_bytes_outer_step"] > 0
   mb = r["module_bytes"]
-  assert mb["store"] == sum(mb[lvl] * k for lvl, k in
-                            zip(("level_0", "level_1", "level_2"), r["grid"]))
+  assert mb["store"] == sum(
+    mb[lvl] * k for lvl, k in zip(("level_0", "level_1", "level_2"), r["grid"])
+  )

@@ -22,28 +22,28 @@ PATH = 1  # The path serving reads (worker 1).
 # per-process OCDBT files are merged into the item's own b-tree), and the values must come
 # back intact. The item b-tree (`<item>/d/`) and the data files are picked by size.
 KINDS = [
-    ("_CHECKPOINT_METADATA", "_CHECKPOINT_METADATA", True),
-    ("commit_success", "commit_success.txt", False),
-    ("data_json", "data/metadata", True),
-    ("data_commit_success", "data/commit_success.txt", False),
-    ("state_METADATA", "state/_METADATA", True),
-    ("state_sharding", "state/_sharding", True),
-    ("state_array_metadatas", "state/array_metadatas/process_0", True),
-    ("state_manifest", "state/manifest.ocdbt", True),
-    ("state_btree", ("largest", "state/d/"), True),
-    ("state_data", ("largest", "state/ocdbt.process_0/d/"), True),
-    ("state_process_btree", ("smallest", "state/ocdbt.process_0/d/"), False),
-    ("state_process_manifest", "state/ocdbt.process_0/manifest.ocdbt", False),
-    ("state_commit_success", "state/commit_success.txt", False),
-    ("best_METADATA", "best/_METADATA", True),
-    ("best_manifest", "best/manifest.ocdbt", True),
-    ("best_btree", ("largest", "best/d/"), True),
-    ("best_data", ("largest", "best/ocdbt.process_0/d/"), True),
-    ("best_sharding", "best/_sharding", True),
-    ("best_array_metadatas", "best/array_metadatas/process_0", True),
-    ("best_process_btree", ("smallest", "best/ocdbt.process_0/d/"), False),
-    ("best_process_manifest", "best/ocdbt.process_0/manifest.ocdbt", False),
-    ("best_commit_success", "best/commit_success.txt", False),
+  ("_CHECKPOINT_METADATA", "_CHECKPOINT_METADATA", True),
+  ("commit_success", "commit_success.txt", False),
+  ("data_json", "data/metadata", True),
+  ("data_commit_success", "data/commit_success.txt", False),
+  ("state_METADATA", "state/_METADATA", True),
+  ("state_sharding", "state/_sharding", True),
+  ("state_array_metadatas", "state/array_metadatas/process_0", True),
+  ("state_manifest", "state/manifest.ocdbt", True),
+  ("state_btree", ("largest", "state/d/"), True),
+  ("state_data", ("largest", "state/ocdbt.process_0/d/"), True),
+  ("state_process_btree", ("smallest", "state/ocdbt.process_0/d/"), False),
+  ("state_process_manifest", "state/ocdbt.process_0/manifest.ocdbt", False),
+  ("state_commit_success", "state/commit_success.txt", False),
+  ("best_METADATA", "best/_METADATA", True),
+  ("best_manifest", "best/manifest.ocdbt", True),
+  ("best_btree", ("largest", "best/d/"), True),
+  ("best_data", ("largest", "best/ocdbt.process_0/d/"), True),
+  ("best_sharding", "best/_sharding", True),
+  ("best_array_metadatas", "best/array_metadatas/process_0", True),
+  ("best_process_btree", ("smallest", "best/ocdbt.process_0/d/"), False),
+  ("best_process_manifest", "best/ocdbt.process_0/manifest.ocdbt", False),
+  ("best_commit_success", "best/commit_success.txt", False),
 ]
 
 
@@ -72,15 +72,19 @@ def saved(tmp_path_factory):
   data = {"train": {"position": 3}, "routing": {"phase": 0, "assignment": "random"}}
   best_at = {}
   for step in (2, 4):
-    state = state.replace(params=jax.tree.map(lambda x: x + 1.0, state.params),
-                          step=state.step + 2)
+    state = state.replace(params=jax.tree.map(lambda x: x + 1.0, state.params), step=state.step + 2)
     best.update(step, np.full(exp.topo.num_workers, 5.0 - step), state.params, phase=0)
     ck.save(step, state, data, best=best.saved())
     best_at[step] = jax.tree.map(np.asarray, best.params)
   ck.close()
   host = jax.tree.map(np.asarray, state)
-  want = {"state": host, "data": data, "best": best_at[4], "best_2": best_at[2],
-          "records": dict(best.meta)}
+  want = {
+    "state": host,
+    "data": data,
+    "best": best_at[4],
+    "best_2": best_at[2],
+    "records": dict(best.meta),
+  }
   return cfg, exp, workdir, want
 
 
@@ -97,8 +101,9 @@ def test_one_save_holds_state_data_and_the_best_set(saved):
   assert old_records["step"] == [2] * 4 and records["step"] == [4] * 4
   for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(want["state"])):
     np.testing.assert_array_equal(a, b)
-  for a, b in zip(jax.tree.leaves((params, old_params)),
-                  jax.tree.leaves((want["best"], want["best_2"]))):
+  for a, b in zip(
+    jax.tree.leaves((params, old_params)), jax.tree.leaves((want["best"], want["best_2"]))
+  ):
     np.testing.assert_array_equal(a, b)
   assert not _same(want["best"], want["best_2"])
   assert checkpoint.routing_phase(checkpoint.read_data_state(workdir, 4)) == 0
@@ -117,6 +122,7 @@ def test_the_kinds_cover_every_file_orbax_writes(saved):
 
 def _reads(cfg, exp, workdir):
   """What reads a checkpoint: the trainer's resume, serving (store and best), init_from."""
+
   def resume():
     ck = checkpoint.Checkpointer(workdir, async_save=False)
     try:
@@ -125,28 +131,33 @@ def _reads(cfg, exp, workdir):
     finally:
       ck.close()
     return {"state": state, "data": data, "best": best[0], "records": best[1]}
+
   return {
-      "resume": resume,
-      "serve_store": lambda: serving.load_path_params(workdir, cfg, PATH)[0],
-      "serve_best": lambda: serving.load_path_params(workdir, cfg, PATH, source="best")[0],
-      "serve_phase": lambda: checkpoint.read_data_state(workdir, 4),
-      "init_from": lambda: checkpoint.restore_worker_params(workdir, worker=PATH),
+    "resume": resume,
+    "serve_store": lambda: serving.load_path_params(workdir, cfg, PATH)[0],
+    "serve_best": lambda: serving.load_path_params(workdir, cfg, PATH, source="best")[0],
+    "serve_phase": lambda: checkpoint.read_data_state(workdir, 4),
+    "init_from": lambda: checkpoint.restore_worker_params(workdir, worker=PATH),
   }
 
 
 def _expected(exp, want):
   store_path = helpers.path_params(want["state"].store, exp.topo, PATH)
   best_path = jax.tree.map(lambda x: x[PATH], want["best"])
-  return {"resume": {k: want[k] for k in ("state", "data", "best", "records")},
-          "serve_store": store_path, "serve_best": best_path,
-          "serve_phase": {**want["data"], "early_stopping": want["records"]},
-          "init_from": jax.tree.map(lambda x: x[PATH], want["state"].params)}
+  return {
+    "resume": {k: want[k] for k in ("state", "data", "best", "records")},
+    "serve_store": store_path,
+    "serve_best": best_path,
+    "serve_phase": {**want["data"], "early_stopping": want["records"]},
+    "init_from": jax.tree.map(lambda x: x[PATH], want["state"].params),
+  }
 
 
 def _same(a, b) -> bool:
   la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-  return len(la) == len(lb) and all(np.array_equal(np.asarray(x), np.asarray(y))
-                                    for x, y in zip(la, lb))
+  return len(la) == len(lb) and all(
+    np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb)
+  )
 
 
 def _assert_one_line_naming(err: Exception, workdir: str, name: str, then: str):
@@ -175,8 +186,9 @@ def test_a_truncated_file_gives_one_line_naming_it(saved, tmp_path, kind, select
     except checkpoint.DamagedCheckpointError as e:
       # A data file is named by its item and array (TensorStore names no file).
       name = rel if "ocdbt.process_0/d/" not in rel else f"{rel.split('/')[0]} data of array "
-      _assert_one_line_naming(e, workdir, name,
-                              "to resume from step 2, the newest intact checkpoint")
+      _assert_one_line_naming(
+        e, workdir, name, "to resume from step 2, the newest intact checkpoint"
+      )
       outcomes[op] = "damaged"
     else:
       assert _same(got, expected[op]) and (op != "resume" or got["data"] == want["data"]), op
@@ -198,14 +210,21 @@ def test_no_intact_older_checkpoint_says_start_over(saved, tmp_path):
   with pytest.raises(checkpoint.DamagedCheckpointError) as e:
     ck.restore(exp.abstract_state)
   ck.close()
-  _assert_one_line_naming(e.value, workdir, "state/manifest.ocdbt: ",
-                          "to start the run over from step 0 (no older checkpoint is intact)")
+  _assert_one_line_naming(
+    e.value,
+    workdir,
+    "state/manifest.ocdbt: ",
+    "to start the run over from step 0 (no older checkpoint is intact)",
+  )
   del cfg
 
 
 def test_the_trainer_stops_on_a_damaged_checkpoint_and_resumes_after_the_mv(tmp_path):
-  over = {"model.vocab_size": 8192, "data.shard_dir": str(tmp_path / "shards"),
-          "dipaco.outer_steps": 3}
+  over = {
+    "model.vocab_size": 8192,
+    "data.shard_dir": str(tmp_path / "shards"),
+    "dipaco.outer_steps": 3,
+  }
   cfg = helpers.micro_config(**over)
   workdir = str(tmp_path / "run")
   with helpers.compile_cache(tmp_path / "jax_cache"):
@@ -214,12 +233,14 @@ def test_the_trainer_stops_on_a_damaged_checkpoint_and_resumes_after_the_mv(tmp_
   before = helpers.tree_bytes(workdir)
   with pytest.raises(checkpoint.DamagedCheckpointError) as e:
     train.train_and_evaluate(cfg, workdir)
-  _assert_one_line_naming(e.value, workdir, "data/metadata: ",
-                          "to resume from step 2, the newest intact checkpoint")
+  _assert_one_line_naming(
+    e.value, workdir, "data/metadata: ", "to resume from step 2, the newest intact checkpoint"
+  )
   assert helpers.tree_bytes(workdir) == before
   # The line's own command, then the same run again: it resumes from step 2 and finishes.
-  os.rename(os.path.join(workdir, "checkpoints", "4"),
-            os.path.join(workdir, "damaged_checkpoint_4"))
+  os.rename(
+    os.path.join(workdir, "checkpoints", "4"), os.path.join(workdir, "damaged_checkpoint_4")
+  )
   with helpers.compile_cache(tmp_path / "jax_cache"):
     assert train.train_and_evaluate(cfg, workdir)["step"] == 6
   assert checkpoint.steps(workdir) == [4, 6]

@@ -27,81 +27,110 @@ TINY = "configs/tiny.py"
 
 # (flags after --config=configs/tiny.py --workdir=NEW, text the one line must hold).
 BAD_INPUTS = [
-    # Unknown or moved fields: the nearest valid name.
-    (["--config.inner.decay_normz=True"], "--config.inner.decay_normz is not a config field: "
-                                          "did you mean --config.inner.decay_norms?"),
-    (["--config.modle.d_model=64"], "did you mean --config.model.d_model?"),
-    (["--config.routing.eval_seq_len=64"], "it moved to --config.eval.seq_len"),
-    (["--config.routing.early_stopping=False"], "it moved to --config.early_stopping.enabled"),
-    # Types: counts are integers, numbers parse.
-    (["--config.dipaco.inner_steps=2.5"], "--config.dipaco.inner_steps=2.5 cannot be read"),
-    (["--config.dipaco.modules_per_level=(1,2.5,2)"], "config.dipaco.modules_per_level=(1, 2.5, "
-                                                      "2) is invalid: it must be a tuple of "
-                                                      "integers >= 1"),
-    (["--config.inner.lr=abc"], "--config.inner.lr=abc cannot be read"),
-    (["--config.inner.total_steps=None"], "--config.inner.total_steps=None cannot be read"),
-    # Ranges.
-    (["--config.inner.lr=-0.001"], "config.inner.lr=-0.001 is invalid: it must be a number > 0"),
-    (["--config.outer.lr=0"], "config.outer.lr=0.0 is invalid: it must be a number > 0"),
-    (["--config.outer.momentum=1.5"], "config.outer.momentum=1.5 is invalid"),
-    (["--config.inner.b2=1.0"], "config.inner.b2=1.0 is invalid"),
-    (["--config.data.batch_size=0"], "config.data.batch_size=0 is invalid"),
-    (["--config.log_every_steps=0"], "config.log_every_steps=0 is invalid"),
-    (["--config.eval.every_steps=0"], "config.eval.every_steps=0 is invalid"),
-    (["--config.ckpt.every_steps=0"], "config.ckpt.every_steps=0 is invalid"),
-    (["--config.stop_at_step=0"], "config.stop_at_step=0 is invalid: it must be an integer >= 1 "
-                                  "or -1"),
-    (["--config.dipaco.modules_per_level=(1,0,2)"], "config.dipaco.modules_per_level=(1, 0, 2) "
-                                                    "is invalid"),
-    (["--config.routing.discriminative_min_share=2"], "discriminative_min_share=2.0 is invalid"),
-    # Choices.
-    (["--config.model.positions=alibi"], "config.model.positions='alibi' is invalid: it must be "
-                                         "one of 'rope', 'learned'"),
-    (["--config.model.dtype=float16"], "config.model.dtype='float16' is invalid"),
-    (["--config.dipaco.init=zeros"], "config.dipaco.init='zeros' is invalid"),
-    (["--config.routing.router=hash"], "config.routing.router='hash' is invalid"),
-    (["--config.outer.weighting=tokens"], "config.outer.weighting='tokens' is invalid"),
-    (["--config.outer.sqrt_paths=square"], "config.outer.sqrt_paths='square' is invalid"),
-    (["--config.data.empty_shard_policy=skip"], "config.data.empty_shard_policy='skip' is "
-                                                "invalid"),
-    (["--config.routing.replica_shards=random"], "config.routing.replica_shards='random' is "
-                                                 "invalid"),
-    (["--config.routing.discriminative_target=sizes"], "discriminative_target='sizes' is "
-                                                       "invalid"),
-    (["--config.eval.rerouters=oracle"], "config.eval.rerouters=('oracle',) is invalid"),
-    (["--config.dipaco.mode=ray"], "config.dipaco.mode='ray' is invalid: it must be one of "
-                                   "'spmd', 'elastic'"),
-    (["--config.dipaco.mode=elastic"], "ElasticConfigError: config.early_stopping.enabled=True: "
-                                       "per-path early stopping is not implemented in elastic"),
-    (["--config.data.task=c5"], "config.data.task='c5' is invalid: it must be one of "
-                                "'dipaco_embedded', 'c4_en'"),
-    # Paths that name no folder.
-    (["--config.data.shard_dir=None"], "config.data.shard_dir='None' is invalid: it must be a "
-                                       "path, or unset for <workdir>/shards"),
-    (["--config.data.vocab_path="], "config.data.vocab_path='' is invalid"),
-    (["--config.dipaco.init_from=None"], "config.dipaco.init_from='None' is invalid"),
-    # Relations.
-    (["--config.model.vocab_size=9000"], "config.model.vocab_size=9000 but the tokenizer"),
-    (["--config.model.vocab_size=4096"], "config.model.vocab_size=4096 but the tokenizer"),
-    (["--config.model.positions=learned", "--config.data.seq_len=512"],
-     "config.data.seq_len=512 exceeds config.model.max_len=256"),
-    (["--config.model.head_dim=33"], "config.model.head_dim=33 is odd"),
-    (["--config.data.top_k=5"], "config.data.top_k=5 exceeds the 4 paths"),
-    (["--config.mesh.data=3"], "config.data.batch_size=8 is not divisible by the 'data' mesh "
-                               "axis (3)"),
-    (["--config.mesh.path=3"], "the 'path' mesh axis has 3 device groups"),
-    (["--config.dipaco.paths=0-0-5"], "path '0-0-5' names module 5 of level 2"),
-    (["--config.dipaco.level_groups=('embed','block_0-1','block_2-3')"],
-     "groups ['head'] belong to no level"),
-    (["--config.routing.discriminative_at_outer_step=10"], "discriminative re-shards at outer "
-                                                           "steps [10] do not fit in 1..9"),
-    (["--config.dipaco.init=independent", "--config.dipaco.init_from=/tmp"],
-     "config.dipaco.init='independent' with config.dipaco.init_from='/tmp'"),
-    # Inputs that do not exist.
-    (["--config.data.vocab_path=/nonexistent/spm.model"], "config.data.vocab_path="
-                                                          "'/nonexistent/spm.model'"),
-    (["--config.dipaco.init_from=/nonexistent/run"], "config.dipaco.init_from='/nonexistent/run' "
-                                                     "does not exist"),
+  # Unknown or moved fields: the nearest valid name.
+  (
+    ["--config.inner.decay_normz=True"],
+    "--config.inner.decay_normz is not a config field: did you mean --config.inner.decay_norms?",
+  ),
+  (["--config.modle.d_model=64"], "did you mean --config.model.d_model?"),
+  (["--config.routing.eval_seq_len=64"], "it moved to --config.eval.seq_len"),
+  (["--config.routing.early_stopping=False"], "it moved to --config.early_stopping.enabled"),
+  # Types: counts are integers, numbers parse.
+  (["--config.dipaco.inner_steps=2.5"], "--config.dipaco.inner_steps=2.5 cannot be read"),
+  (
+    ["--config.dipaco.modules_per_level=(1,2.5,2)"],
+    "config.dipaco.modules_per_level=(1, 2.5, 2) is invalid: it must be a tuple of integers >= 1",
+  ),
+  (["--config.inner.lr=abc"], "--config.inner.lr=abc cannot be read"),
+  (["--config.inner.total_steps=None"], "--config.inner.total_steps=None cannot be read"),
+  # Ranges.
+  (["--config.inner.lr=-0.001"], "config.inner.lr=-0.001 is invalid: it must be a number > 0"),
+  (["--config.outer.lr=0"], "config.outer.lr=0.0 is invalid: it must be a number > 0"),
+  (["--config.outer.momentum=1.5"], "config.outer.momentum=1.5 is invalid"),
+  (["--config.inner.b2=1.0"], "config.inner.b2=1.0 is invalid"),
+  (["--config.data.batch_size=0"], "config.data.batch_size=0 is invalid"),
+  (["--config.log_every_steps=0"], "config.log_every_steps=0 is invalid"),
+  (["--config.eval.every_steps=0"], "config.eval.every_steps=0 is invalid"),
+  (["--config.ckpt.every_steps=0"], "config.ckpt.every_steps=0 is invalid"),
+  (
+    ["--config.stop_at_step=0"],
+    "config.stop_at_step=0 is invalid: it must be an integer >= 1 or -1",
+  ),
+  (
+    ["--config.dipaco.modules_per_level=(1,0,2)"],
+    "config.dipaco.modules_per_level=(1, 0, 2) is invalid",
+  ),
+  (["--config.routing.discriminative_min_share=2"], "discriminative_min_share=2.0 is invalid"),
+  # Choices.
+  (
+    ["--config.model.positions=alibi"],
+    "config.model.positions='alibi' is invalid: it must be one of 'rope', 'learned'",
+  ),
+  (["--config.model.dtype=float16"], "config.model.dtype='float16' is invalid"),
+  (["--config.dipaco.init=zeros"], "config.dipaco.init='zeros' is invalid"),
+  (["--config.routing.router=hash"], "config.routing.router='hash' is invalid"),
+  (["--config.outer.weighting=tokens"], "config.outer.weighting='tokens' is invalid"),
+  (["--config.outer.sqrt_paths=square"], "config.outer.sqrt_paths='square' is invalid"),
+  (["--config.data.empty_shard_policy=skip"], "config.data.empty_shard_policy='skip' is invalid"),
+  (["--config.routing.replica_shards=random"], "config.routing.replica_shards='random' is invalid"),
+  (["--config.routing.discriminative_target=sizes"], "discriminative_target='sizes' is invalid"),
+  (["--config.eval.rerouters=oracle"], "config.eval.rerouters=('oracle',) is invalid"),
+  (
+    ["--config.dipaco.mode=ray"],
+    "config.dipaco.mode='ray' is invalid: it must be one of 'spmd', 'elastic'",
+  ),
+  (
+    ["--config.dipaco.mode=elastic"],
+    "ElasticConfigError: config.early_stopping.enabled=True: "
+    "per-path early stopping is not implemented in elastic",
+  ),
+  (
+    ["--config.data.task=c5"],
+    "config.data.task='c5' is invalid: it must be one of 'dipaco_embedded', 'c4_en'",
+  ),
+  # Paths that name no folder.
+  (
+    ["--config.data.shard_dir=None"],
+    "config.data.shard_dir='None' is invalid: it must be a path, or unset for <workdir>/shards",
+  ),
+  (["--config.data.vocab_path="], "config.data.vocab_path='' is invalid"),
+  (["--config.dipaco.init_from=None"], "config.dipaco.init_from='None' is invalid"),
+  # Relations.
+  (["--config.model.vocab_size=9000"], "config.model.vocab_size=9000 but the tokenizer"),
+  (["--config.model.vocab_size=4096"], "config.model.vocab_size=4096 but the tokenizer"),
+  (
+    ["--config.model.positions=learned", "--config.data.seq_len=512"],
+    "config.data.seq_len=512 exceeds config.model.max_len=256",
+  ),
+  (["--config.model.head_dim=33"], "config.model.head_dim=33 is odd"),
+  (["--config.data.top_k=5"], "config.data.top_k=5 exceeds the 4 paths"),
+  (
+    ["--config.mesh.data=3"],
+    "config.data.batch_size=8 is not divisible by the 'data' mesh axis (3)",
+  ),
+  (["--config.mesh.path=3"], "the 'path' mesh axis has 3 device groups"),
+  (["--config.dipaco.paths=0-0-5"], "path '0-0-5' names module 5 of level 2"),
+  (
+    ["--config.dipaco.level_groups=('embed','block_0-1','block_2-3')"],
+    "groups ['head'] belong to no level",
+  ),
+  (
+    ["--config.routing.discriminative_at_outer_step=10"],
+    "discriminative re-shards at outer steps [10] do not fit in 1..9",
+  ),
+  (
+    ["--config.dipaco.init=independent", "--config.dipaco.init_from=/tmp"],
+    "config.dipaco.init='independent' with config.dipaco.init_from='/tmp'",
+  ),
+  # Inputs that do not exist.
+  (
+    ["--config.data.vocab_path=/nonexistent/spm.model"],
+    "config.data.vocab_path='/nonexistent/spm.model'",
+  ),
+  (
+    ["--config.dipaco.init_from=/nonexistent/run"],
+    "config.dipaco.init_from='/nonexistent/run' does not exist",
+  ),
 ]
 
 
@@ -129,14 +158,19 @@ def test_a_bad_flag_is_one_line_and_leaves_no_workdir(args, want, tmp_path, monk
   assert not os.path.exists(os.path.join(helpers.ROOT, "None"))
 
 
-@pytest.mark.parametrize("argv,want", [
+@pytest.mark.parametrize(
+  "argv,want",
+  [
     (["--config=configs/nope.py", "--workdir=W"], "--config=configs/nope.py: no such config file"),
     ([f"--config={TINY}"], "flag --workdir=None: Flag --workdir must have a value other than None"),
     ([f"--config={TINY}", "--workdir="], "--workdir='' names no directory"),
     ([f"--config={TINY}", "--workdir=W", "extra"], "unexpected arguments ['extra']"),
-    (["--config=configs/dipaco_2x4.py", "--workdir=W"], "config.dipaco.init_from is required by "
-                                                         "this config"),
-])
+    (
+      ["--config=configs/dipaco_2x4.py", "--workdir=W"],
+      "config.dipaco.init_from is required by this config",
+    ),
+  ],
+)
 def test_bad_command_lines_are_one_line(argv, want, monkeypatch, capsys):
   monkeypatch.chdir(helpers.ROOT)
   code, lines = _run_main(argv, monkeypatch, capsys)
@@ -154,8 +188,14 @@ def test_user_errors_are_named_in_one_place():
 
 
 # Every --config.a.b[=v] the docs and launch scripts write, against the config the text names.
-_DOCS = ["README.md", *[os.path.relpath(p, helpers.ROOT) for pattern in ("docs/*.md", "launch/*")
-                         for p in sorted(glob.glob(os.path.join(helpers.ROOT, pattern)))]]
+_DOCS = [
+  "README.md",
+  *[
+    os.path.relpath(p, helpers.ROOT)
+    for pattern in ("docs/*.md", "launch/*")
+    for p in sorted(glob.glob(os.path.join(helpers.ROOT, pattern)))
+  ],
+]
 _FLAG = re.compile(r"--config\.([A-Za-z0-9_.]+)(?:=((?:'[^']*'|\"[^\"]*\"|[^\s`'\"])*))?")
 _CONFIG_FILE = re.compile(r"configs/[a-z0-9_]+\.py")
 _CONFIG_SET = re.compile(r"(?:--config=|CONFIG=)(configs/[a-z0-9_]+\.py)")
@@ -220,13 +260,15 @@ def _parse(config: str, pairs, monkeypatch):
   return holder.value
 
 
-@pytest.mark.parametrize("where,config,command,found", _doc_flags(),
-                         ids=[w for w, _, _, _ in _doc_flags()])
+@pytest.mark.parametrize(
+  "where,config,command,found", _doc_flags(), ids=[w for w, _, _, _ in _doc_flags()]
+)
 def test_every_config_flag_in_the_docs_is_accepted(where, config, command, found, monkeypatch):
   """Names exist; a command's flags pass load's checks together, prose flags each its own rule."""
   for field, _ in found:
-    assert field in config_check.field_names(), config_check.unknown_name_message(field,
-                                                                                   "--config.")
+    assert field in config_check.field_names(), config_check.unknown_name_message(
+      field, "--config."
+    )
   pairs = [(f, v) for f, v in found if v is not None]
   if command:
     # gs:// paths and θ̄ are given at run time: the checks that read files are left out.
@@ -240,28 +282,42 @@ _SUBPROCESS_ENV = {**os.environ, "PYTHONPATH": helpers.ROOT, "JAX_PLATFORMS": "c
 
 
 def _command(module: str, *args: str) -> subprocess.CompletedProcess:
-  return subprocess.run([sys.executable, "-m", f"dipaco_jax.{module}", *args], cwd=helpers.ROOT,
-                        capture_output=True, text=True, env=_SUBPROCESS_ENV, timeout=300)
+  return subprocess.run(
+    [sys.executable, "-m", f"dipaco_jax.{module}", *args],
+    cwd=helpers.ROOT,
+    capture_output=True,
+    text=True,
+    env=_SUBPROCESS_ENV,
+    timeout=300,
+  )
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("module,extra", [("main", []), ("route", []), ("evaluate", []),
-                                          ("serve", ["--text=hi"])])
+@pytest.mark.parametrize(
+  "module,extra", [("main", []), ("route", []), ("evaluate", []), ("serve", ["--text=hi"])]
+)
 def test_every_command_prints_one_line(module, extra, tmp_path):
   workdir = tmp_path / "run"
-  r = _command(module, f"--config={TINY}", f"--workdir={workdir}", "--config.outer.momentum=1.5",
-               *extra)
+  r = _command(
+    module, f"--config={TINY}", f"--workdir={workdir}", "--config.outer.momentum=1.5", *extra
+  )
   assert r.returncode == 1
   assert r.stderr.strip().splitlines() == [
-      "ConfigError: config.outer.momentum=1.5 is invalid: it must be a number >= 0 and < 1; set "
-      "--config.outer.momentum (default 0.9)."]
+    "ConfigError: config.outer.momentum=1.5 is invalid: it must be a number >= 0 and < 1; set "
+    "--config.outer.momentum (default 0.9)."
+  ]
   assert not workdir.exists()
 
 
 @pytest.mark.slow
 def test_verbose_errors_shows_the_traceback(tmp_path):
-  r = _command("main", f"--config={TINY}", f"--workdir={tmp_path / 'run'}",
-               "--config.outer.momentum=1.5", "--verbose_errors")
+  r = _command(
+    "main",
+    f"--config={TINY}",
+    f"--workdir={tmp_path / 'run'}",
+    "--config.outer.momentum=1.5",
+    "--verbose_errors",
+  )
   assert r.returncode != 0
   assert "Traceback (most recent call last)" in r.stderr
   assert "config.outer.momentum=1.5 is invalid" in r.stderr

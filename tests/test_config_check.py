@@ -26,45 +26,68 @@ def test_base_defaults_pass_their_own_rules():
   config_check.validate(config_defaults.base(), for_run=False)
 
 
-@pytest.mark.parametrize("cls,section", [(model.ModelConfig, "model"),
-                                         (inner.InnerConfig, "inner"),
-                                         (outer.OuterConfig, "outer")])
+@pytest.mark.parametrize(
+  "cls,section",
+  [(model.ModelConfig, "model"), (inner.InnerConfig, "inner"), (outer.OuterConfig, "outer")],
+)
 def test_dataclasses_have_no_defaults_and_take_every_field_from_base(cls, section):
   fields = dataclasses.fields(cls)
   assert all(f.default is dataclasses.MISSING for f in fields), cls  # One set of defaults: base().
   sec = config_defaults.base()[section]
   assert {f.name for f in fields} <= set(sec)  # Every dataclass field is a config switch.
   got = config_defaults.from_section(cls, sec, **({"total_steps": 7} if section == "inner" else {}))
-  assert all(getattr(got, f.name) == (7 if f.name == "total_steps" else sec[f.name])
-             for f in fields)
+  assert all(
+    getattr(got, f.name) == (7 if f.name == "total_steps" else sec[f.name]) for f in fields
+  )
   del sec[fields[-1].name]
   with pytest.raises(ConfigError, match=f"no field '{fields[-1].name}'"):
     config_defaults.from_section(cls, sec)
 
 
-@pytest.mark.parametrize("overrides,match", [
-    ({"inner.lrr": 1e-3}, r"config.inner.lrr is not a config field: did you mean "
-                          r"config.inner.lr\?"),
+@pytest.mark.parametrize(
+  "overrides,match",
+  [
+    (
+      {"inner.lrr": 1e-3},
+      r"config.inner.lrr is not a config field: did you mean "
+      r"config.inner.lr\?",
+    ),
     ({"inner.decay_normz": True}, r"did you mean config.inner.decay_norms\?"),
     ({"modle.d_model": 64}, r"did you mean config.model.d_model\?"),
     ({"routing.early_stopping": False}, r"it moved to config.early_stopping.enabled"),
-    ({"dipaco.inner_steps": 2.5}, r"config.dipaco.inner_steps=2.5 has the wrong type: it must be "
-                                  r"an integer >= 1"),
-    ({"dipaco.modules_per_level": (1, 2.5, 2)}, r"config.dipaco.modules_per_level=\(1, 2.5, 2\) "
-                                                r"is invalid"),
+    (
+      {"dipaco.inner_steps": 2.5},
+      r"config.dipaco.inner_steps=2.5 has the wrong type: it must be "
+      r"an integer >= 1",
+    ),
+    (
+      {"dipaco.modules_per_level": (1, 2.5, 2)},
+      r"config.dipaco.modules_per_level=\(1, 2.5, 2\) "
+      r"is invalid",
+    ),
     ({"inner.lr": -1e-3}, r"config.inner.lr=-0.001 is invalid: it must be a number > 0"),
-    ({"outer.momentum": 1.5}, r"config.outer.momentum=1.5 is invalid: it must be a number >= 0 "
-                              r"and < 1"),
-    ({"model.positions": "alibi"}, r"config.model.positions='alibi' is invalid: it must be one of "
-                                   r"'rope', 'learned'"),
+    (
+      {"outer.momentum": 1.5},
+      r"config.outer.momentum=1.5 is invalid: it must be a number >= 0 "
+      r"and < 1",
+    ),
+    (
+      {"model.positions": "alibi"},
+      r"config.model.positions='alibi' is invalid: it must be one of "
+      r"'rope', 'learned'",
+    ),
     ({"dipaco.init": "zeros"}, r"config.dipaco.init='zeros' is invalid"),
     ({"data.batch_size": 0}, r"config.data.batch_size=0 is invalid: it must be an integer >= 1"),
     ({"data.shard_dir": "None"}, r"config.data.shard_dir='None' is invalid: it must be a path"),
     ({"data.top_k": 5}, r"config.data.top_k=5 exceeds the 4 paths"),
-    ({"model.positions": "learned", "data.seq_len": 512}, r"config.data.seq_len=512 exceeds "
-                                                          r"config.model.max_len=256"),
+    (
+      {"model.positions": "learned", "data.seq_len": 512},
+      r"config.data.seq_len=512 exceeds "
+      r"config.model.max_len=256",
+    ),
     ({"ckpt.every_steps": True}, r"config.ckpt.every_steps=True is invalid"),
-])
+  ],
+)
 def test_load_refuses_unknown_keys_and_bad_values(overrides, match):
   with pytest.raises(ConfigError, match=match) as e:
     config_defaults.load(TINY, **overrides)
@@ -73,10 +96,15 @@ def test_load_refuses_unknown_keys_and_bad_values(overrides, match):
 
 def test_a_config_file_may_not_add_a_field(tmp_path):
   path = tmp_path / "typo.py"
-  path.write_text("from dipaco_jax import config_defaults\n\ndef get_config():\n"
-                  "  c = config_defaults.base()\n  c.inner.warmup = 10\n  return c\n")
-  with pytest.raises(ConfigError, match=r"config.inner.warmup is not a config field: did you "
-                                        r"mean config.inner.warmup_steps\?"):
+  path.write_text(
+    "from dipaco_jax import config_defaults\n\ndef get_config():\n"
+    "  c = config_defaults.base()\n  c.inner.warmup = 10\n  return c\n"
+  )
+  with pytest.raises(
+    ConfigError,
+    match=r"config.inner.warmup is not a config field: did you "
+    r"mean config.inner.warmup_steps\?",
+  ):
     config_defaults.load(str(path))
   with pytest.raises(ConfigError, match="no config file at"):
     config_defaults.load(str(tmp_path / "missing.py"))
@@ -92,19 +120,28 @@ def test_load_locks_the_config():
 def test_the_run_checks_read_the_tokenizer_and_init_from(tmp_path):
   ok = config_defaults.load(TINY)
   config_check.validate(ok)  # 8192 = the shipped tokenizer.
-  cases = [({"model.vocab_size": 9000}, r"vocab_size=9000 but the tokenizer .* has 8192 tokens: "
-                                       r"set model.vocab_size=8192 \(or model.pad_vocab=True"),
-           ({"model.vocab_size": 4096}, r"vocab_size=4096 but the tokenizer .* has 8192 tokens"),
-           ({"data.vocab_path": str(tmp_path / "no.model")}, r"config.data.vocab_path=.* does "
-                                                             r"not exist"),
-           ({"data.task": "c4_en"}, r"config.data.vocab_path is unset but data.task='c4_en'"),
-           ({"dipaco.init_from": str(tmp_path / "none")}, r"init_from=.* does not exist")]
+  cases = [
+    (
+      {"model.vocab_size": 9000},
+      r"vocab_size=9000 but the tokenizer .* has 8192 tokens: "
+      r"set model.vocab_size=8192 \(or model.pad_vocab=True",
+    ),
+    ({"model.vocab_size": 4096}, r"vocab_size=4096 but the tokenizer .* has 8192 tokens"),
+    (
+      {"data.vocab_path": str(tmp_path / "no.model")},
+      r"config.data.vocab_path=.* does "
+      r"not exist",
+    ),
+    ({"data.task": "c4_en"}, r"config.data.vocab_path is unset but data.task='c4_en'"),
+    ({"dipaco.init_from": str(tmp_path / "none")}, r"init_from=.* does not exist"),
+  ]
   for overrides, match in cases:
     c = config_defaults.load(TINY, **overrides)  # Loads: these need files, checked per run.
     with pytest.raises(ConfigError, match=match):
       config_check.validate(c)
-  config_check.validate(config_defaults.load(TINY, **{"model.vocab_size": 8192 + 64,
-                                                      "model.pad_vocab": True}))
+  config_check.validate(
+    config_defaults.load(TINY, **{"model.vocab_size": 8192 + 64, "model.pad_vocab": True})
+  )
 
 
 def test_the_trainer_validates_before_it_touches_the_workdir(tmp_path):

@@ -6,9 +6,15 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import ROOT
-from dipaco_jax import config_defaults, experiment, routing, sharding, topology, train
+from dipaco_jax import config_defaults
+from dipaco_jax import experiment
+from dipaco_jax import routing
+from dipaco_jax import sharding
+from dipaco_jax import topology
+from dipaco_jax import train
 from dipaco_jax.routing import phases
+
+from helpers import ROOT
 
 # Counts by hand for the paper's 150M path (d 896, 16 heads x 64, MLP 3584,
 # vocab 32000, tied): a block = attention 4*896*1024 + MLP 2*896*3584 + two
@@ -19,21 +25,18 @@ PATH = EMBED + 12 * BLOCK + HEAD  # 149,804,928
 BLOCK_1B = 4 * 2048 * 2048 + 2 * 2048 * 8192 + 2 * 2048
 DENSE_1B = 32000 * 2048 + 24 * BLOCK_1B + 2048
 CASES = [
-    # (config, paths, replicas, params per path, store params)
-    ("dense_150m", 1, 1, PATH, PATH),
-    ("dense_1b", 1, 1, DENSE_1B, DENSE_1B),
-    ("diloco_8", 1, 8, PATH, PATH),
-    ("flat_moe_8", 8, 1, PATH, 8 * PATH),
-    # Shared embed + head, then 6 blocks x 2 modules and 6 blocks x 4.
-    ("dipaco_2x4", 8, 1, PATH, EMBED + HEAD + (6 * 2 + 6 * 4) * BLOCK),
-    ("dipaco_8x8", 64, 1, PATH, EMBED + HEAD + (6 * 8 + 6 * 8) * BLOCK),
-    # Private per path: embed + blocks 0, 5, 6, 11; shared: head norm and
-    # blocks 1-4, 7-10 with 16 modules each.  = 18,968,707,968.
-    ("dipaco_16x16", 256, 1, PATH,
-     256 * (EMBED + 4 * BLOCK) + HEAD + (4 * 16 + 4 * 16) * BLOCK),
+  # (config, paths, replicas, params per path, store params)
+  ("dense_150m", 1, 1, PATH, PATH),
+  ("dense_1b", 1, 1, DENSE_1B, DENSE_1B),
+  ("diloco_8", 1, 8, PATH, PATH),
+  ("flat_moe_8", 8, 1, PATH, 8 * PATH),
+  # Shared embed + head, then 6 blocks x 2 modules and 6 blocks x 4.
+  ("dipaco_2x4", 8, 1, PATH, EMBED + HEAD + (6 * 2 + 6 * 4) * BLOCK),
+  ("dipaco_8x8", 64, 1, PATH, EMBED + HEAD + (6 * 8 + 6 * 8) * BLOCK),
+  # Private per path: embed + blocks 0, 5, 6, 11; shared: head norm and
+  # blocks 1-4, 7-10 with 16 modules each.  = 18,968,707,968.
+  ("dipaco_16x16", 256, 1, PATH, 256 * (EMBED + 4 * BLOCK) + HEAD + (4 * 16 + 4 * 16) * BLOCK),
 ]
-
-
 
 
 def _load(name: str, **overrides):
@@ -43,8 +46,9 @@ def _load(name: str, **overrides):
 @pytest.mark.parametrize("name,paths,replicas,per_path,store", CASES)
 def test_paper_configs_build_abstract_state(name, paths, replicas, per_path, store):
   c = _load(name)
-  mesh = sharding.make_mesh({**c.mesh.to_dict(), "model": 1}, paths * replicas,
-                            devices=jax.devices()[:1])
+  mesh = sharding.make_mesh(
+    {**c.mesh.to_dict(), "model": 1}, paths * replicas, devices=jax.devices()[:1]
+  )
   exp = experiment.Experiment(c, mesh=mesh)
   assert exp.topo.num_paths == paths and exp.topo.replicas == replicas
   st = exp.abstract_state
@@ -69,12 +73,12 @@ def test_tiny_config_on_four_devices_puts_one_path_per_device():
 # cluster per worker.
 DISC = [config_defaults.DISCRIMINATIVE_AT_OUTER_STEP]
 ROUTING = [
-    # (config, router, phase-0 grid, discriminative steps, top_k, replica_shards)
-    ("dipaco_2x4", "product_kmeans", (2, 4), DISC, 1, "hash"),
-    ("dipaco_8x8", "product_kmeans", (8, 8), DISC, 1, "hash"),
-    ("dipaco_16x16", "product_kmeans", (16, 16), DISC, 2, "hash"),
-    ("flat_moe_8", "kmeans", (8,), DISC, 1, "hash"),
-    ("diloco_8", "kmeans", (8,), [], 1, "router"),
+  # (config, router, phase-0 grid, discriminative steps, top_k, replica_shards)
+  ("dipaco_2x4", "product_kmeans", (2, 4), DISC, 1, "hash"),
+  ("dipaco_8x8", "product_kmeans", (8, 8), DISC, 1, "hash"),
+  ("dipaco_16x16", "product_kmeans", (16, 16), DISC, 2, "hash"),
+  ("flat_moe_8", "kmeans", (8,), DISC, 1, "hash"),
+  ("diloco_8", "kmeans", (8,), [], 1, "router"),
 ]
 FORKED = [r[0] for r in ROUTING]
 DENSE = ["dense_150m", "dense_1b"]
@@ -102,8 +106,9 @@ def test_paper_configs_route_as_the_paper(name, router, grid, steps, top_k, repl
 
 
 def test_the_restarted_cosine_follows_an_overridden_reshard_step():
-  c = _load("dipaco_2x4", **{"routing.discriminative_at_outer_step": 200,
-                             "dipaco.outer_steps": 300})
+  c = _load(
+    "dipaco_2x4", **{"routing.discriminative_at_outer_step": 200, "dipaco.outer_steps": 300}
+  )
   assert routing.discriminative_steps(c) == [200]
   assert c.inner.total_steps == 150 * (300 - 200)
   c = _load("dipaco_2x4", **{"inner.total_steps": 1234})  # An explicit value wins.
@@ -146,6 +151,7 @@ def test_phase0_grid_refuses_product_kmeans_off_the_full_grid():
   """
   with pytest.raises(config_defaults.ConfigError, match="product_kmeans needs the full grid"):
     _load("dipaco_2x4", **{"dipaco.paths": ("0-0-0", "0-1-3")})
-  with pytest.raises(config_defaults.ConfigError,
-                     match="replica_shards='router' clusters per worker"):
+  with pytest.raises(
+    config_defaults.ConfigError, match="replica_shards='router' clusters per worker"
+  ):
     _load("diloco_8", **{"routing.router": "product_kmeans"})

@@ -2,9 +2,10 @@
 
 import json
 
-from dipaco_jax import data
 import numpy as np
 import pytest
+
+from dipaco_jax import data
 
 SEQ, BATCH = 16, 3
 
@@ -13,8 +14,10 @@ SEQ, BATCH = 16, 3
 def _shard_set(tmp_path_factory):
   """Two paths; every token of document i is 3 + i (EOS excepted), so a token names its doc."""
   rng = np.random.default_rng(0)
-  docs = [data.Document(i, np.append(np.full(int(rng.integers(1, 40)), 3 + i), 1).astype(np.int32),
-                        "d") for i in range(60)]
+  docs = [
+    data.Document(i, np.append(np.full(int(rng.integers(1, 40)), 3 + i), 1).astype(np.int32), "d")
+    for i in range(60)
+  ]
   shard_dir = str(tmp_path_factory.mktemp("shards"))
   data.write_shards(shard_dir, "train", docs, data.random_assignment(2, seed=3), 2)
   return data.ShardSet(shard_dir)
@@ -25,8 +28,9 @@ def batches(batcher, n):
 
 
 def test_shapes_dtypes_and_keys(shard_set):
-  batch = data.WorkerBatcher(shard_set, "train", [0, 1], seq_len=SEQ, batch_size=BATCH,
-                           seed=0).next_batch()
+  batch = data.WorkerBatcher(
+    shard_set, "train", [0, 1], seq_len=SEQ, batch_size=BATCH, seed=0
+  ).next_batch()
   assert set(batch) == {"inputs", "targets", "segment_ids", "positions", "weights"}
   for key, value in batch.items():
     assert value.shape == (2, BATCH, SEQ)
@@ -38,8 +42,9 @@ def test_packing_never_crosses_documents(shard_set):
   for batch in batches(batcher, 20):
     for p in range(2):
       for r in range(BATCH):
-        seg, tgt, inp, pos = (batch[k][p, r] for k in ("segment_ids", "targets", "inputs",
-                                                        "positions"))
+        seg, tgt, inp, pos = (
+          batch[k][p, r] for k in ("segment_ids", "targets", "inputs", "positions")
+        )
         assert seg[0] == 1 and np.all(np.diff(seg) >= 0)
         for s in np.unique(seg[seg > 0]):
           idx = np.flatnonzero(seg == s)
@@ -54,14 +59,15 @@ def test_packing_never_crosses_documents(shard_set):
 
 
 def test_one_epoch_yields_each_document_exactly_once_then_stops(shard_set):
-  batcher = data.WorkerBatcher(shard_set, "train", [1], seq_len=SEQ, batch_size=BATCH, seed=5,
-                             repeat=False)
+  batcher = data.WorkerBatcher(
+    shard_set, "train", [1], seq_len=SEQ, batch_size=BATCH, seed=5, repeat=False
+  )
   seen = [b for b in batcher]
   targets = np.concatenate([b["targets"][0].reshape(-1) for b in seen])
   weights = np.concatenate([b["weights"][0].reshape(-1) for b in seen])
   docs = shard_set.documents(1, "train")
   assert weights.sum() == shard_set.sizes("train")[1]
-  assert np.all(targets[weights == 0] == 0) and np.all(weights[:int(weights.sum())] == 1)
+  assert np.all(targets[weights == 0] == 0) and np.all(weights[: int(weights.sum())] == 1)
   stream = targets[weights == 1]
   order = [int(t) - 3 for t in stream[np.r_[0, np.flatnonzero(stream == 1)[:-1] + 1]]]
   assert sorted(order) == sorted(d.doc_id for d in docs)  # every document once

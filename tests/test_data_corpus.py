@@ -6,9 +6,10 @@ import json
 import os
 import shutil
 
+import pytest
+
 from dipaco_jax.data import corpus
 from dipaco_jax.data import vocab
-import pytest
 
 
 @pytest.fixture(name="records", scope="module")
@@ -39,7 +40,8 @@ def test_splits_are_deterministic_and_disjoint(records):
   again = [(r["doc_id"], r["split"]) for r in corpus.read_records()]
   assert again == [(r["doc_id"], r["split"]) for r in records]
   assert [r["doc_id"] for r in corpus.read_records("router")] == [
-      r["doc_id"] for r in records if r["split"] == "router"]
+    r["doc_id"] for r in records if r["split"] == "router"
+  ]
   texts = {s: {r["text"] for r in records if r["split"] == s} for s in corpus.SPLITS}
   assert not texts["train"] & texts["validation"] and not texts["train"] & texts["router"]
   assert not texts["validation"] & texts["router"]

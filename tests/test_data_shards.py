@@ -3,13 +3,15 @@
 import json
 import os
 
-import helpers
+import numpy as np
+import pytest
+
 from dipaco_jax import data
 from dipaco_jax import errors
 from dipaco_jax.data import assign as assign_lib
 from dipaco_jax.data import shards
-import numpy as np
-import pytest
+
+import helpers
 
 
 def make_docs(n: int, seed: int = 0, max_len: int = 300) -> list[data.Document]:
@@ -50,8 +52,10 @@ def test_write_read_round_trip_with_top2_overlap(tmp_path):
       assert (have.doc_id, have.domain) == (want.doc_id, want.domain)
       assert have.tokens.dtype == np.int32
       np.testing.assert_array_equal(have.tokens, want.tokens)
-    assert [d.doc_id for d in got.read_many([2, 0])] == [expected[p][2].doc_id,
-                                                         expected[p][0].doc_id]
+    assert [d.doc_id for d in got.read_many([2, 0])] == [
+      expected[p][2].doc_id,
+      expected[p][0].doc_id,
+    ]
     assert got[-1].doc_id == expected[p][-1].doc_id
   # top-2: every document is in exactly two shards, so the sizes add up to twice the corpus.
   assert sizes.sum() == 2 * sum(len(d.tokens) for d in docs)
@@ -79,8 +83,9 @@ def test_bad_assignments_and_inputs_are_clear_errors(tmp_path):
   with pytest.raises(ValueError, match=r"distinct worker ids in \[0, 2\)"):
     data.write_shards(str(tmp_path / "b"), "train", docs, lambda d: [0, 2], 2)
   with pytest.raises(ValueError, match="ending with EOS"):
-    data.write_shards(str(tmp_path / "c"), "train", [data.Document(0, np.array([5, 6]), "x")],
-                      lambda d: [0], 1)
+    data.write_shards(
+      str(tmp_path / "c"), "train", [data.Document(0, np.array([5, 6]), "x")], lambda d: [0], 1
+    )
   with pytest.raises(ValueError, match="Unknown empty_policy"):
     data.write_shards(str(tmp_path / "d"), "train", docs, lambda d: [0], 1, empty_policy="skip")
   with pytest.raises(ValueError, match="top_k <= num_workers"):
@@ -106,8 +111,9 @@ def test_shards_are_written_once_and_damage_is_detected(tmp_path):
     data.ShardSet(str(tmp_path)).documents(1, "validation")
 
 
-@pytest.mark.parametrize("name", [shards.META, f"train/{shards.META}",
-                                  f"train/{shards.shard_file(1)}"])
+@pytest.mark.parametrize(
+  "name", [shards.META, f"train/{shards.META}", f"train/{shards.shard_file(1)}"]
+)
 def test_a_truncated_shard_file_gives_one_line_naming_it(tmp_path, name):
   root = tmp_path / "shards"
   data.write_shards(str(root), "train", make_docs(30), data.random_assignment(2, seed=0), 2)
@@ -129,8 +135,9 @@ def test_remote_shard_dir_goes_through_staging_and_local_cache(tmp_path, monkeyp
   monkeypatch.setattr(shards, "_is_remote", lambda path: True)
   monkeypatch.setattr(shards, "CACHE_DIR", str(tmp_path / "cache"))
   docs = make_docs(40)
-  sizes = data.write_shards(str(tmp_path / "remote"), "train", docs,
-                            data.random_assignment(2, seed=0), 2)
+  sizes = data.write_shards(
+    str(tmp_path / "remote"), "train", docs, data.random_assignment(2, seed=0), 2
+  )
   got = data.ShardSet(str(tmp_path / "remote")).documents(1, "train")
   assert sum(len(d.tokens) for d in got) == sizes[1]
   assert len(list((tmp_path / "cache").rglob("*.array_record"))) == 1

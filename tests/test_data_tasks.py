@@ -2,16 +2,17 @@
 
 import os
 
-from dipaco_jax import config_defaults
-from dipaco_jax import data
-from dipaco_jax.data import corpus
-from dipaco_jax.data import vocab
 import ml_collections
 import numpy as np
 import pytest
 import seqio
 import tensorflow as tf
 import tensorflow_datasets as tfds
+
+from dipaco_jax import config_defaults
+from dipaco_jax import data
+from dipaco_jax.data import corpus
+from dipaco_jax.data import vocab
 
 
 @pytest.fixture(name="tfds_dir", scope="module")
@@ -55,6 +56,7 @@ def test_subsample_keeps_one_document_in_n_by_doc_id_hash(tfds_dir):
 
 def test_stats_counts_documents_and_tokens_per_domain(tfds_dir):
   from dipaco_jax.data import __main__ as cli  # pylint: disable=g-import-not-at-top
+
   table = cli.stats("dipaco_embedded", ["router"], data_dir=tfds_dir, max_docs=40)
   assert sum(d for d, _ in table["router"].values()) == 40
   text = cli.format_table(table)
@@ -71,34 +73,48 @@ def test_unknown_task_split_and_wrong_vocab_are_clear_errors(tfds_dir, tmp_path)
   with pytest.raises(ValueError, match="is not a SentencePiece model"):
     data.iter_documents("dipaco_embedded", "train", data_dir=tfds_dir, vocab_path=str(bad))
   with pytest.raises(FileNotFoundError, match="c4/en:3.1.0 is not prepared"):
-    data.iter_documents("c4_en", "train", data_dir=str(tmp_path),
-                        vocab_path=vocab.DEFAULT_VOCAB_PATH)
+    data.iter_documents(
+      "c4_en", "train", data_dir=str(tmp_path), vocab_path=vocab.DEFAULT_VOCAB_PATH
+    )
 
 
 def write_fake_c4(root: str, sizes: dict[str, int]) -> None:
   """A tiny tfds dir laid out like c4/en:3.1.0 (text, url, timestamp)."""
   out = os.path.join(root, "c4", "en", "3.1.0")
   os.makedirs(out)
-  features = tfds.features.FeaturesDict({k: tfds.features.Text()
-                                         for k in ("text", "url", "timestamp")})
+  features = tfds.features.FeaturesDict(
+    {k: tfds.features.Text() for k in ("text", "url", "timestamp")}
+  )
   for split, n in sizes.items():
     with tf.io.TFRecordWriter(os.path.join(out, f"c4-{split}.tfrecord-00000-of-00001")) as w:
       for i in range(n):
-        w.write(features.serialize_example({
-            "text": f"Page {i} of the {split} split.\nIt talks about gardens and rivers.",
-            "url": f"https://site{i % 3}.example.org/path/{i}", "timestamp": "2019-04-20"}))
+        w.write(
+          features.serialize_example(
+            {
+              "text": f"Page {i} of the {split} split.\nIt talks about gardens and rivers.",
+              "url": f"https://site{i % 3}.example.org/path/{i}",
+              "timestamp": "2019-04-20",
+            }
+          )
+        )
   tfds.folder_dataset.write_metadata(data_dir=out, features=features, check_data=False)
 
 
 def test_c4_task_definition_on_a_fake_tfds_dir(tmp_path):
   write_fake_c4(str(tmp_path), {"train": 200, "validation": 10})
-  read = lambda split: list(data.iter_documents(  # pylint: disable=g-long-lambda
-      "c4_en", split, data_dir=str(tmp_path), vocab_path=vocab.DEFAULT_VOCAB_PATH))
+  read = lambda split: list(
+    data.iter_documents(  # pylint: disable=g-long-lambda
+      "c4_en", split, data_dir=str(tmp_path), vocab_path=vocab.DEFAULT_VOCAB_PATH
+    )
+  )
   train, router, validation = read("train"), read("router"), read("validation")
   assert (len(train), len(router), len(validation)) == (198, 2, 10)  # router = train[:1%]
   assert not {d.doc_id for d in train} & {d.doc_id for d in router}
-  assert {d.domain for d in train} == {"site0.example.org", "site1.example.org",
-                                       "site2.example.org"}
+  assert {d.domain for d in train} == {
+    "site0.example.org",
+    "site1.example.org",
+    "site2.example.org",
+  }
   assert len({d.doc_id for d in train}) == 198 and all(d.tokens[-1] == 1 for d in train)
   assert [d.doc_id for d in read("validation")] == [d.doc_id for d in validation]  # stable ids
   task = seqio.get_mixture_or_task("c4_en")
@@ -108,11 +124,14 @@ def test_c4_task_definition_on_a_fake_tfds_dir(tmp_path):
 def test_prepare_shards_writes_once_reuses_and_refuses_mismatch(tmp_path):
   write_fake_c4(str(tmp_path / "tfds"), {"train": 300, "validation": 30})
   shard_dir = str(tmp_path / "shards")
-  cfg = data_cfg(str(tmp_path / "tfds"), task="c4_en", vocab_path=vocab.DEFAULT_VOCAB_PATH,
-                 top_k=2)
+  cfg = data_cfg(str(tmp_path / "tfds"), task="c4_en", vocab_path=vocab.DEFAULT_VOCAB_PATH, top_k=2)
   shard_set = data.prepare_shards(cfg, 3, shard_dir)
-  train_tokens = sum(len(d.tokens) for d in data.iter_documents(
-      "c4_en", "train", data_dir=cfg.tfds_data_dir, vocab_path=cfg.vocab_path))
+  train_tokens = sum(
+    len(d.tokens)
+    for d in data.iter_documents(
+      "c4_en", "train", data_dir=cfg.tfds_data_dir, vocab_path=cfg.vocab_path
+    )
+  )
   assert shard_set.sizes("train").sum() == 2 * train_tokens  # top-2 overlap in training
   assert shard_set.num_docs("validation").sum() == 30  # never overlapping in evaluation
   assert shard_set.meta["assignment"] == "random(num_workers=3,seed=0,top_k=2)"
@@ -122,17 +141,27 @@ def test_prepare_shards_writes_once_reuses_and_refuses_mismatch(tmp_path):
   assert os.path.getmtime(os.path.join(shard_dir, "meta.json")) == mtime
   np.testing.assert_array_equal(again.sizes("train"), shard_set.sizes("train"))
   with pytest.raises(ValueError, match=r"another config.*'seed': \(0, 1\)"):
-    data.prepare_shards(data_cfg(cfg.tfds_data_dir, task="c4_en", vocab_path=cfg.vocab_path,
-                                 top_k=2, seed=1), 3, shard_dir)
+    data.prepare_shards(
+      data_cfg(cfg.tfds_data_dir, task="c4_en", vocab_path=cfg.vocab_path, top_k=2, seed=1),
+      3,
+      shard_dir,
+    )
   with pytest.raises(ValueError, match="num_workers"):
     data.prepare_shards(cfg, 4, shard_dir)
   with pytest.raises(ValueError, match=r"another config.*'subsample': \(1, 2\)"):
-    data.prepare_shards(data_cfg(cfg.tfds_data_dir, task="c4_en", vocab_path=cfg.vocab_path,
-                                 top_k=2, subsample=2), 3, shard_dir)
+    data.prepare_shards(
+      data_cfg(cfg.tfds_data_dir, task="c4_en", vocab_path=cfg.vocab_path, top_k=2, subsample=2),
+      3,
+      shard_dir,
+    )
   # C4's 62-bit doc ids overflow the hash's int64 product: it must still keep about 1 in 2.
-  half = data.prepare_shards(data_cfg(cfg.tfds_data_dir, task="c4_en", vocab_path=cfg.vocab_path,
-                                      subsample=2), 3, str(tmp_path / "half"))
+  half = data.prepare_shards(
+    data_cfg(cfg.tfds_data_dir, task="c4_en", vocab_path=cfg.vocab_path, subsample=2),
+    3,
+    str(tmp_path / "half"),
+  )
   assert 90 < half.num_docs("train").sum() < 210 and half.meta["subsample"] == 2
   with pytest.raises(data.EmptyShardError, match="got no train document"):
-    data.prepare_shards(cfg, 3, str(tmp_path / "empty"),
-                        assign=data.with_description(lambda d: [0], "all-to-path-0"))
+    data.prepare_shards(
+      cfg, 3, str(tmp_path / "empty"), assign=data.with_description(lambda d: [0], "all-to-path-0")
+    )

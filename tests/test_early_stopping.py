@@ -13,8 +13,6 @@ import jax
 import numpy as np
 import pytest
 
-import helpers
-import routing_testlib
 from dipaco_jax import checkpoint
 from dipaco_jax import data as data_lib
 from dipaco_jax import early_stopping
@@ -23,12 +21,18 @@ from dipaco_jax import feed as feed_lib
 from dipaco_jax import train
 from dipaco_jax.data import prepare
 
+import helpers
+import routing_testlib
+
 
 @pytest.fixture(name="shards")
 def _shards(tmp_path, monkeypatch):
-  docs = {"train": routing_testlib.fake_documents(40, seed=1),
-          "validation": routing_testlib.fake_documents(12, seed=2, first_id=1000)}
+  docs = {
+    "train": routing_testlib.fake_documents(40, seed=1),
+    "validation": routing_testlib.fake_documents(12, seed=2, first_id=1000),
+  }
   from dipaco_jax.data import tasks  # pylint: disable=g-import-not-at-top
+
   monkeypatch.setattr(tasks, "iter_documents", lambda task, split, **kw: iter(docs[split]))
   cfg = helpers.micro_config(**{"data.top_k": 4})
   # Every training document goes to all 4 workers; validation keeps the first: worker 0.
@@ -48,8 +52,16 @@ def test_empty_validation_reads_nan_and_early_stopping_keeps_the_latest(shards):
   np.testing.assert_array_equal(shard_set.num_docs("validation"), [12, 0, 0, 0])
   exp = experiment.Experiment(cfg)
   workers, rows = feed_lib.local_block(exp.batch_sharding, exp.batch_shape)
-  val = feed_lib.Feed(shard_set, "validation", workers, rows, seq_len=cfg.data.seq_len,
-                      batch_size=cfg.data.batch_size, seed=0, shuffle=False)
+  val = feed_lib.Feed(
+    shard_set,
+    "validation",
+    workers,
+    rows,
+    seq_len=cfg.data.seq_len,
+    batch_size=cfg.data.batch_size,
+    seed=0,
+    shuffle=False,
+  )
   batch = val.next_batch()
   assert batch["weights"][0].sum() > 0 and not batch["weights"][1:].any()
   state = exp.init_state(0)
@@ -68,9 +80,15 @@ def test_empty_validation_reads_nan_and_early_stopping_keeps_the_latest(shards):
 
 
 def _config(shard_dir, **kw):
-  over = {"model.vocab_size": 8192, "data.shard_dir": shard_dir, "dipaco.inner_steps": 2,
-          "dipaco.outer_steps": 3, "eval.every_steps": 2, "ckpt.every_steps": 2,
-          "ckpt.max_to_keep": 2}
+  over = {
+    "model.vocab_size": 8192,
+    "data.shard_dir": shard_dir,
+    "dipaco.inner_steps": 2,
+    "dipaco.outer_steps": 3,
+    "eval.every_steps": 2,
+    "ckpt.every_steps": 2,
+    "ckpt.max_to_keep": 2,
+  }
   over.update(kw)
   return helpers.micro_config(**over)
 

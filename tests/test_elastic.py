@@ -32,30 +32,40 @@ def _config(**kw):
 
 # ---- Outer executors: order of arrival, restarts, the outer.py math. ----
 
+
 def _random_phase(workdir, grid, rng):
   """Version 0 of every module (+ zero momentum) and random phase-0 outputs of every worker."""
   store = {}
   for s in grid.groups:
     t = grid.module_template(s.name)
-    mods = [jax.tree.map(lambda x: rng.normal(size=x.shape).astype(np.float32), t)
-            for _ in range(s.num_modules)]
+    mods = [
+      jax.tree.map(lambda x: rng.normal(size=x.shape).astype(np.float32), t)
+      for _ in range(s.num_modules)
+    ]
     for e, m in enumerate(mods):
       storage.save_tree(storage.module_file(workdir, s.name, e, 0), m)
-      storage.save_tree(storage.module_file(workdir, s.name, e, 0, "opt"),
-                        jax.tree.map(np.zeros_like, grid.outer_tx.init(m)))
+      storage.save_tree(
+        storage.module_file(workdir, s.name, e, 0, "opt"),
+        jax.tree.map(np.zeros_like, grid.outer_tx.init(m)),
+      )
     store[s.name] = jax.tree.map(lambda *xs: np.concatenate(xs), *[m[s.name] for m in mods])
   params = paths.assemble(store, grid.topo)
   params = jax.tree.map(lambda x: x + 0.1 * rng.normal(size=x.shape).astype(np.float32), params)
   for w in range(grid.W):
     for s in grid.groups:
-      storage.save_tree(storage.worker_out_dir(workdir, w, 1) / f"{s.name}.npz",
-                        {s.name: jax.tree.map(lambda x, w=w: x[w:w + 1], params[s.name])})
+      storage.save_tree(
+        storage.worker_out_dir(workdir, w, 1) / f"{s.name}.npz",
+        {s.name: jax.tree.map(lambda x, w=w: x[w : w + 1], params[s.name])},
+      )
   return store, params
 
 
 def _stepped(workdir, grid):
-  return {(s.name, e): storage.module_file(workdir, s.name, e, 1).read_bytes()
-          for s in grid.groups for e in range(s.num_modules)}
+  return {
+    (s.name, e): storage.module_file(workdir, s.name, e, 1).read_bytes()
+    for s in grid.groups
+    for e in range(s.num_modules)
+  }
 
 
 def test_executor_result_does_not_depend_on_arrival_order_and_matches_outer_step(tmp_path):
@@ -74,13 +84,19 @@ def test_executor_result_does_not_depend_on_arrival_order_and_matches_outer_step
       for ex in exs:
         ex.report(0, w)
     assert sorted(sum((ex.report(0, order[-1]) for ex in exs), [])) == sorted(
-        grid_lib.module_key(g, e) for g, e in grid.used_modules())
+      grid_lib.module_key(g, e) for g, e in grid.used_modules()
+    )
     results.append(_stepped(wd, grid))
   assert results[0] == results[1] == results[2]  # Bytes: the sum is taken in worker order.
   # The same math as the synchronous outer step over all workers at once.
-  full, _, _, _ = outer.outer_step(store, grid.outer_tx.init(store), params,
-                                   jnp.asarray(alpha, jnp.float32), topo=grid.topo,
-                                   cfg=grid.outer_cfg)
+  full, _, _, _ = outer.outer_step(
+    store,
+    grid.outer_tx.init(store),
+    params,
+    jnp.asarray(alpha, jnp.float32),
+    topo=grid.topo,
+    cfg=grid.outer_cfg,
+  )
   wd = str(tmp_path / "order0")
   for s in grid.groups:
     for e in range(s.num_modules):
@@ -115,6 +131,7 @@ def test_executor_restarted_mid_phase_applies_every_delta_once(tmp_path):
 
 # ---- The queue. ----
 
+
 def test_queue_rounds_requeue_idempotence_and_snapshot(tmp_path):
   cfg = _config(**{"elastic.task_timeout_s": 1000.0})
   wd = str(tmp_path)
@@ -148,13 +165,17 @@ def test_queue_timeout_requeues(tmp_path):
 
 # ---- Bad input. ----
 
-@pytest.mark.parametrize("field,value,match", [
+
+@pytest.mark.parametrize(
+  "field,value,match",
+  [
     ("mesh.path", 2, "config.mesh.path=2"),
     ("elastic.num_workers", 0, "config.elastic.num_workers=0"),
     ("routing.discriminative_at_outer_step", 1, "discriminative_at_outer_step"),
     ("early_stopping.enabled", True, "early_stopping.enabled"),
     ("elastic.worker_resources", "TPU=4", "worker_resources='TPU=4'"),
-])
+  ],
+)
 def test_bad_config_is_refused(tmp_path, field, value, match):
   # Refused by load's config check (elastic check_config is part of it), else by the trainer's.
   with pytest.raises(config_defaults.ConfigError, match=match):
@@ -181,11 +202,17 @@ def test_workdir_of_the_other_mode_is_refused(tmp_path):
 
 # ---- End to end on a local Ray cluster. ----
 
+
 @pytest.fixture(scope="module")
 def ray_cluster():
   ray = pytest.importorskip("ray")
-  ray.init(address="local", num_cpus=4, include_dashboard=False,
-           _node_ip_address="127.0.0.1", log_to_driver=False)
+  ray.init(
+    address="local",
+    num_cpus=4,
+    include_dashboard=False,
+    _node_ip_address="127.0.0.1",
+    log_to_driver=False,
+  )
   yield ray
   ray.shutdown()
 
@@ -221,10 +248,12 @@ def test_elastic_matches_spmd_and_survives_kills(tmp_path, ray_cluster):
   faulty = str(tmp_path / "faulty")
   slow = {"elastic.step_delay_s": (0.5, 0.5)}
   first = train.train_and_evaluate(
-      cfg(**{"elastic.chaos_worker_kills": 1, "elastic.stop_after_tasks": 4, **slow}), faulty)
+    cfg(**{"elastic.chaos_worker_kills": 1, "elastic.stop_after_tasks": 4, **slow}), faulty
+  )
   assert first["stopped"] and first["status"]["done"] >= 4
   out = train.train_and_evaluate(
-      cfg(**{"elastic.chaos_worker_kills": 3, "elastic.chaos_executor_kills": 2, **slow}), faulty)
+    cfg(**{"elastic.chaos_worker_kills": 3, "elastic.chaos_executor_kills": 2, **slow}), faulty
+  )
   assert out["step"] == 4 and out["status"]["done"] == 12
   kills = first["status"]["worker_kills"] + out["status"]["worker_kills"]
   assert kills >= 2 and out["status"]["requeued"] >= 2, (first, out)

@@ -5,14 +5,15 @@ import numpy as np
 import optax
 import pytest
 
-import helpers
-import routing_testlib
 from dipaco_jax import data as data_lib
 from dipaco_jax import evaluation
 from dipaco_jax import experiment
 from dipaco_jax import model as model_lib
-from dipaco_jax.routing import rerouting
 from dipaco_jax import routing
+from dipaco_jax.routing import rerouting
+
+import helpers
+import routing_testlib
 
 L, T = 4, 16
 
@@ -21,22 +22,34 @@ L, T = 4, 16
 def run(tmp_path_factory):
   """A run whose 4 paths differ (independent inits), 40 validation docs on random shards."""
   workdir = str(tmp_path_factory.mktemp("run"))
-  cfg = helpers.micro_config(**{"dipaco.init": "independent", "routing.prefix_len": L,
-                                "eval.seq_len": T, "eval.rerouters": ("linear",)})
+  cfg = helpers.micro_config(
+    **{
+      "dipaco.init": "independent",
+      "routing.prefix_len": L,
+      "eval.seq_len": T,
+      "eval.rerouters": ("linear",),
+    }
+  )
   exp = experiment.Experiment(cfg)
   state = exp.init_state(0)
   W = exp.topo.num_workers
   docs = routing_testlib.fake_documents(40, seed=5, min_len=2, max_len=30)
   shard_dir = str(tmp_path_factory.mktemp("shards"))
-  data_lib.write_shards(shard_dir, "validation", docs,
-                        data_lib.random_assignment(W, seed=cfg.data.seed), W)
+  data_lib.write_shards(
+    shard_dir, "validation", docs, data_lib.random_assignment(W, seed=cfg.data.seed), W
+  )
   r = evaluation.Run(cfg, workdir, exp, state, 0, 0, data_lib.ShardSet(shard_dir))
   # A saved linear re-router (fitted on random features: only its plumbing matters here).
   rng = np.random.default_rng(0)
   lens = np.full(30, T)
-  fake = rerouting.fit_linear(rng.normal(size=(30, T + 1, 32)).astype(np.float32),
-                              rng.integers(0, 4, size=(30, T)), lens, prefix_len=L, stride=2,
-                              grid=routing.router_grid(exp.topo))
+  fake = rerouting.fit_linear(
+    rng.normal(size=(30, T + 1, 32)).astype(np.float32),
+    rng.integers(0, 4, size=(30, T)),
+    lens,
+    prefix_len=L,
+    stride=2,
+    grid=routing.router_grid(exp.topo),
+  )
   fake.save(evaluation.rerouter_dir(workdir, 0) + "/linear")
   return r, docs
 
@@ -50,11 +63,11 @@ def _by_hand(r, docs):
   for d, p in zip(docs, first):
     t = d.tokens[:T]
     padded = np.zeros(T, np.int32)  # One shape, one compile; causal, so padding is unseen.
-    padded[:len(t)] = t
+    padded[: len(t)] = t
     pp = helpers.path_params(r.state.store, r.exp.topo, int(p))
     logits = apply({"params": pp}, np.concatenate([[0], padded[:-1]])[None].astype(np.int32))
     ce = np.asarray(optax.softmax_cross_entropy_with_integer_labels(logits[0], padded))
-    nll += ce[L:len(t)].sum()
+    nll += ce[L : len(t)].sum()
     count += max(len(t) - L, 0)
   return nll, count
 
@@ -95,22 +108,38 @@ def test_evaluation_bad_inputs(run):
   cfg = helpers.micro_config()
   cfg.routing.prefix_len = 0  # After load, whose config check refuses it first.
   with pytest.raises(ValueError, match="prefix length"):
-    evaluation.evaluate(evaluation.Run(cfg, r.workdir, r.exp, r.state, 0, 0, r.shard_set),
-                        windows=())
+    evaluation.evaluate(
+      evaluation.Run(cfg, r.workdir, r.exp, r.state, 0, 0, r.shard_set), windows=()
+    )
 
 
 @pytest.mark.slow  # evaluation with both re-routers (linear, transformer): ~20 s
 def test_dense_model_has_a_trivial_router_and_the_same_report_keys(tmp_path):
-  cfg = helpers.micro_config(**{"dipaco.level_groups": ("embed,block_0,block_1,head",),
-                                "dipaco.modules_per_level": (1,), "outer.enabled": False,
-                                "data.batch_size": 4,  # One path: 4 devices on 'data'.
-                                "routing.prefix_len": L, "eval.seq_len": T})
+  cfg = helpers.micro_config(
+    **{
+      "dipaco.level_groups": ("embed,block_0,block_1,head",),
+      "dipaco.modules_per_level": (1,),
+      "outer.enabled": False,
+      "data.batch_size": 4,  # One path: 4 devices on 'data'.
+      "routing.prefix_len": L,
+      "eval.seq_len": T,
+    }
+  )
   exp = experiment.Experiment(cfg)
   docs = routing_testlib.fake_documents(12, seed=6, min_len=8)
   data_lib.write_shards(str(tmp_path / "s"), "validation", docs, lambda d: [0], 1)
-  r = evaluation.Run(cfg, str(tmp_path), exp, exp.init_state(0), 0, 0,
-                     data_lib.ShardSet(str(tmp_path / "s")))
+  r = evaluation.Run(
+    cfg, str(tmp_path), exp, exp.init_state(0), 0, 0, data_lib.ShardSet(str(tmp_path / "s"))
+  )
   rep = evaluation.evaluate(r, windows=(4, 8))
-  assert set(rep["ppl"]) == {"once", "linear/W=4", "linear/W=8", "transformer/W=4",
-                             "transformer/W=8", "oracle/once", "oracle/W=4", "oracle/W=8"}
+  assert set(rep["ppl"]) == {
+    "once",
+    "linear/W=4",
+    "linear/W=8",
+    "transformer/W=4",
+    "transformer/W=8",
+    "oracle/once",
+    "oracle/W=4",
+    "oracle/W=8",
+  }
   assert len(set(rep["ppl"].values())) == 1  # One path: every routing is the same.

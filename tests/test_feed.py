@@ -45,7 +45,7 @@ def test_a_workers_batches_do_not_depend_on_which_workers_a_process_loads(shard_
   # Unshuffled, worker 3's first batch is its own shard's documents laid end to end.
   alone = feed_lib.Feed(shard_set, "train", [3], slice(0, B), shuffle=False, **KW).next_batch()
   stream = np.concatenate([d.tokens for d in shard_set.documents(3, "train")])
-  np.testing.assert_array_equal(alone["targets"][0].ravel(), stream[:B * T])
+  np.testing.assert_array_equal(alone["targets"][0].ravel(), stream[: B * T])
 
 
 def test_empty_validation_shard_feeds_padding_only(shard_set):

@@ -26,7 +26,9 @@ def _one(line: str) -> hlo.Collective:
   return c
 
 
-@pytest.mark.parametrize("groups_text, groups", [
+@pytest.mark.parametrize(
+  "groups_text, groups",
+  [
     ("{{0,1},{2,3}}", ((0, 1), (2, 3))),
     ("{{0,2},{1,3}}", ((0, 2), (1, 3))),
     ("{}", ()),
@@ -43,18 +45,22 @@ def _one(line: str) -> hlo.Collective:
     ("mesh['x'=8] {'x':(1)2}", ((0, 4), (1, 5), (2, 6), (3, 7))),
     ("mesh['x'=8] {'x':(2)2}", ((0, 2), (1, 3), (4, 6), (5, 7))),
     ("maximal_mesh[device_id=3] {}", ((3,),)),
-])
+  ],
+)
 def test_replica_group_forms(groups_text, groups):
-  c = _one("  %ar = f32[8]{0} all-reduce(f32[8]{0} %p), channel_id=1, "
-           f"replica_groups={groups_text}, use_global_device_ids=true, "
-           "to_apply=%add")
+  c = _one(
+    "  %ar = f32[8]{0} all-reduce(f32[8]{0} %p), channel_id=1, "
+    f"replica_groups={groups_text}, use_global_device_ids=true, "
+    "to_apply=%add"
+  )
   assert c.op == "all-reduce"
   assert c.groups == groups
   assert c.nbytes == 32
 
 
 def test_bytes_per_op():
-  text = "\n".join([
+  text = "\n".join(
+    [
       # Tuple all-reduce: 2*3*4 + 5*2 bytes.
       "  %a = (f32[2,3]{1,0}, /*index=1*/bf16[5]{0}) all-reduce(%x, %y), "
       "replica_groups={{0,1}}, to_apply=%add",
@@ -73,15 +79,16 @@ def test_bytes_per_op():
       "replica_groups={{0},{1},{2},{3}}, to_apply=%add",
       "  %g = f32[3]{0} all-reduce-done(f32[3]{0} %f)",
       "  %h = f32[9]{0} add(f32[9]{0} %u, f32[9]{0} %v)",
-  ])
+    ]
+  )
   got = [(c.op, c.nbytes, c.groups) for c in hlo.collectives(text)]
   assert got == [
-      ("all-reduce", 34, ((0, 1),)),
-      ("all-gather", 256, ((0, 1, 2, 3),)),
-      ("reduce-scatter", 64, ((0, 1, 2, 3),)),
-      ("all-gather-start", 32, ((0, 1, 2, 3),)),
-      ("collective-permute-start", 24, ((0, 2), (2, 0))),
-      ("all-reduce-start", 12, ((0,), (1,), (2,), (3,))),
+    ("all-reduce", 34, ((0, 1),)),
+    ("all-gather", 256, ((0, 1, 2, 3),)),
+    ("reduce-scatter", 64, ((0, 1, 2, 3),)),
+    ("all-gather-start", 32, ((0, 1, 2, 3),)),
+    ("collective-permute-start", 24, ((0, 2), (2, 0))),
+    ("all-reduce-start", 12, ((0,), (1,), (2,), (3,))),
   ]
   # On the 2x2 (path, data) mesh: %a stays in path 0, %e swaps paths.
   assert hlo.cross_axis_bytes(text, MESH_2x2, "path") == 256 + 64 + 32 + 24
@@ -105,12 +112,16 @@ def test_unknown_group_form_raises():
 def test_compiled_reductions_on_permuted_mesh():
   """What the installed XLA prints: a data-axis sum never crosses 'path'."""
   devs = jax.devices()
-  mesh = Mesh(np.array([devs[i] for i in (2, 0, 3, 1)]).reshape(2, 2),
-              ("path", "data"), axis_types=(AxisType.Auto,) * 2)
-  x = jax.ShapeDtypeStruct((4, 8), jnp.float32,
-                           sharding=NamedSharding(mesh, P("path", "data")))
+  mesh = Mesh(
+    np.array([devs[i] for i in (2, 0, 3, 1)]).reshape(2, 2),
+    ("path", "data"),
+    axis_types=(AxisType.Auto,) * 2,
+  )
+  x = jax.ShapeDtypeStruct((4, 8), jnp.float32, sharding=NamedSharding(mesh, P("path", "data")))
+
   def text(f):
     return jax.jit(f).lower(x).compile().as_text()
+
   over_data, over_path = text(lambda v: v.sum(1)), text(lambda v: v.sum(0))
   assert hlo.collectives(over_data) and hlo.collectives(over_path)
   assert hlo.cross_axis_bytes(over_data, mesh, "path") == 0

@@ -7,8 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from dipaco_jax import experiment
+from dipaco_jax import inner
+from dipaco_jax import model
+from dipaco_jax import sharding
+
 import helpers
-from dipaco_jax import experiment, inner, model, sharding
 
 
 def _leaves(tree):
@@ -21,6 +25,7 @@ def test_paths_are_independent_during_an_inner_phase():
   c = exp.config
   rng = np.random.default_rng(0)
   batches = [helpers.synthetic_batch(rng, 4, 2, 16, 256) for _ in range(3)]
+
   def run(batches):
     st = exp.init_state(0)
     params, opt = st.params, st.inner_opt
@@ -28,6 +33,7 @@ def test_paths_are_independent_during_an_inner_phase():
       params, opt, m = exp.inner_step(params, opt, exp.put_batch(b))
       jax.block_until_ready(m)
     return params
+
   base = run(batches)
   changed = [dict(b) for b in batches]
   changed[1] = {k: v.copy() for k, v in batches[1].items()}
@@ -35,20 +41,24 @@ def test_paths_are_independent_during_an_inner_phase():
   other = run(changed)
   for a, b in zip(_leaves(base), _leaves(other)):
     np.testing.assert_array_equal(a[:3], b[:3])
-  assert any(not np.array_equal(a[3], b[3])
-             for a, b in zip(_leaves(base), _leaves(other)))
+  assert any(not np.array_equal(a[3], b[3]) for a, b in zip(_leaves(base), _leaves(other)))
 
 
 def test_h1_with_outer_sgd_lr1_equals_plain_adamw():
   # One path, H = 1, outer SGD lr 1 without momentum: θ_store ← θ_store −
   # (θ_store − θ) = θ after every step, so training is plain AdamW.
-  cfg = helpers.micro_config(**{
+  cfg = helpers.micro_config(
+    **{
       "dipaco.level_groups": ("embed,block_0-1,head",),
-      "dipaco.modules_per_level": (1,), "dipaco.inner_steps": 1,
-      "dipaco.outer_steps": 6, "outer.lr": 1.0, "outer.momentum": 0.0})
+      "dipaco.modules_per_level": (1,),
+      "dipaco.inner_steps": 1,
+      "dipaco.outer_steps": 6,
+      "outer.lr": 1.0,
+      "outer.momentum": 0.0,
+    }
+  )
   # One worker: a 1-device mesh (the 4 fake devices would split the batch).
-  exp = experiment.Experiment(cfg, mesh=sharding.make_mesh(
-      cfg.mesh, 1, devices=jax.devices()[:1]))
+  exp = experiment.Experiment(cfg, mesh=sharding.make_mesh(cfg.mesh, 1, devices=jax.devices()[:1]))
   rng = np.random.default_rng(1)
   batches = [helpers.synthetic_batch(rng, 1, 2, 16, 256) for _ in range(6)]
   st = exp.init_state(0)
@@ -65,11 +75,9 @@ def test_h1_with_outer_sgd_lr1_equals_plain_adamw():
   # The plain loop: the same AdamW step, vmapped over the single worker so
   # both programs reduce in the same order.
   tx = inner.optimizer(experiment.inner_config(cfg))
-  theta = jax.tree.map(lambda x: x[None],
-                       model.init_params(exp.model_cfg, jax.random.key(0)))
+  theta = jax.tree.map(lambda x: x[None], model.init_params(exp.model_cfg, jax.random.key(0)))
   opt_plain = jax.vmap(tx.init)(theta)
-  step = jax.jit(jax.vmap(functools.partial(inner.train_step, model=exp.model,
-                                            tx=tx)))
+  step = jax.jit(jax.vmap(functools.partial(inner.train_step, model=exp.model, tx=tx)))
   first = None
   for b in batches:
     theta, opt_plain, _ = step(theta, opt_plain, b)
@@ -78,9 +86,12 @@ def test_h1_with_outer_sgd_lr1_equals_plain_adamw():
   # θ_s − (θ_s − θ) is exact whenever θ_s and θ are within a factor 2
   # (Sterbenz); an entry next to zero can be off by ~1e-10, which AdamW's
   # normalisation carries to ~1 float32 ulp at |θ| ≈ 1 within a few steps.
-  np.testing.assert_allclose(np.concatenate([x.ravel() for x in _leaves(params)]),
-                             np.concatenate([x.ravel() for x in _leaves(theta)]),
-                             rtol=3e-7, atol=1e-9)
+  np.testing.assert_allclose(
+    np.concatenate([x.ravel() for x in _leaves(params)]),
+    np.concatenate([x.ravel() for x in _leaves(theta)]),
+    rtol=3e-7,
+    atol=1e-9,
+  )
 
 
 def _maxdiff(a, b):

@@ -42,16 +42,28 @@ class Sandbox:
     subprocess.run(["git", "-C", str(self.repo), "add", "."], check=True)
     (self.repo / "untracked.txt").write_text("copied too\n")
     self.env = {k: v for k, v in os.environ.items() if not k.startswith("DIPACO_")}
-    self.env.update(PATH=f"{self.bin}:{os.environ['PATH']}", HOME=str(tmp), TMPDIR=str(tmp),
-                    FAKE_GCLOUD_LOG=str(self.log), FAKE_GCLOUD_STATE=str(self.state),
-                    DIPACO_LOCAL_REPO=str(self.repo), DIPACO_POLL_SECONDS="0")
+    self.env.update(
+      PATH=f"{self.bin}:{os.environ['PATH']}",
+      HOME=str(tmp),
+      TMPDIR=str(tmp),
+      FAKE_GCLOUD_LOG=str(self.log),
+      FAKE_GCLOUD_STATE=str(self.state),
+      DIPACO_LOCAL_REPO=str(self.repo),
+      DIPACO_POLL_SECONDS="0",
+    )
 
   def set_states(self, states: dict[str, list[str]]):
     self.state.write_text(json.dumps(states))
 
   def run(self, script: str, *args: str, **env) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(_LAUNCH / script), *args], capture_output=True,
-                          text=True, env={**self.env, **env}, timeout=60, check=False)
+    return subprocess.run(
+      ["bash", str(_LAUNCH / script), *args],
+      capture_output=True,
+      text=True,
+      env={**self.env, **env},
+      timeout=60,
+      check=False,
+    )
 
   def ok(self, script: str, *args: str, **env) -> subprocess.CompletedProcess:
     proc = self.run(script, *args, **env)
@@ -75,7 +87,7 @@ def _printed(stdout: str, prefix: str = "") -> list[list[str]]:
   for line in stdout.splitlines():
     if line.startswith("#") or not line.startswith(prefix):
       continue
-    out.append(shlex.split(line[len(prefix):]))
+    out.append(shlex.split(line[len(prefix) :]))
   return out
 
 
@@ -102,43 +114,80 @@ _MULTI_READY = [_QR_DESCRIBE, _describe("tpu-vm", "r-0"), _describe("tpu-vm", "r
 
 
 def _ssh(node, command, worker="all"):
-  return ["compute", "tpus", "tpu-vm", "ssh", node, *_WHERE, f"--worker={worker}",
-          f"--command={command}"]
+  return [
+    "compute",
+    "tpus",
+    "tpu-vm",
+    "ssh",
+    node,
+    *_WHERE,
+    f"--worker={worker}",
+    f"--command={command}",
+  ]
 
 
 # --- create.sh -------------------------------------------------------------------------------
 
+
 def test_create_single_host_spot(box):
   dry, real = _dry_and_real(box, "create.sh", *_BASE, "--accelerator-type=v4-8", "--spot")
-  create = ["compute", "tpus", "tpu-vm", "create", "r", *_WHERE, "--accelerator-type=v4-8",
-            "--version=tpu-ubuntu2204-base", "--spot"]
+  create = [
+    "compute",
+    "tpus",
+    "tpu-vm",
+    "create",
+    "r",
+    *_WHERE,
+    "--accelerator-type=v4-8",
+    "--version=tpu-ubuntu2204-base",
+    "--spot",
+  ]
   assert _gcloud(dry) == real == [_VM_DESCRIBE, create]
 
 
 def test_create_preemptible_and_version_flag(box):
-  box.ok("create.sh", *_BASE, "--accelerator-type=v6e-8", "--preemptible",
-         "--runtime-version=v2-custom")
-  assert box.calls()[-1][-3:] == ["--accelerator-type=v6e-8", "--version=v2-custom",
-                                  "--preemptible"]
+  box.ok(
+    "create.sh", *_BASE, "--accelerator-type=v6e-8", "--preemptible", "--runtime-version=v2-custom"
+  )
+  assert box.calls()[-1][-3:] == [
+    "--accelerator-type=v6e-8",
+    "--version=v2-custom",
+    "--preemptible",
+  ]
 
 
 def test_create_multislice_queued_resource(box):
   dry, real = _dry_and_real(box, "create.sh", *_MULTI, "--spot")
-  create = ["compute", "tpus", "queued-resources", "create", "r", *_WHERE,
-            "--accelerator-type=v5litepod-16", "--runtime-version=v2-alpha-tpuv5-lite",
-            "--node-count=2", "--node-prefix=r", "--spot"]
+  create = [
+    "compute",
+    "tpus",
+    "queued-resources",
+    "create",
+    "r",
+    *_WHERE,
+    "--accelerator-type=v5litepod-16",
+    "--runtime-version=v2-alpha-tpuv5-lite",
+    "--node-count=2",
+    "--node-prefix=r",
+    "--spot",
+  ]
   assert _gcloud(dry) == real == [_QR_DESCRIBE, create]
 
 
 def test_create_single_queued_resource_names_its_node(box):
   box.ok("create.sh", *_BASE, "--accelerator-type=v5p-8", "--queued")
-  assert box.calls()[-1][5:] == [*_WHERE, "--accelerator-type=v5p-8",
-                                 "--runtime-version=v2-alpha-tpuv5", "--node-id=r"]
+  assert box.calls()[-1][5:] == [
+    *_WHERE,
+    "--accelerator-type=v5p-8",
+    "--runtime-version=v2-alpha-tpuv5",
+    "--node-id=r",
+  ]
 
 
 def test_create_reuses_an_active_resource(box):
-  box.set_states({"queued-resources/r": ["ACTIVE"], "tpu-vm/r-0": ["READY"],
-                  "tpu-vm/r-1": ["READY"]})
+  box.set_states(
+    {"queued-resources/r": ["ACTIVE"], "tpu-vm/r-0": ["READY"], "tpu-vm/r-1": ["READY"]}
+  )
   proc = box.ok("create.sh", *_MULTI)
   assert [c[3] for c in box.calls()] == ["describe"] * 3
   assert "is ACTIVE: using it" in proc.stdout
@@ -155,17 +204,27 @@ def test_create_refuses_a_failed_resource_without_recreate(box):
 def test_create_recreate_deletes_then_creates(box):
   box.set_states({"tpu-vm/r": ["PREEMPTED"]})
   box.ok("create.sh", *_BASE, "--recreate")
-  assert [c[2:5] for c in box.calls()] == [["tpu-vm", "describe", "r"],
-                                          ["tpu-vm", "delete", "r"], ["tpu-vm", "create", "r"]]
+  assert [c[2:5] for c in box.calls()] == [
+    ["tpu-vm", "describe", "r"],
+    ["tpu-vm", "delete", "r"],
+    ["tpu-vm", "create", "r"],
+  ]
   assert box.calls()[1] == ["compute", "tpus", "tpu-vm", "delete", "r", *_WHERE, "--quiet"]
 
 
 def test_create_wait_polls_until_active(box):
-  box.set_states({"queued-resources/r": ["WAITING_FOR_RESOURCES", "PROVISIONING", "ACTIVE"],
-                  "tpu-vm/r-0": ["READY"], "tpu-vm/r-1": ["READY"]})
+  box.set_states(
+    {
+      "queued-resources/r": ["WAITING_FOR_RESOURCES", "PROVISIONING", "ACTIVE"],
+      "tpu-vm/r-0": ["READY"],
+      "tpu-vm/r-1": ["READY"],
+    }
+  )
   box.ok("create.sh", *_MULTI, "--wait")
   assert [c[2:5] for c in box.calls()] == [["queued-resources", "describe", "r"]] * 3 + [
-      ["tpu-vm", "describe", "r-0"], ["tpu-vm", "describe", "r-1"]]
+    ["tpu-vm", "describe", "r-0"],
+    ["tpu-vm", "describe", "r-1"],
+  ]
 
 
 def test_describe_error_other_than_not_found_stops(box):
@@ -176,7 +235,10 @@ def test_describe_error_other_than_not_found_stops(box):
 
 # --- bad arguments stop before any gcloud call ------------------------------------------------
 
-@pytest.mark.parametrize("args, env, message", [
+
+@pytest.mark.parametrize(
+  "args, env, message",
+  [
     (["--accelerator-type=v9-8"], {}, "unknown accelerator type 'v9-8'"),
     (["--accelerator-type=v4-7"], {}, "v5litepod-{1,4,8,16,32,64,128,256}"),
     (["--node-count=0"], {}, "--node-count=0: need a whole number >= 1"),
@@ -188,7 +250,8 @@ def test_describe_error_other_than_not_found_stops(box):
     (["--name=My_TPU"], {}, "--name=My_TPU"),
     (["stray"], {}, "unexpected argument 'stray'"),
     ([], {"DIPACO_SPOT": "yes"}, "DIPACO_SPOT must be 0 or 1"),
-])
+  ],
+)
 def test_bad_argument_stops_before_gcloud(box, args, env, message):
   proc = box.run("create.sh", *_BASE, *args, **env)
   assert proc.returncode == 2
@@ -197,23 +260,29 @@ def test_bad_argument_stops_before_gcloud(box, args, env, message):
 
 
 @pytest.mark.parametrize("script", ["setup.sh", "train.sh", "logs.sh", "delete.sh", "watch.sh"])
-@pytest.mark.parametrize("args, message", [
+@pytest.mark.parametrize(
+  "args, message",
+  [
     (["--zone=us-west4-a"], "no project"),
     ([*_BASE, "--node-count=0"], "--node-count=0"),
     ([*_BASE, "--accelerator-type=v5e-8"], "unknown accelerator type 'v5e-8'"),
-])
+  ],
+)
 def test_every_script_validates_first(box, script, args, message):
   proc = box.run(script, *args, *_TRAIN)
   assert proc.returncode == 2 and message in proc.stderr
   assert box.calls() == []
 
 
-@pytest.mark.parametrize("args, message", [
+@pytest.mark.parametrize(
+  "args, message",
+  [
     (["--config=configs/dipaco_2x4.py"], "no workdir"),
     (["--config=configs/dipaco_2x4.py", "--workdir=/tmp/run"], "must be a gs:// path"),
     (["--config=configs/nope.py", "--workdir=gs://b/r"], "--config=configs/nope.py: no such"),
     ([*_TRAIN, "--env=1BAD"], "--env=1BAD: need KEY=VALUE"),
-])
+  ],
+)
 def test_bad_train_argument_stops_before_gcloud(box, args, message):
   proc = box.run("train.sh", *_BASE, *args)
   assert proc.returncode == 2 and message in proc.stderr
@@ -228,34 +297,59 @@ def test_help_lists_flags_and_accelerators(box):
 
 # --- setup.sh, train.sh, logs.sh ---------------------------------------------------------------
 
-_INSTALL = ("bash dipaco_jax.new/launch/worker.sh install --remote-dir=dipaco_jax "
-            "--venv=dipaco_venv --log-file=dipaco_train.log")
+_INSTALL = (
+  "bash dipaco_jax.new/launch/worker.sh install --remote-dir=dipaco_jax "
+  "--venv=dipaco_venv --log-file=dipaco_train.log"
+)
 
 
 def test_setup_copies_the_tree_to_every_node(box):
-  box.set_states({"queued-resources/r": ["ACTIVE"], "tpu-vm/r-0": ["READY"],
-                  "tpu-vm/r-1": ["READY"]})
+  box.set_states(
+    {"queued-resources/r": ["ACTIVE"], "tpu-vm/r-0": ["READY"], "tpu-vm/r-1": ["READY"]}
+  )
   dry, real = _dry_and_real(box, "setup.sh", *_MULTI)
   tarball = f"{box.tmp}/r-code.tar.gz"
   assert [c for c in dry if c[0] == "tar"] == [
-      ["tar", "-czf", tarball, "-C", str(box.repo), "-T", f"{tarball}.files"]]
-  unpack = ("rm -rf dipaco_jax.new && mkdir -p dipaco_jax.new && "
-            f"tar -xzf dipaco_jax.tar.gz -C dipaco_jax.new && {_INSTALL}")
-  scp = lambda node: ["compute", "tpus", "tpu-vm", "scp", tarball, f"{node}:dipaco_jax.tar.gz",
-                      *_WHERE, "--worker=all"]
-  assert _gcloud(dry) == real == [*_MULTI_READY, scp("r-0"), scp("r-1"), _ssh("r-0", unpack),
-                                  _ssh("r-1", unpack)]
+    ["tar", "-czf", tarball, "-C", str(box.repo), "-T", f"{tarball}.files"]
+  ]
+  unpack = (
+    "rm -rf dipaco_jax.new && mkdir -p dipaco_jax.new && "
+    f"tar -xzf dipaco_jax.tar.gz -C dipaco_jax.new && {_INSTALL}"
+  )
+  scp = lambda node: [
+    "compute",
+    "tpus",
+    "tpu-vm",
+    "scp",
+    tarball,
+    f"{node}:dipaco_jax.tar.gz",
+    *_WHERE,
+    "--worker=all",
+  ]
+  assert (
+    _gcloud(dry)
+    == real
+    == [*_MULTI_READY, scp("r-0"), scp("r-1"), _ssh("r-0", unpack), _ssh("r-1", unpack)]
+  )
   with tarfile.open(tarball) as tar:
     assert sorted(tar.getnames()) == [".gitignore", "configs/dipaco_2x4.py", "untracked.txt"]
 
 
 def test_setup_git_clone_mode(box):
   box.set_states({"tpu-vm/r": ["READY"]})
-  box.ok("setup.sh", *_BASE, "--repo-url=https://example.com/d.git", "--branch=dev",
-         "--pip-args=-f https://example.com/libtpu.html")
-  clone = ("rm -rf dipaco_jax.new && git clone --depth=1 --branch=dev "
-           "https://example.com/d.git dipaco_jax.new && " + _INSTALL +
-           " --pip-args='-f https://example.com/libtpu.html'")
+  box.ok(
+    "setup.sh",
+    *_BASE,
+    "--repo-url=https://example.com/d.git",
+    "--branch=dev",
+    "--pip-args=-f https://example.com/libtpu.html",
+  )
+  clone = (
+    "rm -rf dipaco_jax.new && git clone --depth=1 --branch=dev "
+    "https://example.com/d.git dipaco_jax.new && "
+    + _INSTALL
+    + " --pip-args='-f https://example.com/libtpu.html'"
+  )
   assert box.calls() == [_VM_DESCRIBE, _ssh("r", clone)]
 
 
@@ -267,16 +361,27 @@ def test_setup_refuses_a_resource_that_is_not_ready(box):
 
 
 def test_train_starts_the_same_command_on_every_worker(box):
-  box.set_states({"queued-resources/r": ["ACTIVE"], "tpu-vm/r-0": ["READY"],
-                  "tpu-vm/r-1": ["READY"]})
-  args = [*_MULTI, *_TRAIN, "--data-dir=gs://b/tfds", "--vocab-path=gs://b/spm.model",
-          "--env=TPU_STDERR_LOG_LEVEL=0", "--", "--config.mesh.data=4", "--config.note=a b"]
+  box.set_states(
+    {"queued-resources/r": ["ACTIVE"], "tpu-vm/r-0": ["READY"], "tpu-vm/r-1": ["READY"]}
+  )
+  args = [
+    *_MULTI,
+    *_TRAIN,
+    "--data-dir=gs://b/tfds",
+    "--vocab-path=gs://b/spm.model",
+    "--env=TPU_STDERR_LOG_LEVEL=0",
+    "--",
+    "--config.mesh.data=4",
+    "--config.note=a b",
+  ]
   dry, real = _dry_and_real(box, "train.sh", *args)
-  start = ("bash dipaco_jax/launch/worker.sh start --venv=dipaco_venv "
-           "--log-file=dipaco_train.log --env=TPU_STDERR_LOG_LEVEL=0 -- "
-           "--config=configs/dipaco_2x4.py --workdir=gs://b/run "
-           "--config.data.tfds_data_dir=gs://b/tfds --config.data.vocab_path=gs://b/spm.model "
-           "--config.mesh.data=4 --config.note='a b'")
+  start = (
+    "bash dipaco_jax/launch/worker.sh start --venv=dipaco_venv "
+    "--log-file=dipaco_train.log --env=TPU_STDERR_LOG_LEVEL=0 -- "
+    "--config=configs/dipaco_2x4.py --workdir=gs://b/run "
+    "--config.data.tfds_data_dir=gs://b/tfds --config.data.vocab_path=gs://b/spm.model "
+    "--config.mesh.data=4 --config.note='a b'"
+  )
   assert _gcloud(dry) == real == [*_MULTI_READY, _ssh("r-0", start), _ssh("r-1", start)]
   assert shlex.split(start)[-1] == "--config.note=a b"
 
@@ -295,6 +400,7 @@ def test_logs_every_slice_without_follow(box):
 
 # --- delete.sh ---------------------------------------------------------------------------------
 
+
 def test_delete_queued_resource(box):
   box.set_states({"queued-resources/r": ["SUSPENDED"]})
   dry, real = _dry_and_real(box, "delete.sh", *_MULTI)
@@ -308,6 +414,7 @@ def test_delete_is_a_no_op_when_absent(box):
 
 
 # --- watch.sh: the preemption story ------------------------------------------------------------
+
 
 def _steps(calls):
   """Each call as 'verb name' (ssh: 'start'/'install', with '+restart' when it replaces)."""
@@ -325,51 +432,99 @@ def _steps(calls):
 
 
 def test_watch_recreates_a_preempted_multislice_and_restarts(box):
-  box.set_states({"queued-resources/r": ["ACTIVE", "SUSPENDED"], "tpu-vm/r-0": ["READY"],
-                  "tpu-vm/r-1": ["READY"]})
+  box.set_states(
+    {
+      "queued-resources/r": ["ACTIVE", "SUSPENDED"],
+      "tpu-vm/r-0": ["READY"],
+      "tpu-vm/r-1": ["READY"],
+    }
+  )
   box.ok("watch.sh", *_MULTI, "--spot", *_TRAIN, "--max-polls=3")
   ready = ["describe r", "describe r-0", "describe r-1"]
   assert _steps(box.calls()) == [
-      *ready, "scp r-0", "scp r-1", "install r-0", "install r-1",
-      "start r-0", "start r-1",
-      "describe r", "delete r", "create r",
-      *ready, "scp r-0", "scp r-1", "install+restart r-0",
-      "install+restart r-1", "start+restart r-0", "start+restart r-1"]
+    *ready,
+    "scp r-0",
+    "scp r-1",
+    "install r-0",
+    "install r-1",
+    "start r-0",
+    "start r-1",
+    "describe r",
+    "delete r",
+    "create r",
+    *ready,
+    "scp r-0",
+    "scp r-1",
+    "install+restart r-0",
+    "install+restart r-1",
+    "start+restart r-0",
+    "start+restart r-1",
+  ]
   assert "--spot" in box.calls()[11]
 
 
 def test_watch_recreates_when_one_slice_was_preempted(box):
-  box.set_states({"queued-resources/r": ["ACTIVE"], "tpu-vm/r-0": ["READY"],
-                  "tpu-vm/r-1": ["PREEMPTED"]})
+  box.set_states(
+    {"queued-resources/r": ["ACTIVE"], "tpu-vm/r-0": ["READY"], "tpu-vm/r-1": ["PREEMPTED"]}
+  )
   box.ok("watch.sh", *_MULTI, *_TRAIN, "--max-polls=1")
-  assert _steps(box.calls()) == ["describe r", "describe r-0", "describe r-1", "delete r",
-                                 "create r"]
+  assert _steps(box.calls()) == [
+    "describe r",
+    "describe r-0",
+    "describe r-1",
+    "delete r",
+    "create r",
+  ]
 
 
 def test_watch_waits_through_provisioning_and_repair(box):
   box.set_states({"tpu-vm/r": ["WAITING_FOR_RESOURCES", "READY", "REPAIRING", "READY"]})
   box.ok("watch.sh", *_BASE, *_TRAIN, "--repo-url=https://example.com/d.git", "--max-polls=5")
   assert _steps(box.calls()) == [
-      "describe r", "describe r", "install+restart r", "start+restart r", "describe r",
-      "describe r", "install+restart r", "start+restart r", "describe r"]
+    "describe r",
+    "describe r",
+    "install+restart r",
+    "start+restart r",
+    "describe r",
+    "describe r",
+    "install+restart r",
+    "start+restart r",
+    "describe r",
+  ]
 
 
 def test_watch_creates_a_missing_vm_and_starts(box):
   dry = box.ok("watch.sh", "--dry-run", *_BASE, *_TRAIN, "--repo-url=https://example.com/d.git")
   box.ok("watch.sh", *_BASE, *_TRAIN, "--repo-url=https://example.com/d.git", "--max-polls=2")
-  assert _steps(box.calls()) == ["describe r", "create r", "describe r", "install+restart r",
-                                 "start+restart r"]
-  assert _steps(_gcloud(_printed(dry.stdout))) == [
-      "describe r", "create r", "install r", "start r"]
+  assert _steps(box.calls()) == [
+    "describe r",
+    "create r",
+    "describe r",
+    "install+restart r",
+    "start+restart r",
+  ]
+  assert _steps(_gcloud(_printed(dry.stdout))) == ["describe r", "create r", "install r", "start r"]
 
 
 def test_watch_survives_a_failed_call_and_retries(box):
   box.set_states({"tpu-vm/r": ["READY"]})
-  proc = box.ok("watch.sh", *_BASE, *_TRAIN, "--repo-url=https://example.com/d.git",
-                "--max-polls=3", FAKE_GCLOUD_FAIL_ONCE="ssh")
+  proc = box.ok(
+    "watch.sh",
+    *_BASE,
+    *_TRAIN,
+    "--repo-url=https://example.com/d.git",
+    "--max-polls=3",
+    FAKE_GCLOUD_FAIL_ONCE="ssh",
+  )
   assert "poll 1 failed" in proc.stdout and "connection reset" in proc.stderr
-  assert _steps(box.calls()) == ["describe r", "install r", "describe r", "install r",
-                                 "start r", "describe r"]
+  assert _steps(box.calls()) == [
+    "describe r",
+    "install r",
+    "describe r",
+    "install r",
+    "start r",
+    "describe r",
+  ]
 
 
 def test_watch_gives_up_after_repeated_failures(box):
@@ -380,13 +535,22 @@ def test_watch_gives_up_after_repeated_failures(box):
 
 # --- worker.sh, run locally with a fake python ---------------------------------------------------
 
+
 def test_worker_install_and_start_are_idempotent(box):
   shutil.copy(_FAKE_GCLOUD.parent / "python3", box.bin / "python3")
   new = box.tmp / "dipaco_jax.new"
   shutil.copytree(_LAUNCH, new / "launch")
-  worker = lambda tree, *args: subprocess.run(
-      ["bash", str(tree / "launch" / "worker.sh"), *args], capture_output=True, text=True,
-      env=box.env, timeout=60, check=True).stdout
+  worker = lambda tree, *args: (
+    subprocess.run(
+      ["bash", str(tree / "launch" / "worker.sh"), *args],
+      capture_output=True,
+      text=True,
+      env=box.env,
+      timeout=60,
+      check=True,
+    ).stdout
+  )
+
   def wait_for_calls(n):
     """The fake trainer's recorded calls, once there are n."""
     calls_file = box.tmp / "python.calls"
@@ -401,7 +565,9 @@ def test_worker_install_and_start_are_idempotent(box):
   tree = box.tmp / "dipaco_jax"
   assert not new.exists() and (tree / "launch" / "worker.sh").exists()
   assert (box.tmp / "pip.calls").read_text().splitlines() == [
-      "install -q --upgrade pip", f"install -q -e {tree}[tpu]"]
+    "install -q --upgrade pip",
+    f"install -q -e {tree}[tpu]",
+  ]
   assert "installed" in out
   pids = []
   try:
@@ -412,8 +578,9 @@ def test_worker_install_and_start_are_idempotent(box):
     wait_for_calls(1)  # until then the pid may still be the forked worker.sh
     assert "already runs" in worker(tree, *start, *trainer)
     shutil.copytree(_LAUNCH, new / "launch")
-    assert "left as is" in worker(new, "install", "--remote-dir=dipaco_jax", "--venv=v",
-                                  "--log-file=logs/t.log")
+    assert "left as is" in worker(
+      new, "install", "--remote-dir=dipaco_jax", "--venv=v", "--log-file=logs/t.log"
+    )
     assert not new.exists()
     worker(tree, *start, "--restart", *trainer)
     pids.append(int((box.tmp / "logs" / "t.pid").read_text()))

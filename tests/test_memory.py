@@ -45,8 +45,7 @@ def test_microbatches_give_the_full_batch_update():
     b["weights"][:, ::3, 12:] = 0.0
     batches.append(b)
   full, loss_full = _train(helpers.micro_config(**over), batches)
-  acc, loss_acc = _train(helpers.micro_config(**over, **{"inner.microbatches": 4}),
-                         batches)
+  acc, loss_acc = _train(helpers.micro_config(**over, **{"inner.microbatches": 4}), batches)
   # Only the order of float32 summation differs (per-token gradients summed
   # per microbatch, then across them): ~1e-7 relative in the gradient, which
   # Adam's m / (√v + ε) keeps at that size; lr 2e-3 over 3 steps leaves the
@@ -59,8 +58,7 @@ def test_microbatches_give_the_full_batch_update():
 
 def test_microbatches_that_do_not_split_the_batch_are_refused():
   with pytest.raises(ValueError, match="inner.microbatches=3"):
-    experiment.Experiment(helpers.micro_config(**{"data.batch_size": 8,
-                                                  "inner.microbatches": 3}))
+    experiment.Experiment(helpers.micro_config(**{"data.batch_size": 8, "inner.microbatches": 3}))
 
 
 def _model_cfg(**kw):
@@ -71,16 +69,14 @@ def _model_cfg(**kw):
 
 def _loss_and_grads(cfg, params, batch):
   m = model.Transformer(cfg)
-  return jax.jit(jax.value_and_grad(
-      lambda p: inner.loss_fn(p, batch, m)[0]))(params)
+  return jax.jit(jax.value_and_grad(lambda p: inner.loss_fn(p, batch, m)[0]))(params)
 
 
 def _packed_batch(seed=0, B=3, T=16, V=64):
-  b = {k: v[0] for k, v in helpers.synthetic_batch(
-      np.random.default_rng(seed), 1, B, T, V).items()}
-  b["segment_ids"][:, T // 3:] = 2  # Two documents per row.
-  b["positions"][:, T // 3:] -= T // 3
-  b["weights"][0, T // 2:] = 0.0
+  b = {k: v[0] for k, v in helpers.synthetic_batch(np.random.default_rng(seed), 1, B, T, V).items()}
+  b["segment_ids"][:, T // 3 :] = 2  # Two documents per row.
+  b["positions"][:, T // 3 :] -= T // 3
+  b["weights"][0, T // 2 :] = 0.0
   return b
 
 
@@ -91,8 +87,7 @@ def test_chunked_loss_equals_the_full_logits_loss(tie):
   batch = _packed_batch()
   loss, grads = _loss_and_grads(cfg, params, batch)
   for chunk in (4, 8):
-    loss_c, grads_c = _loss_and_grads(dataclasses.replace(cfg, loss_chunk=chunk),
-                                      params, batch)
+    loss_c, grads_c = _loss_and_grads(dataclasses.replace(cfg, loss_chunk=chunk), params, batch)
     # float32 throughout: the chunks only reorder the sums (≈1e-7 relative).
     np.testing.assert_allclose(loss_c, loss, rtol=1e-6)
     for a, b in zip(_leaves(grads), _leaves(grads_c)):
@@ -112,8 +107,7 @@ def test_remat_policies_leave_loss_and_grads_unchanged(remat):
   params = model.init_params(cfg, jax.random.key(2))
   batch = _packed_batch(1)
   loss, grads = _loss_and_grads(cfg, params, batch)
-  loss_r, grads_r = _loss_and_grads(dataclasses.replace(cfg, remat=remat),
-                                    params, batch)
+  loss_r, grads_r = _loss_and_grads(dataclasses.replace(cfg, remat=remat), params, batch)
   np.testing.assert_allclose(loss_r, loss, rtol=1e-6)
   for a, b in zip(_leaves(grads), _leaves(grads_r)):
     np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7)
@@ -130,13 +124,15 @@ def test_dot_product_attention_equals_the_einsum_attention():
   params = model.init_params(cfg, jax.random.key(3))
   batch = _packed_batch(2)
   apply = lambda c: model.Transformer(c).apply(
-      {"params": params}, batch["inputs"], batch["segment_ids"], batch["positions"])
+    {"params": params}, batch["inputs"], batch["segment_ids"], batch["positions"]
+  )
   ref = np.asarray(apply(cfg))
   out = np.asarray(apply(dataclasses.replace(cfg, attention="dot_product_attention")))
   np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
   loss, grads = _loss_and_grads(cfg, params, batch)
   loss_d, grads_d = _loss_and_grads(
-      dataclasses.replace(cfg, attention="dot_product_attention"), params, batch)
+    dataclasses.replace(cfg, attention="dot_product_attention"), params, batch
+  )
   np.testing.assert_allclose(loss_d, loss, rtol=1e-6)
   for a, b in zip(_leaves(grads), _leaves(grads_d)):
     np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
@@ -149,8 +145,7 @@ def test_fsdp_shards_params_over_data_and_trains_the_same():
   exp = experiment.Experiment(helpers.micro_config(**over, **{"mesh.fsdp": True}))
   kernel = exp.state_sharding.params["block_0"]["mlp_in"]["kernel"].spec
   assert kernel == jax.sharding.PartitionSpec("path", "data", "model")
-  mu = [x for x in jax.tree.leaves(exp.state_sharding.inner_opt)
-        if x.spec[1:2] == ("data",)]
+  mu = [x for x in jax.tree.leaves(exp.state_sharding.inner_opt) if x.spec[1:2] == ("data",)]
   assert mu, "AdamW moments follow the params' FSDP sharding"
   rep, _ = _train(helpers.micro_config(**over), batches)
   fsdp, _ = _train(helpers.micro_config(**over, **{"mesh.fsdp": True}), batches)

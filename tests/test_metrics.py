@@ -42,10 +42,11 @@ def test_a_non_finite_loss_stops_naming_step_and_path():
   with pytest.raises(metrics.NonFiniteLossError) as e:
     guard.check(8, np.array([5.0, np.inf, 5.0, np.nan]), _norms())
   assert _one_line(e.value) == (
-      "non-finite training loss at step 8 on paths ['0-0-1', '0-1-1']: the run diverged; the "
-      "last checkpoint, step 6, is kept and nothing later was saved. Lower config.inner.lr, "
-      "raise config.inner.warmup_steps or set config.inner.clip_norm, then rerun the same "
-      "command to resume.")
+    "non-finite training loss at step 8 on paths ['0-0-1', '0-1-1']: the run diverged; the "
+    "last checkpoint, step 6, is kept and nothing later was saved. Lower config.inner.lr, "
+    "raise config.inner.warmup_steps or set config.inner.clip_norm, then rerun the same "
+    "command to resume."
+  )
 
 
 def test_one_groups_norm_exploding_stops_though_the_global_norm_barely_moves():
@@ -55,9 +56,10 @@ def test_one_groups_norm_exploding_stops_though_the_global_norm_barely_moves():
   with pytest.raises(metrics.DivergenceError) as e:
     guard.check(2, np.full(4, 9.5), _norms(block_0=[10.0, 10.0, 1010.0, 10.0]))
   assert _one_line(e.value).startswith(
-      "parameter norm of block_0 grew 101x since step 0 (to 1.01e+03) on paths ['0-1-0'] at "
-      "step 2, over config.guard.max_param_norm_ratio=100: the run diverged; no checkpoint was "
-      "saved. Lower config.inner.lr")
+    "parameter norm of block_0 grew 101x since step 0 (to 1.01e+03) on paths ['0-1-0'] at "
+    "step 2, over config.guard.max_param_norm_ratio=100: the run diverged; no checkpoint was "
+    "saved. Lower config.inner.lr"
+  )
   with pytest.raises(metrics.DivergenceError, match="norm of embed grew nan"):
     _guard().check(1, np.full(4, 9.5), _norms(embed=np.nan))
   _guard(**{"guard.max_param_norm_ratio": 0.0}).check(1, np.full(4, 9.5), _norms(block_0=1e9))
@@ -72,11 +74,12 @@ def test_a_loss_stuck_at_ln_v_after_warmup_stops():
     guard.check(5, np.array([LN_V - 3.0, LN_V, LN_V + 1.0, LN_V - 3.0]), _norms())
   # Means over steps 3-5: ln V - 1/3, ln V + 2/3, ln V + 1, ln V - 1/3.
   assert _one_line(e.value) == (
-      f"training loss stayed at or above ln V = {LN_V:.3f} (uniform prediction; mean "
-      f"{LN_V + 1.0:.3f}) over steps 3-5 on paths ['0-0-1', '0-1-0'], after warmup: the run "
-      "diverged; the last checkpoint, step 4, is kept and nothing later was saved. Check "
-      "config.inner.lr (too high blows the model up, too low never leaves ln V) and start "
-      "again in a new --workdir, or raise config.guard.stuck_steps.")
+    f"training loss stayed at or above ln V = {LN_V:.3f} (uniform prediction; mean "
+    f"{LN_V + 1.0:.3f}) over steps 3-5 on paths ['0-0-1', '0-1-0'], after warmup: the run "
+    "diverged; the last checkpoint, step 4, is kept and nothing later was saved. Check "
+    "config.inner.lr (too high blows the model up, too low never leaves ln V) and start "
+    "again in a new --workdir, or raise config.guard.stuck_steps."
+  )
   # What inner.lr=1e6 gave: a uniform prediction, ln V rounded to float32 (just below ln V).
   guard = _guard(**{"guard.stuck_steps": 3})
   for step in range(1, 5):

@@ -8,17 +8,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import helpers
-
 from dipaco_jax import inner
 from dipaco_jax import model as model_lib
+
+import helpers
 
 V, D, H, K, T = 13, 8, 2, 4, 12  # vocab, d_model, heads, head_dim, sequence length
 
 
 def _cfg(**overrides):
-  base = dict(vocab_size=V, d_model=D, num_layers=2, num_heads=H, head_dim=K, mlp_ratio=2.0,
-              max_len=64)
+  base = dict(
+    vocab_size=V, d_model=D, num_layers=2, num_heads=H, head_dim=K, mlp_ratio=2.0, max_len=64
+  )
   base.update(overrides)
   return helpers.model_config(**base)
 
@@ -36,8 +37,9 @@ def _logits(cfg, params, tokens, segment_ids=None, positions=None, return_hidden
     segment_ids = jnp.ones((B, T_), jnp.int32)
   if positions is None:
     positions = jnp.broadcast_to(jnp.arange(T_, dtype=jnp.int32), (B, T_))
-  return _apply(cfg)({"params": params}, tokens, segment_ids, positions,
-                     return_hidden=return_hidden)
+  return _apply(cfg)(
+    {"params": params}, tokens, segment_ids, positions, return_hidden=return_hidden
+  )
 
 
 def _shapes(cfg):
@@ -51,10 +53,12 @@ def _params(cfg, seed=0):
   Norm scales are 1 as at init (the hand-derived checks use that); the rest are N(0, 1/2).
   """
   rng = np.random.default_rng(seed)
+
   def draw(path, leaf):
     if path[-1].key == "scale":
       return jnp.ones(leaf.shape, leaf.dtype)
     return jnp.asarray(0.5 * rng.normal(size=leaf.shape), leaf.dtype)
+
   return jax.tree_util.tree_map_with_path(draw, _shapes(cfg))
 
 
@@ -74,10 +78,10 @@ def test_causal_future_tokens_never_change_past_logits(positions):
   tokens = _tokens(0)
   logits = _logits(cfg, params, tokens)
   for t in (0, 5, T - 2):
-    changed = tokens.at[:, t + 1:].set((tokens[:, t + 1:] + 1 + t) % V)
+    changed = tokens.at[:, t + 1 :].set((tokens[:, t + 1 :] + 1 + t) % V)
     logits_changed = _logits(cfg, params, changed)
     # Masked scores become exactly 0 after the softmax and 0 * v adds exactly 0: bit-equal.
-    np.testing.assert_array_equal(logits[:, :t + 1], logits_changed[:, :t + 1])
+    np.testing.assert_array_equal(logits[:, : t + 1], logits_changed[:, : t + 1])
     # The test can fail: the changed future does move the logits right after t.
     assert np.abs(logits[:, t + 1] - logits_changed[:, t + 1]).max() > 1e-3
 
@@ -126,8 +130,9 @@ def test_rope_scores_depend_on_relative_position_only():
   q_1x1x1xK = jnp.asarray(rng.normal(size=(1, 1, 1, 8)), jnp.float32)
   k_1x1x1xK = jnp.asarray(rng.normal(size=(1, 1, 1, 8)), jnp.float32)
   rope = model_lib._rope  # pylint: disable=protected-access
-  score = lambda p, s: float(jnp.sum(rope(q_1x1x1xK, jnp.asarray([[p]])) *
-                                     rope(k_1x1x1xK, jnp.asarray([[s]]))))
+  score = lambda p, s: float(
+    jnp.sum(rope(q_1x1x1xK, jnp.asarray([[p]])) * rope(k_1x1x1xK, jnp.asarray([[s]])))
+  )
   for p, s in [(5, 2), (9, 9), (3, 0)]:
     # float32 angles p * freq round to a relative 6e-8 (< 3e-6 rad at p < 50); times |q||k| ~ 8
     # that moves a score by < 3e-5, under the 1e-4 allowed.
@@ -161,21 +166,33 @@ def _shape_tree(cfg):
 
 def _block_shapes(F):
   return {
-      "attn_norm": {"scale": (D,)}, "mlp_norm": {"scale": (D,)},
-      "attn": {"query": {"kernel": (D, H, K)}, "key": {"kernel": (D, H, K)},
-               "value": {"kernel": (D, H, K)}, "out": {"kernel": (H, K, D)}},
-      "mlp_in": {"kernel": (D, F)}, "mlp_out": {"kernel": (F, D)},
+    "attn_norm": {"scale": (D,)},
+    "mlp_norm": {"scale": (D,)},
+    "attn": {
+      "query": {"kernel": (D, H, K)},
+      "key": {"kernel": (D, H, K)},
+      "value": {"kernel": (D, H, K)},
+      "out": {"kernel": (H, K, D)},
+    },
+    "mlp_in": {"kernel": (D, F)},
+    "mlp_out": {"kernel": (F, D)},
   }
 
 
 def test_param_groups_and_shapes_tied_untied_learned():
   F = 16  # d_model 8 * mlp_ratio 2
   tied = _shape_tree(_cfg(num_layers=1))
-  assert tied == {"embed": {"token": (V, D)}, "block_0": _block_shapes(F),
-                  "head": {"norm": {"scale": (D,)}}}
+  assert tied == {
+    "embed": {"token": (V, D)},
+    "block_0": _block_shapes(F),
+    "head": {"norm": {"scale": (D,)}},
+  }
   untied = _shape_tree(_cfg(num_layers=1, tie_embeddings=False))
-  assert untied == {"embed": {"token": (V, D)}, "block_0": _block_shapes(F),
-                    "head": {"norm": {"scale": (D,)}, "unembed": {"kernel": (D, V)}}}
+  assert untied == {
+    "embed": {"token": (V, D)},
+    "block_0": _block_shapes(F),
+    "head": {"norm": {"scale": (D,)}, "unembed": {"kernel": (D, V)}},
+  }
   learned = _shape_tree(_cfg(num_layers=1, positions="learned"))
   assert learned["embed"] == {"token": (V, D), "position": (64, D)}
   assert set(_shapes(_cfg(num_layers=3))) == {"embed", "block_0", "block_1", "block_2", "head"}
@@ -202,8 +219,9 @@ def test_identity_block_gives_logits_of_the_embedding_alone(tied):
   # Zero attention out and MLP out: the block adds 0, so logits are the head on the embedding:
   # tied, logits[t, v] = rms_norm(E[x_t]) . E[v] / sqrt(D); untied, rms_norm(E[x_t]) @ W.
   cfg = _cfg(num_layers=1, tie_embeddings=tied)
-  params = _zero(_params(cfg), ("block_0", "attn", "out", "kernel"),
-                 ("block_0", "mlp_out", "kernel"))
+  params = _zero(
+    _params(cfg), ("block_0", "attn", "out", "kernel"), ("block_0", "mlp_out", "kernel")
+  )
   tokens = _tokens(4)
   logits = np.asarray(_logits(cfg, params, tokens))
   table_VxD = np.asarray(params["embed"]["token"])
@@ -219,8 +237,9 @@ def test_zero_query_attends_uniformly_within_segment_and_past():
   # Zero query kernel: every allowed score is 0, so attention is the plain mean of the values
   # over s <= t in t's segment. With the MLP zeroed, hidden = x + out(mean v), checked by hand.
   cfg = _cfg(num_layers=1)
-  params = _zero(_params(cfg), ("block_0", "attn", "query", "kernel"),
-                 ("block_0", "mlp_out", "kernel"))
+  params = _zero(
+    _params(cfg), ("block_0", "attn", "query", "kernel"), ("block_0", "mlp_out", "kernel")
+  )
   tokens = _tokens(5, (1, T))
   segment_ids = jnp.asarray([[1, 1, 1, 2, 2, 2, 2, 2, 3, 3, 3, 3]], jnp.int32)
   positions = jnp.asarray([[0, 1, 2, 0, 1, 2, 3, 4, 0, 1, 2, 3]], jnp.int32)
@@ -230,8 +249,7 @@ def test_zero_query_attends_uniformly_within_segment_and_past():
   v_TxHxK = np.einsum("td,dhk->thk", _rms_norm(x_TxD), np.asarray(att["value"]["kernel"]))
   seg = np.asarray(segment_ids[0])
   allowed_TxT = np.tril(np.ones((T, T), bool)) & (seg[:, None] == seg[None, :])
-  mean_v_TxHxK = np.einsum("ts,shk->thk", allowed_TxT / allowed_TxT.sum(1, keepdims=True),
-                           v_TxHxK)
+  mean_v_TxHxK = np.einsum("ts,shk->thk", allowed_TxT / allowed_TxT.sum(1, keepdims=True), v_TxHxK)
   expected = x_TxD + np.einsum("thk,hkd->td", mean_v_TxHxK, np.asarray(att["out"]["kernel"]))
   np.testing.assert_allclose(hidden[0], expected, rtol=1e-5, atol=1e-5)
 
@@ -246,10 +264,13 @@ def test_default_segments_and_positions_are_one_segment_counting_from_zero():
 
 def _batch(tokens):
   B, T_ = tokens.shape
-  return {"inputs": tokens, "targets": jnp.roll(tokens, -1, axis=1),
-          "segment_ids": jnp.ones((B, T_), jnp.int32),
-          "positions": jnp.broadcast_to(jnp.arange(T_, dtype=jnp.int32), (B, T_)),
-          "weights": jnp.ones((B, T_), jnp.float32)}
+  return {
+    "inputs": tokens,
+    "targets": jnp.roll(tokens, -1, axis=1),
+    "segment_ids": jnp.ones((B, T_), jnp.int32),
+    "positions": jnp.broadcast_to(jnp.arange(T_, dtype=jnp.int32), (B, T_)),
+    "weights": jnp.ones((B, T_), jnp.float32),
+  }
 
 
 def _loss_and_grads(cfg, params, batch, trace_only=False):
@@ -271,8 +292,9 @@ def test_remat_same_params_loss_and_grads():
   # Recomputing the forward pass runs the same float32 ops (bit-equal on CPU today), but XLA may
   # fuse the recomputed graph differently elsewhere, so allow a few ulps.
   np.testing.assert_allclose(loss_remat, loss, rtol=1e-6)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
-               grads_remat, grads)
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), grads_remat, grads
+  )
   assert jax.tree.structure(grads_remat) == jax.tree.structure(params)
   assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(grads)) > 1e-3  # not all zero
 

@@ -15,8 +15,9 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import ROOT
 from dipaco_jax import checkpoint
+
+from helpers import ROOT
 
 # Three runs of two trainer processes and one of one process: minutes, outside the fast suite
 # (-m "not slow").
@@ -27,15 +28,21 @@ pytestmark = pytest.mark.slow
 ATOL = 1e-6
 
 FLAGS = [
-    "--config.model.vocab_size=8192", "--config.model.d_model=32",
-    "--config.model.num_layers=2", "--config.model.num_heads=2",
-    "--config.model.head_dim=16",
-    "--config.dipaco.level_groups=('embed,head','block_0','block_1')",
-    "--config.dipaco.inner_steps=2", "--config.dipaco.outer_steps=2",
-    "--config.data.seq_len=16", "--config.data.batch_size=2",
-    "--config.inner.warmup_steps=2", "--config.ckpt.every_steps=1",
-    "--config.ckpt.async_save=False", "--config.eval.batches=1",
-    "--config.mesh.cpu_devices=0",  # Devices come from XLA_FLAGS here.
+  "--config.model.vocab_size=8192",
+  "--config.model.d_model=32",
+  "--config.model.num_layers=2",
+  "--config.model.num_heads=2",
+  "--config.model.head_dim=16",
+  "--config.dipaco.level_groups=('embed,head','block_0','block_1')",
+  "--config.dipaco.inner_steps=2",
+  "--config.dipaco.outer_steps=2",
+  "--config.data.seq_len=16",
+  "--config.data.batch_size=2",
+  "--config.inner.warmup_steps=2",
+  "--config.ckpt.every_steps=1",
+  "--config.ckpt.async_save=False",
+  "--config.eval.batches=1",
+  "--config.mesh.cpu_devices=0",  # Devices come from XLA_FLAGS here.
 ]
 
 
@@ -53,20 +60,40 @@ def _env(devices: int) -> dict:
 
 
 def _main(workdir, shard_dir, extra=()):
-  return [sys.executable, "-m", "dipaco_jax.main",
-          "--config=" + os.path.join(ROOT, "configs", "tiny.py"),
-          f"--workdir={workdir}", f"--config.data.shard_dir={shard_dir}",
-          *FLAGS, *extra]
+  return [
+    sys.executable,
+    "-m",
+    "dipaco_jax.main",
+    "--config=" + os.path.join(ROOT, "configs", "tiny.py"),
+    f"--workdir={workdir}",
+    f"--config.data.shard_dir={shard_dir}",
+    *FLAGS,
+    *extra,
+  ]
 
 
 def _run_two(workdir, shard_dir, extra=()):
   port = _free_port()
-  procs = [subprocess.Popen(
-      _main(workdir, shard_dir, [f"--coordinator_address=127.0.0.1:{port}",
-                                 "--num_processes=2", f"--process_id={i}",
-                                 *extra]),
-      env=_env(2), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-      text=True) for i in range(2)]
+  procs = [
+    subprocess.Popen(
+      _main(
+        workdir,
+        shard_dir,
+        [
+          f"--coordinator_address=127.0.0.1:{port}",
+          "--num_processes=2",
+          f"--process_id={i}",
+          *extra,
+        ],
+      ),
+      env=_env(2),
+      cwd=ROOT,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
+    for i in range(2)
+  ]
   outs = [p.communicate(timeout=420)[0] for p in procs]
   for p, out in zip(procs, outs):
     assert p.returncode == 0, out[-3000:]
@@ -80,15 +107,20 @@ def _state(workdir):
 @pytest.mark.timeout(900)
 def test_two_processes_match_one_and_resume(tmp_path):
   shards = tmp_path / "shards"
-  one = subprocess.run(_main(tmp_path / "one", shards), env=_env(4), cwd=ROOT,
-                       capture_output=True, text=True, timeout=420)
+  one = subprocess.run(
+    _main(tmp_path / "one", shards),
+    env=_env(4),
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=420,
+  )
   assert one.returncode == 0, one.stdout[-2000:] + one.stderr[-3000:]
   _run_two(tmp_path / "two", shards)
   step1, a = _state(tmp_path / "one")
   step2, b = _state(tmp_path / "two")
   assert step1 == step2 == 4
-  diffs = [float(np.max(np.abs(x - y))) for x, y in
-           zip(jax.tree.leaves(a), jax.tree.leaves(b))]
+  diffs = [float(np.max(np.abs(x - y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))]
   print(f"max |1 process - 2 processes| = {max(diffs):.3g}")
   assert max(diffs) <= ATOL
 

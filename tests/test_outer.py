@@ -18,8 +18,10 @@ TOPO = topology.build(("embed,head", "block_0"), (1, 2), 1, replicas=2)
 
 
 def _tree(values_by_group):
-  return {g: {"w": jnp.asarray(v, jnp.float32)[:, None] * jnp.ones((1, 2))}
-          for g, v in values_by_group.items()}
+  return {
+    g: {"w": jnp.asarray(v, jnp.float32)[:, None] * jnp.ones((1, 2))}
+    for g, v in values_by_group.items()
+  }
 
 
 def _zero_store():
@@ -43,8 +45,7 @@ def _step(store, workers, alpha, **cfg):
   # Plain weighted means unless a test asks for the √P rescale.
   c = _outer_config(**{"sqrt_paths": "none", **cfg})
   state = outer.optimizer(c).init(store)
-  return outer.outer_step(store, state, workers, jnp.asarray(alpha, jnp.float32),
-                          topo=TOPO, cfg=c)
+  return outer.outer_step(store, state, workers, jnp.asarray(alpha, jnp.float32), topo=TOPO, cfg=c)
 
 
 def test_weighted_average_with_sgd_lr1_sign_and_alpha():
@@ -54,8 +55,7 @@ def test_weighted_average_with_sgd_lr1_sign_and_alpha():
   # module 0 (w0, w1): Δ = (1·(0−1) + 3·(0−2)) / 4 = −7/4 → θ = 1.75
   # module 1 (w2, w3): Δ = (0−4 + 0−6) / 2 = −5       → θ = 5
   # embed (all four):  Δ = −(1 + 6 + 4 + 6) / 6 = −17/6 → θ = 2.8333
-  store, _, w, _ = _step(_zero_store(), _workers([1, 2, 4, 6]), [1, 3, 1, 1],
-                         lr=1.0, momentum=0.0)
+  store, _, w, _ = _step(_zero_store(), _workers([1, 2, 4, 6]), [1, 3, 1, 1], lr=1.0, momentum=0.0)
   np.testing.assert_allclose(_first(store, "block_0"), [1.75, 5.0], rtol=1e-6)
   np.testing.assert_allclose(_first(store, "embed"), [17 / 6], rtol=1e-6)
   # Paths are re-assembled from the new store.
@@ -64,25 +64,25 @@ def test_weighted_average_with_sgd_lr1_sign_and_alpha():
 
 def test_uniform_weights_are_algorithm_1():
   # Same workers, α = 1 each: module 0 → (1 + 2) / 2 = 1.5.
-  store, _, _, _ = _step(_zero_store(), _workers([1, 2, 4, 6]), [1, 1, 1, 1],
-                         lr=1.0, momentum=0.0)
+  store, _, _, _ = _step(_zero_store(), _workers([1, 2, 4, 6]), [1, 1, 1, 1], lr=1.0, momentum=0.0)
   np.testing.assert_allclose(_first(store, "block_0"), [1.5, 5.0], rtol=1e-6)
 
 
-@pytest.mark.parametrize("mode,scale_module,scale_embed", [
-    ("multiply", np.sqrt(2), 2.0), ("divide", 1 / np.sqrt(2), 0.5),
-    ("none", 1.0, 1.0)])
+@pytest.mark.parametrize(
+  "mode,scale_module,scale_embed",
+  [("multiply", np.sqrt(2), 2.0), ("divide", 1 / np.sqrt(2), 0.5), ("none", 1.0, 1.0)],
+)
 def test_sqrt_paths_rescale(mode, scale_module, scale_embed):
   # Workers all at −1 → Δ = 1 everywhere before rescaling. P_{1,e} = 2 per
   # block module and P_{0,0} = 4 for the embedding: Δ·√2 and Δ·√4 = 2 (multiply).
   # SGD lr 1 without momentum: θ = −Δ.
-  store, _, _, m = _step(_zero_store(), _workers([-1, -1, -1, -1]), [1, 1, 1, 1],
-                         lr=1.0, momentum=0.0, sqrt_paths=mode)
+  store, _, _, m = _step(
+    _zero_store(), _workers([-1, -1, -1, -1]), [1, 1, 1, 1], lr=1.0, momentum=0.0, sqrt_paths=mode
+  )
   np.testing.assert_allclose(_first(store, "block_0"), [-scale_module] * 2, rtol=1e-6)
   np.testing.assert_allclose(_first(store, "embed"), [-scale_embed], rtol=1e-6)
   # ‖Δ‖ of a level-1 module: one group (block_0), 2 entries of scale → scale·√2.
-  np.testing.assert_allclose(m["delta_norm"]["level_1"],
-                             [scale_module * np.sqrt(2)] * 2, rtol=1e-6)
+  np.testing.assert_allclose(m["delta_norm"]["level_1"], [scale_module * np.sqrt(2)] * 2, rtol=1e-6)
 
 
 def test_nesterov_over_two_phases():
@@ -93,14 +93,11 @@ def test_nesterov_over_two_phases():
   c = _outer_config(sqrt_paths="none")
   store, st = _zero_store(), outer.optimizer(c).init(_zero_store())
   alpha = jnp.ones(4)
-  store, st, _, _ = outer.outer_step(store, st, _workers([-1] * 4), alpha,
-                                     topo=TOPO, cfg=c)
+  store, st, _, _ = outer.outer_step(store, st, _workers([-1] * 4), alpha, topo=TOPO, cfg=c)
   np.testing.assert_allclose(_first(store, "block_0"), [-1.33, -1.33], rtol=1e-6)
-  store, st, _, _ = outer.outer_step(store, st, _workers([-3.33] * 4), alpha,
-                                     topo=TOPO, cfg=c)
+  store, st, _, _ = outer.outer_step(store, st, _workers([-3.33] * 4), alpha, topo=TOPO, cfg=c)
   np.testing.assert_allclose(_first(store, "block_0"), [-4.557, -4.557], rtol=1e-5)
-  np.testing.assert_allclose(np.asarray(st[0].trace["block_0"]["w"][:, 0]),
-                             [2.9, 2.9], rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(st[0].trace["block_0"]["w"][:, 0]), [2.9, 2.9], rtol=1e-6)
 
 
 def test_untrained_module_keeps_params_and_momentum():
@@ -110,14 +107,12 @@ def test_untrained_module_keeps_params_and_momentum():
   # by −0.7·0.9·0.9·1 through momentum.
   c = _outer_config(sqrt_paths="none")
   store, st = _zero_store(), outer.optimizer(c).init(_zero_store())
-  store, st, _, _ = outer.outer_step(store, st, _workers([-1] * 4), jnp.ones(4),
-                                     topo=TOPO, cfg=c)
-  store, st, _, _ = outer.outer_step(store, st, _workers([-3.33] * 4),
-                                     jnp.asarray([1.0, 1.0, 0.0, 0.0]),
-                                     topo=TOPO, cfg=c)
+  store, st, _, _ = outer.outer_step(store, st, _workers([-1] * 4), jnp.ones(4), topo=TOPO, cfg=c)
+  store, st, _, _ = outer.outer_step(
+    store, st, _workers([-3.33] * 4), jnp.asarray([1.0, 1.0, 0.0, 0.0]), topo=TOPO, cfg=c
+  )
   np.testing.assert_allclose(_first(store, "block_0"), [-4.557, -1.33], rtol=1e-5)
-  np.testing.assert_allclose(np.asarray(st[0].trace["block_0"]["w"][:, 0]),
-                             [2.9, 1.0], rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(st[0].trace["block_0"]["w"][:, 0]), [2.9, 1.0], rtol=1e-6)
   # The embedding still trains from w0, w1: Δ2 = 2 as for module 0.
   np.testing.assert_allclose(_first(store, "embed"), [-4.557], rtol=1e-5)
 
@@ -137,13 +132,13 @@ def test_private_groups_get_their_own_nesterov_step():
   # head private: one copy per path, each moved by its own paths' Δ.
   # Path (0,0) = w0, w1 at −1 → Δ = 1 → −1.33; path (0,1) = w2, w3 at −2
   # → Δ = 2 → −2.66. The shared embedding sees all four: Δ = 1.5 → −1.995.
-  t = topology.build(("embed,head", "block_0"), (1, 2), 1, replicas=2,
-                     path_specific="head")
+  t = topology.build(("embed,head", "block_0"), (1, 2), 1, replicas=2, path_specific="head")
   store = _tree({"embed": [0.0], "block_0": [0.0, 0.0], "head": [0.0, 0.0]})
   c = _outer_config(sqrt_paths="none")
   w = _workers([-1, -1, -2, -2])
-  new, _, _, _ = outer.outer_step(store, outer.optimizer(c).init(store), w,
-                                  jnp.ones(4), topo=t, cfg=c)
+  new, _, _, _ = outer.outer_step(
+    store, outer.optimizer(c).init(store), w, jnp.ones(4), topo=t, cfg=c
+  )
   np.testing.assert_allclose(_first(new, "head"), [-1.33, -2.66], rtol=1e-6)
   np.testing.assert_allclose(_first(new, "embed"), [-1.995], rtol=1e-6)
 

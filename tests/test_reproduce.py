@@ -20,9 +20,14 @@ pytestmark = pytest.mark.slow
 def test_smoke_run_tables_every_model_with_finite_numbers(tmp_path):
   out = tmp_path / "repro"
   # A child process: the script sets its fake CPU device count before jax starts.
-  proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "reproduce.py"),
-                         "--smoke", f"--out={out}"], cwd=ROOT, capture_output=True, text=True,
-                        timeout=900, check=False)
+  proc = subprocess.run(
+    [sys.executable, os.path.join(ROOT, "benchmarks", "reproduce.py"), "--smoke", f"--out={out}"],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=900,
+    check=False,
+  )
   assert proc.returncode == 0, proc.stderr[-4000:]
   report = json.loads((out / "results.json").read_text())
   models = report["models"]
@@ -53,8 +58,9 @@ def test_smoke_run_tables_every_model_with_finite_numbers(tmp_path):
   assert p["dense_path"]["path"] < p["dipaco_2x2"]["total"] < p["flat_moe"]["total"]
   assert p["dense_4x"]["path"] > 2 * p["dense_path"]["path"]
   # DiLoCo's k-means shards: one cluster per replica (a router of 4 clusters, 1 path).
-  meta = json.loads((out / "runs" / "diloco_kmeans" / "router" / "phase_0" / "router.json")
-                    .read_text())
+  meta = json.loads(
+    (out / "runs" / "diloco_kmeans" / "router" / "phase_0" / "router.json").read_text()
+  )
   assert meta["kind"] == "kmeans" and list(meta["grid"]) == [4]
   for png in ("ppl_vs_steps.png", "ppl_vs_window.png"):
     assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

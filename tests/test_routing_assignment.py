@@ -31,16 +31,21 @@ def test_replicas_split_a_paths_documents_over_its_workers():
 
 
 def test_routed_shards_stream_in_batches_overlap_in_train_never_in_validation(
-    micro, tmp_path, monkeypatch):
+  micro, tmp_path, monkeypatch
+):
   cfg, ex = micro
-  docs = {"train": routing_testlib.fake_documents(60, seed=1),
-          "validation": routing_testlib.fake_documents(30, seed=2, first_id=1000)}
+  docs = {
+    "train": routing_testlib.fake_documents(60, seed=1),
+    "validation": routing_testlib.fake_documents(30, seed=2, first_id=1000),
+  }
   from dipaco_jax.data import tasks  # pylint: disable=g-import-not-at-top
+
   monkeypatch.setattr(tasks, "iter_documents", lambda task, split, **kw: iter(docs[split]))
   topo = topology.from_config(cfg)
   x = ex.prefix_features([d.tokens for d in docs["train"]])
-  pr = routing.PathRouter(topo, router_lib.fit_kmeans_router(x, (2, 2), restarts=2),
-                          feature_id=ex.fingerprint)
+  pr = routing.PathRouter(
+    topo, router_lib.fit_kmeans_router(x, (2, 2), restarts=2), feature_id=ex.fingerprint
+  )
   cfg.data.top_k = 2
   assign = routing.make_assignment(cfg, pr, ex)
   assign._batch_size = 8  # pylint: disable=protected-access
@@ -62,5 +67,3 @@ def test_routed_shards_stream_in_batches_overlap_in_train_never_in_validation(
   for p in range(4):
     ids = {d.doc_id for d in shards.documents(p, "validation")}
     assert ids == {d.doc_id for d, f in zip(docs["validation"], first) if f == p}
-
-

@@ -35,8 +35,9 @@ def test_target_distribution_floors_unused_paths():
   # and renormalising (2/3, 1/3, 1/3) by 4/3 gives (1/2, 1/4, 1/4).
   np.testing.assert_allclose(dm.target_distribution("labels", [0, 0, 1], 3), [0.5, 0.25, 0.25])
   np.testing.assert_allclose(dm.target_distribution("uniform", [0, 0, 1], 3), [1 / 3] * 3)
-  np.testing.assert_allclose(dm.target_distribution([1, 3, 0], [0, 0, 1, 2], 3),
-                             [0.2, 0.6, 0.2])  # (1/4, 3/4, 0) -> floor 1/4 -> / 5/4.
+  np.testing.assert_allclose(
+    dm.target_distribution([1, 3, 0], [0, 0, 1, 2], 3), [0.2, 0.6, 0.2]
+  )  # (1/4, 3/4, 0) -> floor 1/4 -> / 5/4.
   with pytest.raises(ValueError, match="target"):
     dm.target_distribution("sizes", [0], 3)
 
@@ -126,7 +127,8 @@ def test_min_share_floors_every_target_at_a_fraction_of_the_uniform_share():
   # Scaling the rest down can push another share under the floor: [0.9, 0.06, 0.02, 0.02]
   # with min_share 1 (uniform floor 0.25) ends uniform.
   np.testing.assert_allclose(
-      dm.target_distribution([90, 6, 2, 2], [0], 4, min_share=1.0), [0.25] * 4)
+    dm.target_distribution([90, 6, 2, 2], [0], 4, min_share=1.0), [0.25] * 4
+  )
   np.testing.assert_allclose(dm.target_distribution("labels", labels, 4, min_share=0.0), base)
   with pytest.raises(ValueError, match="min_share must lie in"):
     dm.target_distribution("labels", labels, 4, min_share=1.5)

@@ -17,7 +17,7 @@ def test_prefix_feature_is_the_mean_hidden_state_over_the_prefix(micro):
     # [BOS, t_0..t_{n-1}]: positions 1..n read the n prefix tokens.
     inputs = np.concatenate([[0], seq[:n]])[None].astype(np.int32)
     _, h = model.apply({"params": ex.params}, inputs, return_hidden=True)
-    np.testing.assert_allclose(got[row], np.asarray(h[0, 1:n + 1]).mean(0), rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(got[row], np.asarray(h[0, 1 : n + 1]).mean(0), rtol=2e-5, atol=2e-6)
   # The running mean at b = prefix_len is the prefix feature.
   np.testing.assert_allclose(ex.running_means(long[None])[0, 5], got[0], rtol=1e-5, atol=1e-6)
 

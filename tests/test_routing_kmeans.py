@@ -10,8 +10,9 @@ from dipaco_jax.routing import kmeans
 
 # Four planted centres 20 apart; noise std 0.5, so each true cluster is far
 # nearer its own centre than any other and the planted partition is the optimum.
-_CENTRES = np.array([[10, 0, 0, 0, 0, 0], [-10, 0, 0, 0, 0, 0],
-                     [0, 10, 0, 0, 0, 0], [0, -10, 0, 0, 0, 0]], np.float32)
+_CENTRES = np.array(
+  [[10, 0, 0, 0, 0, 0], [-10, 0, 0, 0, 0, 0], [0, 10, 0, 0, 0, 0], [0, -10, 0, 0, 0, 0]], np.float32
+)
 
 
 def _planted(n_per=50, seed=0):
@@ -117,8 +118,12 @@ def test_product_top_k_exact_by_brute_force(top_k):
   cents = [rng.normal(size=(k, 2)).astype(np.float32) for k in grid]
   x = rng.normal(size=(40, 6)).astype(np.float32)
   # All 60 full centroids, enumerated in itertools.product order = row-major path ids.
-  full = np.array([np.concatenate([cents[l][i] for l, i in enumerate(t)])
-                   for t in itertools.product(*map(range, grid))])
+  full = np.array(
+    [
+      np.concatenate([cents[l][i] for l, i in enumerate(t)])
+      for t in itertools.product(*map(range, grid))
+    ]
+  )
   d = ((x[:, None] - full[None]) ** 2).sum(-1)
   want = np.argsort(d, axis=1)[:, :top_k]
   np.testing.assert_array_equal(kmeans.product_assign(x, cents, top_k, batch_size=16), want)

@@ -42,14 +42,25 @@ def test_replica_shards_router_gives_each_worker_its_own_cluster():
     phases.replicas_by_router(cfg, t)
 
 
-@pytest.mark.parametrize("at,phases,every,want", [
-    (-1, 1, 1, []), (1, 1, 1, [1]), (1, 2, 2, [1, 3]), (0, 1, 1, "fit"), (2, 3, 1, "fit"),
-    (1, 2, 0, "between")])
+@pytest.mark.parametrize(
+  "at,phases,every,want",
+  [
+    (-1, 1, 1, []),
+    (1, 1, 1, [1]),
+    (1, 2, 2, [1, 3]),
+    (0, 1, 1, "fit"),
+    (2, 3, 1, "fit"),
+    (1, 2, 0, "between"),
+  ],
+)
 def test_discriminative_steps(at, phases, every, want):
   cfg = helpers.micro_config(**{"dipaco.outer_steps": 4})
   r = cfg.routing  # Set after load: load's config check would refuse the bad ones first.
   r.discriminative_at_outer_step, r.discriminative_phases, r.discriminative_every = (
-      at, phases, every)
+    at,
+    phases,
+    every,
+  )
   if isinstance(want, str):
     with pytest.raises(config_defaults.ConfigError, match=want):
       routing.discriminative_steps(cfg)

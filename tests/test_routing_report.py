@@ -24,7 +24,7 @@ def test_nmi_by_hand():
   # p(path) = (2, 3, 1)/6, p(domain) = (1/2, 1/2). Cells with p(x,y) = p(x)p(y) add 0:
   # (0,0) and (0,1). The rest: (1,0): 1/6 log((1/6)/(1/4)); (1,1): 2/6 log((2/6)/(1/4));
   # (2,0): 1/6 log((1/6)/(1/12)).
-  mi = (1 / 6 * math.log(2 / 3) + 1 / 3 * math.log(4 / 3) + 1 / 6 * math.log(2))
+  mi = 1 / 6 * math.log(2 / 3) + 1 / 3 * math.log(4 / 3) + 1 / 6 * math.log(2)
   h_path = -(1 / 3 * math.log(1 / 3) + 1 / 2 * math.log(1 / 2) + 1 / 6 * math.log(1 / 6))
   h_dom = math.log(2)
   assert rr.nmi(c) == pytest.approx(mi / ((h_path + h_dom) / 2))

@@ -18,8 +18,9 @@ def test_window_labels_by_hand():
 
 def test_chunk_paths_by_hand():
   # Prefix 2, W = 3: the prefix's path scores [2, 5); chunks start at 5 and 8.
-  out = rerouting.chunk_paths(np.array([3]), np.array([10]), 2, 3,
-                              lambda rows, b: np.full(len(rows), b))
+  out = rerouting.chunk_paths(
+    np.array([3]), np.array([10]), 2, 3, lambda rows, b: np.full(len(rows), b)
+  )
   np.testing.assert_array_equal(out[0], [3, 3, 3, 3, 3, 5, 5, 5, 8, 8])
 
 

@@ -27,9 +27,9 @@ def _data(n=120, d=6, seed=0):
 def routers():
   x, scores = _data()
   return x, {
-      "kmeans": router_lib.fit_kmeans_router(x, _GRID, restarts=2, seed=0),
-      "product_kmeans": router_lib.fit_product_kmeans_router(x, _GRID, restarts=2, seed=0),
-      "linear": router_lib.fit_linear_router(x, scores, _GRID, steps=200),
+    "kmeans": router_lib.fit_kmeans_router(x, _GRID, restarts=2, seed=0),
+    "product_kmeans": router_lib.fit_product_kmeans_router(x, _GRID, restarts=2, seed=0),
+    "linear": router_lib.fit_linear_router(x, scores, _GRID, steps=200),
   }
 
 
@@ -43,8 +43,9 @@ def test_each_kind_routes_like_its_underlying_function(routers):
   assert [c.shape for c in cents] == [(2, 3), (3, 3)]
   np.testing.assert_array_equal(r.route(x, 3), kmeans.product_assign(x, cents, 3))
   r = rs["linear"]
-  np.testing.assert_array_equal(r.route(x)[:, 0],
-                                discriminative.linear_logits(x, r.arrays).argmax(1))
+  np.testing.assert_array_equal(
+    r.route(x)[:, 0], discriminative.linear_logits(x, r.arrays).argmax(1)
+  )
   for r in rs.values():
     assert r.num_paths == 6 and r.feature_dim == 6
     ids = r.route(x, 6)

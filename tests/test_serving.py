@@ -6,11 +6,12 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-import helpers
 from dipaco_jax import checkpoint
 from dipaco_jax import early_stopping
 from dipaco_jax import experiment
 from dipaco_jax import serving
+
+import helpers
 
 GRID = {"dipaco.modules_per_level": (1, 4, 4)}  # 16 paths; each routed group has 4 modules.
 
@@ -26,8 +27,12 @@ def saved(tmp_path_factory):
   exp = experiment.Experiment(cfg)
   state = exp.init_state(0)
   # Module m of every group holds θ̄ + m: any wrong row shows.
-  store = {g: jax.tree.map(lambda x: x + jnp.arange(x.shape[0], dtype=x.dtype).reshape(
-      (-1,) + (1,) * (x.ndim - 1)), sub) for g, sub in state.store.items()}
+  store = {
+    g: jax.tree.map(
+      lambda x: x + jnp.arange(x.shape[0], dtype=x.dtype).reshape((-1,) + (1,) * (x.ndim - 1)), sub
+    )
+    for g, sub in state.store.items()
+  }
   state = state.replace(store=store)
   plain = str(tmp_path_factory.mktemp("plain"))
   ck = checkpoint.Checkpointer(plain, async_save=False)
@@ -35,9 +40,13 @@ def saved(tmp_path_factory):
   ck.close()
   chunked = str(tmp_path_factory.mktemp("chunked"))
   mgr = ocp.CheckpointManager(chunked + "/checkpoints", item_names=("state", "data"))
-  mgr.save(7, args=ocp.args.Composite(
+  mgr.save(
+    7,
+    args=ocp.args.Composite(
       state=ocp.args.StandardSave(state, save_args=checkpoint.save_args(state)),
-      data=ocp.args.JsonSave({"train": {}})))
+      data=ocp.args.JsonSave({"train": {}}),
+    ),
+  )
   mgr.wait_until_finished()
   mgr.close()
   return cfg, exp, jax.device_get(state), plain, chunked
@@ -125,8 +134,9 @@ def test_serve_best_reads_the_set_saved_with_the_checkpoint(saved, tmp_path):
   assert server.step == 8
   got = server.params(3)
   assert server.load_info["step"] == 8 and server.load_info["source"] == "best"
-  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(jax.tree.map(lambda x: x[3],
-                                                                      state.params))):
+  for a, b in zip(
+    jax.tree.leaves(got), jax.tree.leaves(jax.tree.map(lambda x: x[3], state.params))
+  ):
     np.testing.assert_array_equal(a, b)
   assert early_stopping.read_meta(str(tmp_path))["step"] == [4] * exp.topo.num_workers
 

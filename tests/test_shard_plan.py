@@ -8,22 +8,27 @@ import numpy as np
 import optax
 import pytest
 
-import routing_testlib
 from dipaco_jax import checkpoint
 from dipaco_jax import early_stopping
 from dipaco_jax import evaluation
 from dipaco_jax import experiment
-from dipaco_jax.routing import router as router_lib
 from dipaco_jax import routing
 from dipaco_jax import train
+from dipaco_jax.routing import router as router_lib
+
+import routing_testlib
 
 # Three training runs through a re-shard and an evaluation: ~45 s, outside the fast suite
 # (-m "not slow").
 pytestmark = pytest.mark.slow
 
-KW = {"routing.router": "kmeans", "routing.discriminative_at_outer_step": 1,
-      "eval.rerouters": ("linear",),
-      "dipaco.inner_steps": 2, "dipaco.outer_steps": 3}
+KW = {
+  "routing.router": "kmeans",
+  "routing.discriminative_at_outer_step": 1,
+  "eval.rerouters": ("linear",),
+  "dipaco.inner_steps": 2,
+  "dipaco.outer_steps": 3,
+}
 
 
 def _state(workdir, cfg):
@@ -38,9 +43,11 @@ def runs(tmp_path_factory):
   routing_testlib.small_corpus(mp, 200)
   root = tmp_path_factory.mktemp("runs")
   # The three runs compile the same programs: a persistent cache compiles them once.
-  cache = {"jax_compilation_cache_dir": str(root / "jax_cache"),
-           "jax_persistent_cache_min_compile_time_secs": 0.0,
-           "jax_persistent_cache_min_entry_size_bytes": 0}
+  cache = {
+    "jax_compilation_cache_dir": str(root / "jax_cache"),
+    "jax_persistent_cache_min_compile_time_secs": 0.0,
+    "jax_persistent_cache_min_entry_size_bytes": 0,
+  }
   old = {k: getattr(jax.config, k) for k in cache}
   for k, v in cache.items():
     jax.config.update(k, v)
@@ -76,8 +83,11 @@ def test_schedule_restarts_at_the_reshard(runs):
   full, _ = runs
   state, _ = _state(full, routing_testlib.routed_config(**KW))
   is_s = lambda x: isinstance(x, (optax.ScaleByScheduleState, optax.ScaleByAdamState))
-  counts = {type(x).__name__: np.asarray(x.count) for x in
-            jax.tree.leaves(state.inner_opt, is_leaf=is_s) if is_s(x)}
+  counts = {
+    type(x).__name__: np.asarray(x.count)
+    for x in jax.tree.leaves(state.inner_opt, is_leaf=is_s)
+    if is_s(x)
+  }
   # 6 inner steps; the schedule restarted after step 2, Adam's count did not.
   np.testing.assert_array_equal(counts["ScaleByAdamState"], [6] * 4)
   np.testing.assert_array_equal(counts["ScaleByScheduleState"], [4] * 4)

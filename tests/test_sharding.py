@@ -8,8 +8,11 @@ groups spans two 'path' coordinates; the outer step does reduce over 'path'.
 import jax
 import numpy as np
 
+from dipaco_jax import experiment
+from dipaco_jax import hlo
+from dipaco_jax import sharding
+
 import helpers
-from dipaco_jax import experiment, hlo, sharding
 
 
 def _experiment(**overrides):
@@ -22,12 +25,13 @@ def _experiment(**overrides):
 def test_inner_step_has_no_cross_path_collective_and_outer_step_has():
   exp = _experiment()
   st = exp.abstract_state
-  batch = exp.put_batch(helpers.synthetic_batch(np.random.default_rng(0), 4, 2,
-                                                16, 256))
+  batch = exp.put_batch(helpers.synthetic_batch(np.random.default_rng(0), 4, 2, 16, 256))
   inner_hlo = exp.inner_step.lower(st.params, st.inner_opt, batch).compile().as_text()
-  outer_hlo = exp.outer_step.lower(
-      st.store, st.outer_opt, st.params,
-      jax.ShapeDtypeStruct((4,), np.float32)).compile().as_text()
+  outer_hlo = (
+    exp.outer_step.lower(st.store, st.outer_opt, st.params, jax.ShapeDtypeStruct((4,), np.float32))
+    .compile()
+    .as_text()
+  )
 
   inner_colls = hlo.collectives(inner_hlo)
   assert inner_colls, "expected the data-parallel gradient all-reduce"
@@ -45,8 +49,7 @@ def test_fsdp_inner_step_gathers_inside_paths_only():
   # still with no group spanning two paths.
   exp = _experiment(**{"mesh.fsdp": True})
   st = exp.abstract_state
-  batch = exp.put_batch(helpers.synthetic_batch(np.random.default_rng(0), 4, 2,
-                                                16, 256))
+  batch = exp.put_batch(helpers.synthetic_batch(np.random.default_rng(0), 4, 2, 16, 256))
   inner_hlo = exp.inner_step.lower(st.params, st.inner_opt, batch).compile().as_text()
   colls = hlo.collectives(inner_hlo)
   assert any(c.op.startswith("all-gather") for c in colls), "FSDP gathers weights"

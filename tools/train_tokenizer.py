@@ -30,12 +30,26 @@ def train(model_path: str) -> None:
   texts = (r["text"] for r in corpus.read_records("train"))
   model = io.BytesIO()  # not a model_prefix: its temp path would be stored in the model
   spm.SentencePieceTrainer.train(
-      sentence_iterator=texts, model_writer=model, vocab_size=VOCAB_SIZE, model_type="unigram",
-      pad_id=vocab.PAD_ID, eos_id=vocab.EOS_ID, unk_id=vocab.UNK_ID, bos_id=-1,
-      normalization_rule_name="identity", remove_extra_whitespaces=False,
-      user_defined_symbols=["\n"], allow_whitespace_only_pieces=True, byte_fallback=True,
-      character_coverage=0.9995, max_sentence_length=4 * 8192, input_sentence_size=0,
-      shuffle_input_sentence=False, num_threads=1, minloglevel=2)
+    sentence_iterator=texts,
+    model_writer=model,
+    vocab_size=VOCAB_SIZE,
+    model_type="unigram",
+    pad_id=vocab.PAD_ID,
+    eos_id=vocab.EOS_ID,
+    unk_id=vocab.UNK_ID,
+    bos_id=-1,
+    normalization_rule_name="identity",
+    remove_extra_whitespaces=False,
+    user_defined_symbols=["\n"],
+    allow_whitespace_only_pieces=True,
+    byte_fallback=True,
+    character_coverage=0.9995,
+    max_sentence_length=4 * 8192,
+    input_sentence_size=0,
+    shuffle_input_sentence=False,
+    num_threads=1,
+    minloglevel=2,
+  )
   with open(model_path, "wb") as f:
     f.write(model.getvalue())
 
@@ -53,8 +67,10 @@ def main() -> None:
     path = os.path.join(tmp, "check.model")
     train(path)
     if not filecmp.cmp(path, args.out, shallow=False):
-      sys.exit(f"Retrained model {vocab.fingerprint(path)} differs from {args.out} "
-               f"({vocab.fingerprint(args.out)}).")
+      sys.exit(
+        f"Retrained model {vocab.fingerprint(path)} differs from {args.out} "
+        f"({vocab.fingerprint(args.out)})."
+      )
     print(f"{args.out} is byte-identical to the retrained model.")
 
 

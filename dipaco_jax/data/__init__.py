@@ -15,14 +15,31 @@ from dipaco_jax.data.shards import write_shards
 
 TASKS = ("dipaco_embedded", "c4_en")  # The seqio tasks data/tasks.py registers.
 
-__all__ = ["Document", "EmptyShardError", "WorkerBatcher", "ShardSet", "TASKS", "iter_documents",
-           "prepare_shards", "random_assignment", "with_description",
-           "write_shards"]
+__all__ = [
+  "Document",
+  "EmptyShardError",
+  "WorkerBatcher",
+  "ShardSet",
+  "TASKS",
+  "iter_documents",
+  "prepare_shards",
+  "random_assignment",
+  "with_description",
+  "write_shards",
+]
 
 
-def iter_documents(task: str, split: str, *, data_dir: str | None = None,
-                   vocab_path: str | None = None, subsample: int = 1):
+def iter_documents(
+  task: str,
+  split: str,
+  *,
+  data_dir: str | None = None,
+  vocab_path: str | None = None,
+  subsample: int = 1,
+):
   """Streams tokenized documents of a seqio task split (imports TensorFlow on first use)."""
   from dipaco_jax.data import tasks  # pylint: disable=g-import-not-at-top
-  return tasks.iter_documents(task, split, data_dir=data_dir, vocab_path=vocab_path,
-                              subsample=subsample)
+
+  return tasks.iter_documents(
+    task, split, data_dir=data_dir, vocab_path=vocab_path, subsample=subsample
+  )

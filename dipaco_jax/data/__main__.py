@@ -15,11 +15,13 @@ from dipaco_jax.data import corpus
 def stats(task: str, splits, *, data_dir=None, vocab_path=None, max_docs=None) -> dict:
   """{split: {domain: [documents, tokens]}} by streaming the task's tokenized documents."""
   from dipaco_jax.data import tasks  # pylint: disable=g-import-not-at-top
+
   out = {}
   for split in splits:
     counts = collections.defaultdict(lambda: [0, 0])
-    for i, doc in enumerate(tasks.iter_documents(task, split, data_dir=data_dir,
-                                                 vocab_path=vocab_path)):
+    for i, doc in enumerate(
+      tasks.iter_documents(task, split, data_dir=data_dir, vocab_path=vocab_path)
+    ):
       if max_docs is not None and i >= max_docs:
         break
       counts[doc.domain][0] += 1
@@ -31,8 +33,10 @@ def stats(task: str, splits, *, data_dir=None, vocab_path=None, max_docs=None) -
 def format_table(table: dict, max_rows: int = 50) -> str:
   """A markdown table: one row per domain, documents and tokens for each split."""
   splits = list(table)
-  domains = sorted({d for s in splits for d in table[s]},
-                   key=lambda d: -sum(table[s].get(d, [0, 0])[1] for s in splits))
+  domains = sorted(
+    {d for s in splits for d in table[s]},
+    key=lambda d: -sum(table[s].get(d, [0, 0])[1] for s in splits),
+  )
   head = "| domain | " + " | ".join(f"{s} docs | {s} tokens" for s in splits) + " |"
   lines = [head, "|---" * (1 + 2 * len(splits)) + "|"]
 
@@ -60,8 +64,13 @@ def main() -> None:
   args = parser.parse_args()
   if not args.stats:
     parser.error("nothing to do: pass --stats")
-  table = stats(args.task, args.splits.split(","), data_dir=args.tfds_data_dir,
-                vocab_path=args.vocab_path, max_docs=args.max_docs)
+  table = stats(
+    args.task,
+    args.splits.split(","),
+    data_dir=args.tfds_data_dir,
+    vocab_path=args.vocab_path,
+    max_docs=args.max_docs,
+  )
   print(format_table(table))
   if args.json:
     with open(args.json, "w", encoding="utf-8") as f:

@@ -1,4 +1,4 @@
-"""Document -> worker assignments; every assignment carries a `description` that shard metadata records."""
+"""Document -> worker assignments, each with the `description` that shard metadata records."""
 
 from typing import Callable, Sequence
 
@@ -23,10 +23,12 @@ def with_description(assign: Assignment, description: str) -> Assignment:
 
 
 def random_assignment(num_workers: int, *, seed: int, top_k: int = 1) -> Assignment:
-  """i.i.d. assignment (DiLoCo's sharding): a hash of (seed, doc_id) picks top_k distinct workers."""
+  """i.i.d. assignment (DiLoCo's sharding): a hash of (seed, doc_id) picks top_k workers."""
   if num_workers < 1 or not 1 <= top_k <= num_workers:
-    raise ValueError(f"random_assignment needs num_workers >= 1 and 1 <= top_k <= num_workers; got "
-                     f"num_workers={num_workers}, top_k={top_k}.")
+    raise ValueError(
+      f"random_assignment needs num_workers >= 1 and 1 <= top_k <= num_workers; got "
+      f"num_workers={num_workers}, top_k={top_k}."
+    )
   seed_hash = _mix(seed & _MASK)
 
   def assign(doc: Document) -> list[int]:
@@ -43,5 +45,6 @@ def random_assignment(num_workers: int, *, seed: int, top_k: int = 1) -> Assignm
 
 def first_only(assign: Assignment) -> Assignment:
   """The same assignment restricted to its first choice (validation shards never overlap)."""
-  return with_description(lambda doc: list(assign(doc))[:1],
-                          f"first_of({getattr(assign, 'description', '?')})")
+  return with_description(
+    lambda doc: list(assign(doc))[:1], f"first_of({getattr(assign, 'description', '?')})"
+  )

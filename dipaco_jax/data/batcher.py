@@ -1,9 +1,10 @@
-"""WorkerBatcher: packed, fixed-length batches per worker from shards, with an exact resume state."""
+"""WorkerBatcher: packed, fixed-length batches per worker from shards; exact resume state."""
 
 from typing import Sequence
 
-from dipaco_jax.data.shards import ShardSet
 import numpy as np
+
+from dipaco_jax.data.shards import ShardSet
 
 STATE_VERSION = 2  # 2: keys name workers.
 
@@ -41,7 +42,7 @@ class _WorkerStream:
           break
         self.epoch, self.index = self.epoch + 1, 0
       tokens = self._current_doc()
-      piece = tokens[self.offset:self.offset + num_tokens]
+      piece = tokens[self.offset : self.offset + num_tokens]
       pieces.append(piece)
       num_tokens -= len(piece)
       self.offset += len(piece)
@@ -67,8 +68,13 @@ def pack(pieces: list[np.ndarray], batch_size: int, seq_len: int) -> dict[str, n
   positions = idx - np.maximum.accumulate(np.where(start, idx, 0))
   inputs = np.concatenate([[0], targets[:-1]]).astype(np.int32)
   inputs[start] = 0  # pad id doubles as BOS: nothing leaks from the previous segment
-  batch = {"inputs": inputs, "targets": targets, "segment_ids": segment_ids.astype(np.int32),
-           "positions": positions.astype(np.int32), "weights": real.astype(np.float32)}
+  batch = {
+    "inputs": inputs,
+    "targets": targets,
+    "segment_ids": segment_ids.astype(np.int32),
+    "positions": positions.astype(np.int32),
+    "weights": real.astype(np.float32),
+  }
   for key in ("inputs", "segment_ids", "positions"):
     batch[key][~real] = 0
   return {k: v.reshape(batch_size, seq_len) for k, v in batch.items()}
@@ -77,21 +83,42 @@ def pack(pieces: list[np.ndarray], batch_size: int, seq_len: int) -> dict[str, n
 class WorkerBatcher:
   """Batches [len(workers), batch_size, seq_len] from each worker's shard, independently."""
 
-  def __init__(self, shard_set: ShardSet, split: str, workers: Sequence[int], *, seq_len: int,
-               batch_size: int, seed: int, shuffle: bool = True, repeat: bool = True):
+  def __init__(
+    self,
+    shard_set: ShardSet,
+    split: str,
+    workers: Sequence[int],
+    *,
+    seq_len: int,
+    batch_size: int,
+    seed: int,
+    shuffle: bool = True,
+    repeat: bool = True,
+  ):
     if seq_len < 1 or batch_size < 1 or not len(workers):
-      raise ValueError(f"WorkerBatcher needs seq_len >= 1, batch_size >= 1 and some worker ids; got "
-                       f"seq_len={seq_len}, batch_size={batch_size}, workers={list(workers)}.")
+      raise ValueError(
+        f"WorkerBatcher needs seq_len >= 1, batch_size >= 1 and some worker ids; got "
+        f"seq_len={seq_len}, batch_size={batch_size}, workers={list(workers)}."
+      )
     self.workers = [int(w) for w in workers]
     self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
-    self._config = {"split": split, "workers": self.workers, "seq_len": seq_len,
-                    "batch_size": batch_size, "seed": seed, "shuffle": shuffle, "repeat": repeat}
+    self._config = {
+      "split": split,
+      "workers": self.workers,
+      "seq_len": seq_len,
+      "batch_size": batch_size,
+      "seed": seed,
+      "shuffle": shuffle,
+      "repeat": repeat,
+    }
     self._streams = []
     for worker in self.workers:
       docs = shard_set.documents(worker, split)
       if not len(docs):
-        raise ValueError(f"Worker {worker} has an empty {split!r} shard in {shard_set.shard_dir}; "
-                         "it cannot feed a batch (it was written with empty_policy='allow').")
+        raise ValueError(
+          f"Worker {worker} has an empty {split!r} shard in {shard_set.shard_dir}; "
+          "it cannot feed a batch (it was written with empty_policy='allow')."
+        )
       self._streams.append(_WorkerStream(docs, worker, seed, shuffle, repeat))
 
   def next_batch(self) -> dict[str, np.ndarray]:
@@ -111,25 +138,35 @@ class WorkerBatcher:
 
   def get_state(self) -> dict:
     """Small, JSON-serialisable position of every worker's stream."""
-    return {"version": STATE_VERSION, **self._config,
-            "workers_position": [[s.epoch, s.index, s.offset] for s in self._streams]}
+    return {
+      "version": STATE_VERSION,
+      **self._config,
+      "workers_position": [[s.epoch, s.index, s.offset] for s in self._streams],
+    }
 
   def set_state(self, state: dict) -> None:
     """Continues exactly where the iterator that produced `state` stood."""
     mismatch = {k: (state.get(k), v) for k, v in self._config.items() if state.get(k) != v}
     if state.get("version") != STATE_VERSION or mismatch:
-      raise ValueError(f"Batcher state does not fit this batcher (field: (state, batcher)): "
-                       f"{mismatch or {'version': (state.get('version'), STATE_VERSION)}}.")
+      raise ValueError(
+        f"Batcher state does not fit this batcher (field: (state, batcher)): "
+        f"{mismatch or {'version': (state.get('version'), STATE_VERSION)}}."
+      )
     for stream, (epoch, index, offset) in zip(self._streams, state["workers_position"]):
       stream.epoch, stream.index, stream.offset = int(epoch), int(index), int(offset)
 
 
-def synthetic_batch(rng: np.random.Generator, num_workers: int, batch_size: int,
-                    seq_len: int, vocab_size: int) -> dict[str, np.ndarray]:
+def synthetic_batch(
+  rng: np.random.Generator, num_workers: int, batch_size: int, seq_len: int, vocab_size: int
+) -> dict[str, np.ndarray]:
   """Random tokens in WorkerBatcher's layout, one segment per row (tests, benchmarks)."""
   shape = (num_workers, batch_size, seq_len)
   t = rng.integers(2, vocab_size, size=shape).astype(np.int32)
   inputs = np.concatenate([np.zeros(shape[:2] + (1,), np.int32), t[:, :, :-1]], -1)
-  return {"inputs": inputs, "targets": t, "segment_ids": np.ones_like(t),
-          "positions": np.broadcast_to(np.arange(seq_len, dtype=np.int32), shape).copy(),
-          "weights": np.ones(shape, np.float32)}
+  return {
+    "inputs": inputs,
+    "targets": t,
+    "segment_ids": np.ones_like(t),
+    "positions": np.broadcast_to(np.arange(seq_len, dtype=np.int32), shape).copy(),
+    "weights": np.ones(shape, np.float32),
+  }

@@ -13,13 +13,13 @@ LICENSE_FILE = "LICENSE.txt"  # the source's license notice, beside its data
 SPLITS = ("train", "validation", "router")
 # Domain -> what it is; the order fixes doc ids (build_corpus.py numbers documents in this order).
 DOMAINS = {
-    "novels": "Jane Austen's six novels, one document per chapter",
-    "scripture": "King James Bible, one document per chapter",
-    "plays": "Shakespeare's plays (one document per scene) and poems",
-    "aphorisms": "BSD fortune cookies, one document per fortune",
-    "python_docs": "Python 3.11 documentation sources (reStructuredText)",
-    "perl_docs": "Perl 5.36 documentation (POD)",
-    "kernel_docs": "Linux 6.1 kernel documentation (reStructuredText)",
+  "novels": "Jane Austen's six novels, one document per chapter",
+  "scripture": "King James Bible, one document per chapter",
+  "plays": "Shakespeare's plays (one document per scene) and poems",
+  "aphorisms": "BSD fortune cookies, one document per fortune",
+  "python_docs": "Python 3.11 documentation sources (reStructuredText)",
+  "perl_docs": "Perl 5.36 documentation (POD)",
+  "kernel_docs": "Linux 6.1 kernel documentation (reStructuredText)",
 }
 
 
@@ -30,12 +30,16 @@ def domain_path(domain: str, name: str = DOCS_FILE, corpus_dir: str = CORPUS_DIR
 
 def check_files(corpus_dir: str = CORPUS_DIR) -> None:
   """Raises one clear error if a shipped corpus file is missing."""
-  missing = [domain_path(d, corpus_dir=corpus_dir) for d in DOMAINS
-             if not os.path.exists(domain_path(d, corpus_dir=corpus_dir))]
+  missing = [
+    domain_path(d, corpus_dir=corpus_dir)
+    for d in DOMAINS
+    if not os.path.exists(domain_path(d, corpus_dir=corpus_dir))
+  ]
   if missing:
     raise FileNotFoundError(
-        f"Embedded corpus file(s) missing: {missing}. Reinstall dipaco_jax, or rebuild them with "
-        "`python tools/build_corpus.py --src DIR --fetch`.")
+      f"Embedded corpus file(s) missing: {missing}. Reinstall dipaco_jax, or rebuild them with "
+      "`python tools/build_corpus.py --src DIR --fetch`."
+    )
 
 
 def read_records(split: str | None = None, *, corpus_dir: str = CORPUS_DIR) -> Iterator[dict]:

@@ -16,23 +16,25 @@ import struct
 import tempfile
 from typing import Iterable, Sequence
 
+import numpy as np
 from array_record.python import array_record_module
+from etils import epath
+
 from dipaco_jax import errors
 from dipaco_jax.data import corpus
 from dipaco_jax.data import vocab
 from dipaco_jax.data.assign import Assignment
 from dipaco_jax.data.document import Document
-from etils import epath
-import numpy as np
 
 META = "meta.json"
 FORMAT = 2  # 2: files and metadata count workers (worker_*.array_record, num_workers).
 EMPTY_POLICIES = {
-    "error": "raise, naming the empty workers, and leave the split incomplete (no meta.json)",
-    "allow": "keep empty shards (size 0, so alpha 0); reading an empty worker's shard raises",
+  "error": "raise, naming the empty workers, and leave the split incomplete (no meta.json)",
+  "allow": "keep empty shards (size 0, so alpha 0); reading an empty worker's shard raises",
 }
-CACHE_DIR = os.environ.get("DIPACO_SHARD_CACHE",
-                           os.path.join(os.path.expanduser("~"), ".cache", "dipaco_jax", "shards"))
+CACHE_DIR = os.environ.get(
+  "DIPACO_SHARD_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "dipaco_jax", "shards")
+)
 _HEADER = struct.Struct("<qBH")  # doc_id, bytes per token (2 or 4), domain length
 
 
@@ -43,8 +45,9 @@ class EmptyShardError(ValueError):
 def damaged(path, shard_dir, reason: str) -> errors.DamagedFileError:
   """The one-line error for an unreadable file of a shard dir, with the fix."""
   return errors.DamagedFileError(
-      f"shard file {path} is damaged ({reason}); move {shard_dir} aside (mv {shard_dir} "
-      f"{shard_dir}.damaged) and rerun: the shards are written again from the same assignment.")
+    f"shard file {path} is damaged ({reason}); move {shard_dir} aside (mv {shard_dir} "
+    f"{shard_dir}.damaged) and rerun: the shards are written again from the same assignment."
+  )
 
 
 def read_json(path, shard_dir) -> dict:
@@ -67,10 +70,12 @@ def encode(doc: Document) -> bytes:
   """One document as one record: header, domain (utf-8), token ids (uint16, or uint32 if needed)."""
   tokens = np.asarray(doc.tokens)
   if tokens.ndim != 1 or not len(tokens) or tokens[-1] != vocab.EOS_ID or tokens.min() < 0:
-    raise ValueError(f"Document {doc.doc_id}: tokens must be a non-empty 1-D array of ids ending "
-                     f"with EOS ({vocab.EOS_ID}); got {tokens[-3:] if tokens.ndim else tokens}.")
+    raise ValueError(
+      f"Document {doc.doc_id}: tokens must be a non-empty 1-D array of ids ending "
+      f"with EOS ({vocab.EOS_ID}); got {tokens[-3:] if tokens.ndim else tokens}."
+    )
   width = 2 if tokens.max() < 2**16 else 4
-  domain = doc.domain.encode("utf-8")[:2**16 - 1]
+  domain = doc.domain.encode("utf-8")[: 2**16 - 1]
   dtype = np.uint16 if width == 2 else np.uint32
   return _HEADER.pack(int(doc.doc_id), width, len(domain)) + domain + tokens.astype(dtype).tobytes()
 
@@ -79,38 +84,55 @@ def decode(record: bytes) -> Document:
   doc_id, width, domain_len = _HEADER.unpack_from(record)
   start = _HEADER.size + domain_len
   tokens = np.frombuffer(record, np.uint16 if width == 2 else np.uint32, offset=start)
-  return Document(doc_id, tokens.astype(np.int32), record[_HEADER.size:start].decode("utf-8"))
+  return Document(doc_id, tokens.astype(np.int32), record[_HEADER.size : start].decode("utf-8"))
 
 
 def _check_workers(workers: Sequence[int], doc: Document, num_workers: int) -> list[int]:
   workers = [int(w) for w in workers]
   if not workers:
-    raise ValueError(f"The assignment returned no worker for document {doc.doc_id}; every document "
-                     "needs at least one worker.")
+    raise ValueError(
+      f"The assignment returned no worker for document {doc.doc_id}; every document "
+      "needs at least one worker."
+    )
   if len(set(workers)) != len(workers) or not all(0 <= w < num_workers for w in workers):
-    raise ValueError(f"The assignment returned {workers} for document {doc.doc_id}; it must return "
-                     f"distinct worker ids in [0, {num_workers}).")
+    raise ValueError(
+      f"The assignment returned {workers} for document {doc.doc_id}; it must return "
+      f"distinct worker ids in [0, {num_workers})."
+    )
   return workers
 
 
-def write_shards(shard_dir: str, split: str, documents: Iterable[Document], assign: Assignment,
-                 num_workers: int, *, empty_policy: str = "error") -> np.ndarray:
-  """Streams documents into per-worker shards of one split; returns tokens per worker [num_workers]."""
+def write_shards(
+  shard_dir: str,
+  split: str,
+  documents: Iterable[Document],
+  assign: Assignment,
+  num_workers: int,
+  *,
+  empty_policy: str = "error",
+) -> np.ndarray:
+  """Streams documents into per-worker shards of one split; returns tokens per worker [W]."""
   if split not in corpus.SPLITS:
     raise ValueError(f"Unknown split {split!r}; choose one of {corpus.SPLITS}.")
   if empty_policy not in EMPTY_POLICIES:
-    raise ValueError(f"Unknown empty_policy {empty_policy!r}; choose one of {list(EMPTY_POLICIES)}.")
+    raise ValueError(
+      f"Unknown empty_policy {empty_policy!r}; choose one of {list(EMPTY_POLICIES)}."
+    )
   if num_workers < 1:
     raise ValueError(f"num_workers must be >= 1; got {num_workers}.")
   split_dir = epath.Path(shard_dir) / split
   if (split_dir / META).exists():
-    raise FileExistsError(f"{split_dir} already holds a complete shard split; shards are written "
-                          "once. Use a new shard_dir, or delete this one to rewrite it.")
+    raise FileExistsError(
+      f"{split_dir} already holds a complete shard split; shards are written "
+      "once. Use a new shard_dir, or delete this one to rewrite it."
+    )
   remote = _is_remote(shard_dir)
   staging = tempfile.mkdtemp(prefix="dipaco_shards_") if remote else str(split_dir)
   os.makedirs(staging, exist_ok=True)
-  writers = [array_record_module.ArrayRecordWriter(os.path.join(staging, shard_file(p)),
-                                                   "group_size:1") for p in range(num_workers)]
+  writers = [
+    array_record_module.ArrayRecordWriter(os.path.join(staging, shard_file(p)), "group_size:1")
+    for p in range(num_workers)
+  ]
   tokens_W, docs_W = np.zeros(num_workers, np.int64), np.zeros(num_workers, np.int64)
   try:
     for doc in documents:
@@ -125,16 +147,23 @@ def write_shards(shard_dir: str, split: str, documents: Iterable[Document], assi
   empty = np.flatnonzero(docs_W == 0).tolist()
   if empty and empty_policy == "error":
     raise EmptyShardError(
-        f"{len(empty)} of {num_workers} workers got no {split} document: {empty[:20]}. Use fewer "
-        "workers, more data, another assignment, or empty_shard_policy='allow' to keep them empty.")
+      f"{len(empty)} of {num_workers} workers got no {split} document: {empty[:20]}. Use fewer "
+      "workers, more data, another assignment, or empty_shard_policy='allow' to keep them empty."
+    )
   if remote:
     split_dir.mkdir(parents=True, exist_ok=True)
     for p in range(num_workers):
       epath.Path(staging, shard_file(p)).copy(split_dir / shard_file(p), overwrite=True)
     shutil.rmtree(staging)
-  meta = {"format": FORMAT, "split": split, "num_workers": num_workers, "tokens": tokens_W.tolist(),
-          "docs": docs_W.tolist(), "empty_policy": empty_policy,
-          "assignment": getattr(assign, "description", None)}
+  meta = {
+    "format": FORMAT,
+    "split": split,
+    "num_workers": num_workers,
+    "tokens": tokens_W.tolist(),
+    "docs": docs_W.tolist(),
+    "empty_policy": empty_policy,
+    "assignment": getattr(assign, "description", None),
+  }
   (split_dir / META).write_text(json.dumps(meta, indent=1) + "\n")  # last: marks the split done
   return tokens_W
 
@@ -149,8 +178,11 @@ class ShardDocuments(Sequence):
     self._reader = array_record_module.ArrayRecordReader(filename, "readahead_buffer_size:0")
     if self._reader.num_records() != num_docs:
       # A truncated ArrayRecord file loses its footer and reads as 0 records.
-      raise damaged(filename, shard_dir, f"holds {self._reader.num_records()} documents, its "
-                    f"meta.json says {num_docs}")
+      raise damaged(
+        filename,
+        shard_dir,
+        f"holds {self._reader.num_records()} documents, its meta.json says {num_docs}",
+      )
     self._num_docs = num_docs
 
   def __len__(self) -> int:
@@ -175,13 +207,19 @@ class ShardSet:
     self.shard_dir = str(shard_dir)
     root = epath.Path(shard_dir)
     if not root.exists():
-      raise FileNotFoundError(f"Shard dir {shard_dir} does not exist; write it with "
-                              "prepare_shards (or write_shards).")
-    self._splits = {split: read_json(root / split / META, shard_dir)
-                    for split in corpus.SPLITS if (root / split / META).exists()}
+      raise FileNotFoundError(
+        f"Shard dir {shard_dir} does not exist; write it with prepare_shards (or write_shards)."
+      )
+    self._splits = {
+      split: read_json(root / split / META, shard_dir)
+      for split in corpus.SPLITS
+      if (root / split / META).exists()
+    }
     if not self._splits:
-      raise ValueError(f"Shard dir {shard_dir} holds no complete split (no <split>/{META}); an "
-                       "interrupted write? Delete it and write it again.")
+      raise ValueError(
+        f"Shard dir {shard_dir} holds no complete split (no <split>/{META}); an "
+        "interrupted write? Delete it and write it again."
+      )
     num_workers = {m["num_workers"] for m in self._splits.values()}
     if len(num_workers) != 1:
       raise ValueError(f"Splits of {shard_dir} disagree on num_workers: {num_workers}.")
@@ -195,8 +233,9 @@ class ShardSet:
 
   def _split_meta(self, split: str) -> dict:
     if split not in self._splits:
-      raise ValueError(f"Shard dir {self.shard_dir} has no complete {split!r} split; it has "
-                       f"{self.splits}.")
+      raise ValueError(
+        f"Shard dir {self.shard_dir} has no complete {split!r} split; it has {self.splits}."
+      )
     return self._splits[split]
 
   def sizes(self, split: str) -> np.ndarray:
@@ -210,7 +249,9 @@ class ShardSet:
     """Random access to the documents of one worker's shard."""
     num_docs = self.num_docs(split)
     if not 0 <= worker < self.num_workers:
-      raise ValueError(f"Worker {worker} out of range: this shard set has {self.num_workers} workers.")
+      raise ValueError(
+        f"Worker {worker} out of range: this shard set has {self.num_workers} workers."
+      )
     if (worker, split) not in self._open:
       filename = os.path.join(self.shard_dir, split, shard_file(worker))
       if _is_remote(self.shard_dir):

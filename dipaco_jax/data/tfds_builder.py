@@ -3,10 +3,11 @@
 import hashlib
 import os
 
-from dipaco_jax.data import corpus
-from dipaco_jax.data import tf_setup  # pylint: disable=unused-import
 import numpy as np
 import tensorflow_datasets as tfds
+
+from dipaco_jax.data import corpus
+from dipaco_jax.data import tf_setup  # noqa: F401  (side effect: TensorFlow set up before tfds)
 
 DEFAULT_DATA_DIR = os.path.join(os.path.expanduser("~"), ".cache", "dipaco_jax", "tfds")
 
@@ -26,14 +27,16 @@ class DipacoEmbedded(tfds.core.GeneratorBasedBuilder):
 
   def _info(self) -> tfds.core.DatasetInfo:
     return self.dataset_info_from_configs(
-        description="Real text from 7 domains shipped inside dipaco_jax (see docs/data.md).",
-        disable_shuffling=True,  # keep doc_id order; the batcher shuffles per path and epoch
-        features=tfds.features.FeaturesDict({
-            "text": tfds.features.Text(),
-            "doc_id": tfds.features.Scalar(dtype=np.int64),
-            "domain": tfds.features.Text(),
-            "title": tfds.features.Text(),
-        }),
+      description="Real text from 7 domains shipped inside dipaco_jax (see docs/data.md).",
+      disable_shuffling=True,  # keep doc_id order; the batcher shuffles per path and epoch
+      features=tfds.features.FeaturesDict(
+        {
+          "text": tfds.features.Text(),
+          "doc_id": tfds.features.Scalar(dtype=np.int64),
+          "domain": tfds.features.Text(),
+          "title": tfds.features.Text(),
+        }
+      ),
     )
 
   def _split_generators(self, dl_manager):

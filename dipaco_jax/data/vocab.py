@@ -4,8 +4,8 @@ import functools
 import hashlib
 import os
 
-from etils import epath
 import sentencepiece as spm
+from etils import epath
 
 from dipaco_jax.data import corpus
 
@@ -19,8 +19,10 @@ T5_VOCAB_PATH = "gs://t5-data/vocabs/cc_all.32000/sentencepiece.model"
 def _read(path: str) -> bytes:
   p = epath.Path(path)
   if not p.exists():
-    raise FileNotFoundError(f"Vocabulary file {path} does not exist; pass an existing "
-                            "SentencePiece .model file as vocab_path.")
+    raise FileNotFoundError(
+      f"Vocabulary file {path} does not exist; pass an existing "
+      "SentencePiece .model file as vocab_path."
+    )
   return p.read_bytes()
 
 
@@ -37,12 +39,15 @@ def load(path: str) -> spm.SentencePieceProcessor:
   try:
     sp.LoadFromSerializedProto(proto)
   except (RuntimeError, OSError) as e:
-    raise ValueError(f"{path} is not a SentencePiece model ({e}); pass a .model file as "
-                     "vocab_path.") from e
+    raise ValueError(
+      f"{path} is not a SentencePiece model ({e}); pass a .model file as vocab_path."
+    ) from e
   ids = (sp.pad_id(), sp.eos_id(), sp.unk_id(), sp.bos_id())
   if ids != (PAD_ID, EOS_ID, UNK_ID, -1):
-    raise ValueError(f"{path} has special ids (pad, eos, unk, bos) = {ids}; dipaco_jax needs the "
-                     f"T5 layout ({PAD_ID}, {EOS_ID}, {UNK_ID}, -1).")
+    raise ValueError(
+      f"{path} has special ids (pad, eos, unk, bos) = {ids}; dipaco_jax needs the "
+      f"T5 layout ({PAD_ID}, {EOS_ID}, {UNK_ID}, -1)."
+    )
   return sp
 
 

@@ -12,4 +12,5 @@ from dipaco_jax.elastic.errors import mode
 def run(config, workdir: str) -> dict:
   """Trains (or resumes) `workdir` in elastic mode (dipaco_jax/elastic/driver.py)."""
   from dipaco_jax.elastic import driver  # pylint: disable=g-import-not-at-top
+
   return driver.run(config, workdir)

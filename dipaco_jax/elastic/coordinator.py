@@ -48,23 +48,31 @@ class Coordinator:
     return os.getpid()
 
   def _save(self) -> None:
-    storage.save_json(self._path, {
-        "versions": self.versions, "done": self.done,
+    storage.save_json(
+      self._path,
+      {
+        "versions": self.versions,
+        "done": self.done,
         "pending": [list(t) for t in self.pending],
         "leased": [list(v[0]) for v in self.leases.values()],
-        "requeued": self.requeued})
+        "requeued": self.requeued,
+      },
+    )
 
   def _ready(self, phase: int, worker: int) -> bool:
-    return all(self.versions[grid_lib.module_key(g, e)] >= phase
-               for g, e in self.grid.modules_of_worker(worker))
+    return all(
+      self.versions[grid_lib.module_key(g, e)] >= phase
+      for g, e in self.grid.modules_of_worker(worker)
+    )
 
   def _enqueue_ready(self) -> None:
     """Appends each worker's next phase once its modules hold it (phase order, then worker)."""
     known = {_task_key(*t) for t in self.pending} | set(self.leases) | set(self.done)
     new = []
     for w in range(self.grid.W):
-      phase = min((t for t in range(self.grid.T + 1) if _task_key(t, w) not in self.done),
-                  default=None)
+      phase = min(
+        (t for t in range(self.grid.T + 1) if _task_key(t, w) not in self.done), default=None
+      )
       if phase is not None and _task_key(phase, w) not in known and self._ready(phase, w):
         new.append((phase, w))
     self.pending.extend(sorted(new))
@@ -123,18 +131,25 @@ class Coordinator:
     out = []
     for key in self.done:
       phase, w = (int(x) for x in key.split("/"))
-      if phase < self.grid.T and any(self.versions[grid_lib.module_key(g, e)] <= phase
-             for g, e in self.grid.modules_of_worker(w)):
+      if phase < self.grid.T and any(
+        self.versions[grid_lib.module_key(g, e)] <= phase for g, e in self.grid.modules_of_worker(w)
+      ):
         out.append((phase, w))
     return sorted(out)
 
   def finished(self) -> bool:
-    return (len(self.done) == (self.grid.T + 1) * self.grid.W and
-            all(v >= self.grid.T for v in self.versions.values()))
+    return len(self.done) == (self.grid.T + 1) * self.grid.W and all(
+      v >= self.grid.T for v in self.versions.values()
+    )
 
   def status(self) -> dict:
-    return {"done": len(self.done), "pending": len(self.pending), "leased": len(self.leases),
-            "requeued": self.requeued, "min_version": min(self.versions.values())}
+    return {
+      "done": len(self.done),
+      "pending": len(self.pending),
+      "leased": len(self.leases),
+      "requeued": self.requeued,
+      "min_version": min(self.versions.values()),
+    }
 
   def results(self) -> dict:
     return dict(self.done)

@@ -54,8 +54,9 @@ def _module_rows(full, template, group: str, module: int):
   leaves = []
   for kp, t in jax.tree_util.tree_flatten_with_path(template)[0]:
     x = np.asarray(rows[jax.tree_util.keystr(kp)])
-    leaves.append(x[module:module + 1] if t.shape and t.shape[0] == 1 and x.ndim == len(t.shape)
-                  else x)
+    leaves.append(
+      x[module : module + 1] if t.shape and t.shape[0] == 1 and x.ndim == len(t.shape) else x
+    )
   return jax.tree.unflatten(jax.tree.structure(template), leaves)
 
 
@@ -67,30 +68,41 @@ def _init_storage(config, workdir: str, exp, grid: grid_lib.Grid, alpha_W) -> No
   store, outer_opt = jax.device_get((state.store, state.outer_opt))
   for s in grid.groups:
     for e in range(s.num_modules):
-      storage.save_tree(storage.module_file(workdir, s.name, e, 0),
-                        _module_rows(store, grid.module_template(s.name), s.name, e))
-      storage.save_tree(storage.module_file(workdir, s.name, e, 0, "opt"),
-                        _module_rows(outer_opt, grid.module_opt_template(s.name), s.name, e))
-  storage.save_json(storage.root(workdir) / META, {
-      "mode": "elastic", "workers": grid.W, "alpha_W": [float(a) for a in alpha_W]})
+      storage.save_tree(
+        storage.module_file(workdir, s.name, e, 0),
+        _module_rows(store, grid.module_template(s.name), s.name, e),
+      )
+      storage.save_tree(
+        storage.module_file(workdir, s.name, e, 0, "opt"),
+        _module_rows(outer_opt, grid.module_opt_template(s.name), s.name, e),
+      )
+  storage.save_json(
+    storage.root(workdir) / META,
+    {"mode": "elastic", "workers": grid.W, "alpha_W": [float(a) for a in alpha_W]},
+  )
 
 
 def _final_state(config, workdir: str, exp, grid: grid_lib.Grid):
   """The synchronous mode's TrainState after T outer steps, from storage (the one full copy)."""
+
   def latest(g, e, kind):
     for v in range(grid.T, -1, -1):
       path = storage.module_file(workdir, g, e, v, kind)
       if path.exists():
         return path
     raise FileNotFoundError(f"no version of module {g}/{e} under {storage.root(workdir)}")
+
   store, opt_parts = {}, {}
   for s in grid.groups:
-    mods = [storage.load_tree(latest(s.name, e, "v"), grid.module_template(s.name))
-            for e in range(s.num_modules)]
+    mods = [
+      storage.load_tree(latest(s.name, e, "v"), grid.module_template(s.name))
+      for e in range(s.num_modules)
+    ]
     store[s.name] = jax.tree.map(lambda *xs: np.concatenate(xs), *[m[s.name] for m in mods])
-    opt_parts[s.name] = [_by_path(storage.load_tree(latest(s.name, e, "opt"),
-                                                    grid.module_opt_template(s.name)))
-                         for e in range(s.num_modules)]
+    opt_parts[s.name] = [
+      _by_path(storage.load_tree(latest(s.name, e, "opt"), grid.module_opt_template(s.name)))
+      for e in range(s.num_modules)
+    ]
   groups = [s.name for s in grid.groups]
   full_opt = jax.eval_shape(grid.outer_tx.init, store)
   leaves = []
@@ -100,16 +112,22 @@ def _final_state(config, workdir: str, exp, grid: grid_lib.Grid):
     parts = [p[key] for p in opt_parts[g]] if g else [opt_parts[groups[0]][0][key]]
     leaves.append(np.concatenate(parts) if g and t.shape else np.asarray(parts[0]))
   outer_opt = jax.tree.unflatten(jax.tree.structure(full_opt), leaves)
-  opts = [storage.load_tree(storage.worker_opt_file(workdir, w, grid.T), grid.inner_opt_template())
-          for w in range(grid.W)]
+  opts = [
+    storage.load_tree(storage.worker_opt_file(workdir, w, grid.T), grid.inner_opt_template())
+    for w in range(grid.W)
+  ]
   inner_opt = jax.tree.map(lambda *xs: np.concatenate(xs), *opts)
-  data = {str(w): storage.load_json(storage.worker_data_file(workdir, w, grid.T))
-          for w in range(grid.W)}
+  data = {
+    str(w): storage.load_json(storage.worker_data_file(workdir, w, grid.T)) for w in range(grid.W)
+  }
   state = exp_lib.TrainState(
-      step=np.asarray(grid.H * grid.T, np.int32),
-      rng=np.asarray(jax.random.key_data(jax.random.key(config.seed))),
-      store=store, outer_opt=outer_opt, params=paths_lib.assemble(store, grid.topo),
-      inner_opt=inner_opt)
+    step=np.asarray(grid.H * grid.T, np.int32),
+    rng=np.asarray(jax.random.key_data(jax.random.key(config.seed))),
+    store=store,
+    outer_opt=outer_opt,
+    params=paths_lib.assemble(store, grid.topo),
+    inner_opt=inner_opt,
+  )
   state = jax.device_put(state, exp.state_sharding)
   return state, data
 
@@ -121,12 +139,14 @@ def _connect(config, num_cpus: int) -> bool:
   address is still checked first.
   """
   import ray  # pylint: disable=g-import-not-at-top
+
   address = config.elastic.address
 
   def unreachable(e):
     return ElasticConfigError(
-        f"config.elastic.address={address!r} does not answer ({type(e).__name__}: {e}); start "
-        "the cluster (`ray start --head`) or pass --config.elastic.address='' for a local one.")
+      f"config.elastic.address={address!r} does not answer ({type(e).__name__}: {e}); start "
+      "the cluster (`ray start --head`) or pass --config.elastic.address='' for a local one."
+    )
 
   if address and address != "auto":  # Fail in seconds, not after Ray's long connect retries.
     try:
@@ -142,8 +162,13 @@ def _connect(config, num_cpus: int) -> bool:
     except Exception as e:  # ConnectionError and Ray's own errors alike.
       raise unreachable(e) from None
   else:
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
-             _node_ip_address="127.0.0.1", log_to_driver=False)
+    ray.init(
+      address="local",
+      num_cpus=num_cpus,
+      include_dashboard=False,
+      _node_ip_address="127.0.0.1",
+      log_to_driver=False,
+    )
   return True
 
 
@@ -192,9 +217,11 @@ def run(config, workdir: str) -> dict:
     import ray  # pylint: disable=g-import-not-at-top
     from ray import exceptions as ray_errors  # pylint: disable=g-import-not-at-top
   except ImportError:
-    raise ElasticConfigError("config.dipaco.mode='elastic' needs Ray: pip install "
-                             "'dipaco_jax[elastic]'.") from None
+    raise ElasticConfigError(
+      "config.dipaco.mode='elastic' needs Ray: pip install 'dipaco_jax[elastic]'."
+    ) from None
   from dipaco_jax import train  # pylint: disable=g-import-not-at-top
+
   config_defaults.check_init_from(config)
   workdir = str(workdir)
   epath.Path(workdir).mkdir(parents=True, exist_ok=True)
@@ -205,31 +232,50 @@ def run(config, workdir: str) -> dict:
   actors, log_path = [], storage.root(workdir) / "tasks.jsonl"
   try:
     # The driver's Experiment on one device: it builds θ̄, the shards, α and the final state.
-    exp = exp_lib.Experiment(config, mesh=sharding.make_mesh(
-        {"path": 1, "data": 1, "model": 1, "num_slices": 1}, 1, devices=jax.devices()[:1]))
+    exp = exp_lib.Experiment(
+      config,
+      mesh=sharding.make_mesh(
+        {"path": 1, "data": 1, "model": 1, "num_slices": 1}, 1, devices=jax.devices()[:1]
+      ),
+    )
     grid = grid_lib.Grid(config)
     plan = shard_plan.ShardPlan(config, workdir, exp)  # Phase-0 shards and α, as the SPMD loop.
     train._write_config(epath.Path(workdir), config)  # pylint: disable=protected-access
     alpha_W = np.asarray(jax.device_get(plan.alpha_W), np.float32)
     if not (storage.root(workdir) / META).exists():
       _init_storage(config, workdir, exp, grid, alpha_W)
-    logging.info("elastic: %s; %d worker actors, %d executors", grid.topo.describe(),
-                 e.num_workers, e.num_executors)
+    logging.info(
+      "elastic: %s; %d worker actors, %d executors",
+      grid.topo.describe(),
+      e.num_workers,
+      e.num_executors,
+    )
     resources = json.loads(e.worker_resources) if e.worker_resources else {}
-    worker_opts = dict(max_restarts=-1, max_concurrency=2, num_cpus=resources.pop("CPU", 1),
-                       resources=resources or None)
-    coord = ray.remote(coord_lib.Coordinator).options(max_restarts=-1, num_cpus=0).remote(
-        config, workdir)
+    worker_opts = dict(
+      max_restarts=-1,
+      max_concurrency=2,
+      num_cpus=resources.pop("CPU", 1),
+      resources=resources or None,
+    )
+    coord = (
+      ray.remote(coord_lib.Coordinator).options(max_restarts=-1, num_cpus=0).remote(config, workdir)
+    )
     actors.append(coord)
     owned = exec_lib.assign_groups([s.name for s in grid.groups], e.num_executors)
-    executors = [ray.remote(exec_lib.OuterExecutor).options(
-        max_restarts=-1, max_concurrency=2, num_cpus=0).remote(
-            config, workdir, j, owned[j], alpha_W.tolist()) for j in range(e.num_executors)]
-    workers = [ray.remote(worker_lib.PathWorker).options(**worker_opts).remote(
-        config, workdir, i) for i in range(e.num_workers)]
+    executors = [
+      ray.remote(exec_lib.OuterExecutor)
+      .options(max_restarts=-1, max_concurrency=2, num_cpus=0)
+      .remote(config, workdir, j, owned[j], alpha_W.tolist())
+      for j in range(e.num_executors)
+    ]
+    workers = [
+      ray.remote(worker_lib.PathWorker).options(**worker_opts).remote(config, workdir, i)
+      for i in range(e.num_workers)
+    ]
     actors += executors + workers
-    return _loop(config, workdir, grid, coord, executors, owned, workers, log_path,
-                 ray, ray_errors, exp)
+    return _loop(
+      config, workdir, grid, coord, executors, owned, workers, log_path, ray, ray_errors, exp
+    )
   finally:
     for a in actors:
       ray.kill(a, no_restart=True)
@@ -248,8 +294,9 @@ def _call(ray, ray_errors, method, *args):
       time.sleep(1.0)
 
 
-def _loop(config, workdir, grid, coord, executors, owned, workers, log_path, ray, ray_errors,
-          exp) -> dict:
+def _loop(
+  config, workdir, grid, coord, executors, owned, workers, log_path, ray, ray_errors, exp
+) -> dict:
   """Leases tasks to idle workers, forwards results to executors, versions to the queue."""
   e = config.elastic
   call = lambda m, *a: _call(ray, ray_errors, m, *a)
@@ -301,9 +348,11 @@ def _loop(config, workdir, grid, coord, executors, owned, workers, log_path, ray
         raise RuntimeError(f"elastic: no task ready and none running: {call(coord.status)}")
       chaos_w.fire(ray, workers, {a for a, _, _ in running.values()})
       chaos_x.fire(ray, executors, {j for j, _, _ in outer.values()})
-      ready, _ = ray.wait(list(running) + list(outer) + list(probes) + list(ex_probes),
-                          num_returns=1,
-                          timeout=0.05 if chaos_w.due or chaos_x.due else 1.0)
+      ready, _ = ray.wait(
+        list(running) + list(outer) + list(probes) + list(ex_probes),
+        num_returns=1,
+        timeout=0.05 if chaos_w.due or chaos_x.due else 1.0,
+      )
       for f in ready:
         if f in ex_probes:
           j = ex_probes.pop(f)
@@ -328,8 +377,9 @@ def _loop(config, workdir, grid, coord, executors, owned, workers, log_path, ray
             result = ray.get(f)
           except ray_errors.RayActorError as err:
             call(coord.failed, *task)
-            log(event="failed", phase=task[0], worker=task[1], actor=actor,
-                error=type(err).__name__)
+            log(
+              event="failed", phase=task[0], worker=task[1], actor=actor, error=type(err).__name__
+            )
             probes[workers[actor].pid.remote()] = actor  # No new task until it is back.
             continue
           except ray_errors.RayTaskError as err:  # The task's own error (e.g. NaN): stop.
@@ -337,8 +387,14 @@ def _loop(config, workdir, grid, coord, executors, owned, workers, log_path, ray
           task_time[0] = time.time() - start
           if call(coord.complete, task[0], task[1], result):
             accepted_here += 1
-            log(event="done", phase=task[0], worker=task[1], actor=actor,
-                seconds=result["end"] - result["start"], pid=result["pid"])
+            log(
+              event="done",
+              phase=task[0],
+              worker=task[1],
+              actor=actor,
+              seconds=result["end"] - result["start"],
+              pid=result["pid"],
+            )
             report(*task)
           else:
             log(event="duplicate", phase=task[0], worker=task[1], actor=actor)
@@ -362,8 +418,7 @@ def _loop(config, workdir, grid, coord, executors, owned, workers, log_path, ray
         mlog.write((t + 1) * grid.H, _record(grid, results, t))
         phases_logged += 1
       if 0 <= e.stop_after_tasks <= accepted_here:
-        logging.info("elastic: stopping after %d accepted tasks (stop_after_tasks)",
-                     accepted_here)
+        logging.info("elastic: stopping after %d accepted tasks (stop_after_tasks)", accepted_here)
         status = call(coord.status)
         status.update(worker_kills=chaos_w.killed, executor_kills=chaos_x.killed)
         return {"stopped": True, "status": status}
@@ -383,8 +438,12 @@ def _loop(config, workdir, grid, coord, executors, owned, workers, log_path, ray
 def _record(grid, results, t: int) -> dict:
   """metrics.jsonl record of step (t+1)*H: phase t's train losses, tasks t+1's validation."""
   train_W = [results[f"{t}/{w}"]["loss"][-1] for w in range(grid.W)]
-  rec = {"phase": t, "train_loss": train_W, "train_loss_mean": float(np.mean(train_W)),
-         "grad_norm": [results[f"{t}/{w}"]["grad_norm"] for w in range(grid.W)]}
+  rec = {
+    "phase": t,
+    "train_loss": train_W,
+    "train_loss_mean": float(np.mean(train_W)),
+    "grad_norm": [results[f"{t}/{w}"]["grad_norm"] for w in range(grid.W)],
+  }
   val = [results[f"{t + 1}/{w}"].get("val_loss") for w in range(grid.W)]
   if all(v is not None for v in val):
     rec.update(val_loss=val, val_loss_mean=metrics_lib.nan_mean(val))

@@ -18,40 +18,54 @@ def check_config(config) -> None:
   """Refuses what the elastic mode cannot run, before anything starts."""
   e, m = config.elastic, config.mesh
   if e.num_workers < 1:
-    raise ElasticConfigError(f"config.elastic.num_workers={e.num_workers}: the pool needs at "
-                             "least 1 worker actor.")
+    raise ElasticConfigError(
+      f"config.elastic.num_workers={e.num_workers}: the pool needs at least 1 worker actor."
+    )
   if e.num_executors < 1:
-    raise ElasticConfigError(f"config.elastic.num_executors={e.num_executors}: at least 1 "
-                             "outer executor is needed.")
+    raise ElasticConfigError(
+      f"config.elastic.num_executors={e.num_executors}: at least 1 outer executor is needed."
+    )
   if m.path not in (-1, 1):
-    raise ElasticConfigError(f"config.mesh.path={m.path}: an elastic worker runs one path; a mesh "
-                             "spanning paths is the spmd mode's. Set --config.mesh.path=1.")
+    raise ElasticConfigError(
+      f"config.mesh.path={m.path}: an elastic worker runs one path; a mesh "
+      "spanning paths is the spmd mode's. Set --config.mesh.path=1."
+    )
   if m.data > 1 or m.model > 1:
-    raise ElasticConfigError(f"config.mesh.data={m.data}, mesh.model={m.model}: elastic workers "
-                             "run a path on one device for now; set both to 1 (or -1).")
+    raise ElasticConfigError(
+      f"config.mesh.data={m.data}, mesh.model={m.model}: elastic workers "
+      "run a path on one device for now; set both to 1 (or -1)."
+    )
   if e.worker_resources:
     try:
       res = json.loads(e.worker_resources)
     except json.JSONDecodeError:
       res = None
     if not isinstance(res, dict) or not all(
-        isinstance(v, (int, float)) and v >= 0 for v in res.values()):
-      raise ElasticConfigError(f"config.elastic.worker_resources={e.worker_resources!r}: give a "
-                               'JSON object of Ray resources, e.g. {"TPU": 4} or {"GPU": 1}.')
+      isinstance(v, (int, float)) and v >= 0 for v in res.values()
+    ):
+      raise ElasticConfigError(
+        f"config.elastic.worker_resources={e.worker_resources!r}: give a "
+        'JSON object of Ray resources, e.g. {"TPU": 4} or {"GPU": 1}.'
+      )
   if e.task_timeout_s <= 0:
     raise ElasticConfigError(f"config.elastic.task_timeout_s={e.task_timeout_s}: must be > 0.")
   if config.routing.discriminative_at_outer_step >= 0:
     raise ElasticConfigError(
-        "config.routing.discriminative_at_outer_step="
-        f"{config.routing.discriminative_at_outer_step}: discriminative re-shards are not "
-        "implemented in elastic mode; set it to -1 or use --config.dipaco.mode=spmd.")
+      "config.routing.discriminative_at_outer_step="
+      f"{config.routing.discriminative_at_outer_step}: discriminative re-shards are not "
+      "implemented in elastic mode; set it to -1 or use --config.dipaco.mode=spmd."
+    )
   if config.early_stopping.enabled:
-    raise ElasticConfigError("config.early_stopping.enabled=True: per-path early stopping is not "
-                             "implemented in elastic mode; pass "
-                             "--config.early_stopping.enabled=False or use dipaco.mode=spmd.")
+    raise ElasticConfigError(
+      "config.early_stopping.enabled=True: per-path early stopping is not "
+      "implemented in elastic mode; pass "
+      "--config.early_stopping.enabled=False or use dipaco.mode=spmd."
+    )
   if config.stop_at_step >= 0:
-    raise ElasticConfigError(f"config.stop_at_step={config.stop_at_step}: elastic runs stop on "
-                             "config.elastic.stop_after_tasks instead; set stop_at_step=-1.")
+    raise ElasticConfigError(
+      f"config.stop_at_step={config.stop_at_step}: elastic runs stop on "
+      "config.elastic.stop_after_tasks instead; set stop_at_step=-1."
+    )
 
 
 def mode(config) -> str:
@@ -68,9 +82,11 @@ def check_workdir_mode(workdir: str, run_mode: str) -> None:
   elastic = (wd / META).exists()
   if run_mode == "elastic" and not elastic and (wd / "checkpoints").exists():
     raise ElasticConfigError(
-        f"{workdir} holds a run of config.dipaco.mode='spmd'; elastic cannot resume it. Use a new "
-        "--workdir or rerun with --config.dipaco.mode=spmd.")
+      f"{workdir} holds a run of config.dipaco.mode='spmd'; elastic cannot resume it. Use a new "
+      "--workdir or rerun with --config.dipaco.mode=spmd."
+    )
   if run_mode != "elastic" and elastic:
     raise ElasticConfigError(
-        f"{workdir} holds a run of config.dipaco.mode='elastic'; rerun with "
-        "--config.dipaco.mode=elastic or use a new --workdir.")
+      f"{workdir} holds a run of config.dipaco.mode='elastic'; rerun with "
+      "--config.dipaco.mode=elastic or use a new --workdir."
+    )

@@ -56,16 +56,25 @@ class OuterExecutor:
     return os.getpid()
 
   def _snapshot(self) -> None:
-    storage.save_json(self._snap, {
+    storage.save_json(
+      self._snap,
+      {
         "groups": self.groups,
         "received": {str(k): sorted(v) for k, v in self.received.items()},
-        "applied": {str(k): sorted(v) for k, v in self.applied.items()}})
+        "applied": {str(k): sorted(v) for k, v in self.applied.items()},
+      },
+    )
 
   def _step_fn(self, group: str):
     if group not in self._steps:
-      self._steps[group] = jax.jit(functools.partial(
-          outer_lib.module_outer_step, group=group, level=self.grid.group[group].level,
-          cfg=self.grid.outer_cfg))
+      self._steps[group] = jax.jit(
+        functools.partial(
+          outer_lib.module_outer_step,
+          group=group,
+          level=self.grid.group[group].level,
+          cfg=self.grid.outer_cfg,
+        )
+      )
     return self._steps[group]
 
   def _worker_params(self, phase: int, group: str, worker: int):
@@ -78,15 +87,18 @@ class OuterExecutor:
   def _apply(self, phase: int, group: str, module: int, workers: list[int]) -> None:
     """Module (group, module): version phase -> phase + 1 from the workers, in worker order."""
     wd = self.workdir
-    theta = storage.load_tree(storage.module_file(wd, group, module, phase),
-                              self.grid.module_template(group))
-    opt = storage.load_tree(storage.module_file(wd, group, module, phase, "opt"),
-                            self.grid.module_opt_template(group))
+    theta = storage.load_tree(
+      storage.module_file(wd, group, module, phase), self.grid.module_template(group)
+    )
+    opt = storage.load_tree(
+      storage.module_file(wd, group, module, phase, "opt"), self.grid.module_opt_template(group)
+    )
     parts = [self._worker_params(phase, group, w) for w in workers]
     params_N = jax.tree.map(lambda *xs: np.concatenate(xs), *parts)
     if self.outer_enabled:
-      theta, opt, _ = jax.device_get(self._step_fn(group)(
-          theta, opt, params_N, self.alpha_W[workers]))
+      theta, opt, _ = jax.device_get(
+        self._step_fn(group)(theta, opt, params_N, self.alpha_W[workers])
+      )
     else:  # No outer step: the module mirrors its first worker (train.py's sync_store).
       theta = parts[0]
     storage.save_tree(storage.module_file(wd, group, module, phase + 1, "opt"), opt)

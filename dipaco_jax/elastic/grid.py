@@ -37,8 +37,9 @@ class Grid:
     self.inner_tx = inner_lib.optimizer(exp_lib.inner_config(config))
     self.outer_cfg = exp_lib.outer_config(config)
     self.outer_tx = outer_lib.optimizer(self.outer_cfg)
-    self.theta = jax.eval_shape(functools.partial(model_lib.init_params, self.model_cfg),
-                                jax.random.key(0))
+    self.theta = jax.eval_shape(
+      functools.partial(model_lib.init_params, self.model_cfg), jax.random.key(0)
+    )
 
   def modules_of_worker(self, w: int) -> list[tuple[str, int]]:
     return [(s.name, int(s.module_of_worker[w])) for s in self.groups]
@@ -49,13 +50,20 @@ class Grid:
 
   def used_modules(self) -> list[tuple[str, int]]:
     """Every module some worker reads (others never change)."""
-    return [(s.name, e) for s in self.groups for e in range(s.num_modules)
-            if self.workers_through(s.name, e)]
+    return [
+      (s.name, e)
+      for s in self.groups
+      for e in range(s.num_modules)
+      if self.workers_through(s.name, e)
+    ]
 
   def module_template(self, group: str) -> PyTree:
     """One module of `group` as a one-row store: {group: leaves [1, ...]}."""
-    return {group: jax.tree.map(lambda x: jax.ShapeDtypeStruct((1,) + x.shape, x.dtype),
-                                self.theta[group])}
+    return {
+      group: jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((1,) + x.shape, x.dtype), self.theta[group]
+      )
+    }
 
   def module_opt_template(self, group: str) -> PyTree:
     return jax.eval_shape(self.outer_tx.init, self.module_template(group))

@@ -79,12 +79,15 @@ def load_tree(path: epath.Path, template: PyTree) -> PyTree:
   leaves = []
   for key, t in zip(_keys(template), jax.tree.leaves(template)):
     if key not in arrays:
-      raise ValueError(f"{path} has no array {key}: it was written by another model or grid; "
-                       "use a new --workdir.")
+      raise ValueError(
+        f"{path} has no array {key}: it was written by another model or grid; use a new --workdir."
+      )
     x = arrays[key]
     if tuple(x.shape) != tuple(t.shape) or x.dtype != np.dtype(t.dtype):
-      raise ValueError(f"{path}: {key} is {x.dtype}{list(x.shape)}, expected "
-                       f"{np.dtype(t.dtype)}{list(t.shape)}; use a new --workdir.")
+      raise ValueError(
+        f"{path}: {key} is {x.dtype}{list(x.shape)}, expected "
+        f"{np.dtype(t.dtype)}{list(t.shape)}; use a new --workdir."
+      )
     leaves.append(x)
   return jax.tree.unflatten(jax.tree.structure(template), leaves)
 

@@ -36,8 +36,10 @@ class PathWorker:
     self.config, self.workdir, self.index = config, str(workdir), int(index)
     self.grid = grid_lib.Grid(config)
     model = model_lib.Transformer(self.grid.model_cfg)
-    self._step = jax.jit(jax.vmap(functools.partial(
-        inner_lib.train_step, model=model, tx=self.grid.inner_tx)), donate_argnums=(0, 1))
+    self._step = jax.jit(
+      jax.vmap(functools.partial(inner_lib.train_step, model=model, tx=self.grid.inner_tx)),
+      donate_argnums=(0, 1),
+    )
     self._init_opt = jax.jit(jax.vmap(self.grid.inner_tx.init))
     self._eval = jax.jit(jax.vmap(functools.partial(inner_lib.eval_step, model=model)))
     self._val = {}  # worker -> its validation batches (the same at every evaluation).
@@ -50,14 +52,18 @@ class PathWorker:
 
   def _batcher(self, worker: int) -> data_lib.WorkerBatcher:
     d = self.config.data
-    return data_lib.WorkerBatcher(self._shards, "train", [worker], seq_len=d.seq_len,
-                                  batch_size=d.batch_size, seed=d.seed)
+    return data_lib.WorkerBatcher(
+      self._shards, "train", [worker], seq_len=d.seq_len, batch_size=d.batch_size, seed=d.seed
+    )
 
   def _load_params(self, phase: int, worker: int):
     parts = {}
     for g, e in self.grid.modules_of_worker(worker):
-      parts.update(storage.load_tree(storage.module_file(self.workdir, g, e, phase),
-                                     self.grid.module_template(g)))
+      parts.update(
+        storage.load_tree(
+          storage.module_file(self.workdir, g, e, phase), self.grid.module_template(g)
+        )
+      )
     return parts
 
   def _val_batches(self, worker: int) -> list:
@@ -67,8 +73,15 @@ class PathWorker:
       if self._shards.num_docs("validation")[worker] == 0:  # allow_validation: loss reads NaN.
         self._val[worker] = []
       else:
-        it = data_lib.WorkerBatcher(self._shards, "validation", [worker], seq_len=d.seq_len,
-                                    batch_size=d.batch_size, seed=d.seed, shuffle=False)
+        it = data_lib.WorkerBatcher(
+          self._shards,
+          "validation",
+          [worker],
+          seq_len=d.seq_len,
+          batch_size=d.batch_size,
+          seed=d.seed,
+          shuffle=False,
+        )
         self._val[worker] = [it.next_batch() for _ in range(self.config.eval.batches)]
     return self._val[worker]
 
@@ -97,8 +110,9 @@ class PathWorker:
     if phase == 0:
       opt = self._init_opt(params)
     else:
-      opt = storage.load_tree(storage.worker_opt_file(wd, worker, phase),
-                              self.grid.inner_opt_template())
+      opt = storage.load_tree(
+        storage.worker_opt_file(wd, worker, phase), self.grid.inner_opt_template()
+      )
       batcher.set_state(storage.load_json(storage.worker_data_file(wd, worker, phase)))
     losses = []
     for i in range(self.grid.H):
@@ -115,7 +129,8 @@ class PathWorker:
       storage.save_tree(out / f"{g}.npz", {g: params[g]})
     storage.save_tree(storage.worker_opt_file(wd, worker, phase + 1), opt)
     storage.save_json(storage.worker_data_file(wd, worker, phase + 1), batcher.get_state())
-    result.update(start=start, end=time.time(), loss=losses,
-                  grad_norm=float(np.asarray(m["grad_norm"])[0]))
+    result.update(
+      start=start, end=time.time(), loss=losses, grad_norm=float(np.asarray(m["grad_norm"])[0])
+    )
     storage.save_json(out / "done.json", result)
     return result

@@ -49,6 +49,7 @@ def hash_ids(doc_ids: np.ndarray) -> np.ndarray:
 @dataclasses.dataclass
 class PathRouter:
   """A run's router over paths: a fitted Router on features, or random by doc id."""
+
   topo: topo_lib.Topology
   router: router_lib.Router | None  # None: random (hash of the doc id, as the shards).
   seed: int = 0  # config.data.seed (random only).
@@ -57,8 +58,9 @@ class PathRouter:
 
   def __post_init__(self):
     if self.router is not None:
-      self.router.check_matches(grid=router_grid(self.topo, self.by_worker),
-                                source=f"the {self.router.kind} router")
+      self.router.check_matches(
+        grid=router_grid(self.topo, self.by_worker), source=f"the {self.router.kind} router"
+      )
 
   @property
   def kind(self) -> str:
@@ -76,8 +78,10 @@ class PathRouter:
     h = hashlib.sha256()
     for k in sorted(self.router.arrays):
       h.update(k.encode() + self.router.arrays[k].tobytes())
-    return (f"{self.router.kind}(grid={self.router.grid},arrays={h.hexdigest()[:16]},"
-            f"features={self.feature_id})")
+    return (
+      f"{self.router.kind}(grid={self.router.grid},arrays={h.hexdigest()[:16]},"
+      f"features={self.feature_id})"
+    )
 
   def workers(self, doc_ids, feats_NxD: np.ndarray | None, top_k: int = 1) -> np.ndarray:
     """Workers of each document's top_k paths, best first -> int [N, top_k]."""
@@ -85,11 +89,13 @@ class PathRouter:
     R, W = self.topo.replicas, self.topo.num_workers
     if self.router is None:
       assign = data_lib.random_assignment(W, seed=self.seed, top_k=top_k)
-      return np.array([assign(data_lib.Document(int(d), np.zeros(1, np.int32), ""))
-                       for d in doc_ids], np.int64).reshape(len(doc_ids), top_k)
+      return np.array(
+        [assign(data_lib.Document(int(d), np.zeros(1, np.int32), "")) for d in doc_ids], np.int64
+      ).reshape(len(doc_ids), top_k)
     if feats_NxD is None:
-      raise ValueError(f"a {self.kind} router needs features; compute them with "
-                       "FeatureExtractor.prefix_features.")
+      raise ValueError(
+        f"a {self.kind} router needs features; compute them with FeatureExtractor.prefix_features."
+      )
     paths_NxK = self.router.route(feats_NxD, top_k).astype(np.int64)
     if self.by_worker:
       return paths_NxK
@@ -110,8 +116,15 @@ class RouterAssignment:
   holds one batch and never the corpus.
   """
 
-  def __init__(self, path_router: PathRouter, extractor: features_lib.FeatureExtractor | None,
-               stream: Callable[[str], Iterator], *, top_k: int = 1, batch_size: int = 512):
+  def __init__(
+    self,
+    path_router: PathRouter,
+    extractor: features_lib.FeatureExtractor | None,
+    stream: Callable[[str], Iterator],
+    *,
+    top_k: int = 1,
+    batch_size: int = 512,
+  ):
     self.path_router, self.extractor, self.top_k = path_router, extractor, top_k
     self._stream, self._batch_size = stream, batch_size
     self._its: dict[str, Iterator] = {}
@@ -135,8 +148,11 @@ class RouterAssignment:
         break
       batch.append(doc)
     ids = [d.doc_id for d in batch]
-    feats = (self.extractor.prefix_features([d.tokens for d in batch])
-             if self.path_router.needs_features else None)
+    feats = (
+      self.extractor.prefix_features([d.tokens for d in batch])
+      if self.path_router.needs_features
+      else None
+    )
     for d, w in zip(ids, self.path_router.workers(ids, feats, self.top_k)):
       self._cache[d] = [int(x) for x in w]
 
@@ -146,30 +162,40 @@ class RouterAssignment:
         head = self._peek(split)
         if head is not None and head.doc_id == doc.doc_id:
           if not np.array_equal(head.tokens, doc.tokens):
-            raise ValueError(f"document {doc.doc_id} differs from the {split} stream's copy: "
-                             "the assignment must read the same task, vocab and data_dir.")
+            raise ValueError(
+              f"document {doc.doc_id} differs from the {split} stream's copy: "
+              "the assignment must read the same task, vocab and data_dir."
+            )
           self._fill(split)
           break
       else:
-        raise ValueError(f"document {doc.doc_id} is not next in any split's stream: routed "
-                         "assignments serve prepare_shards' in-order pass only.")
+        raise ValueError(
+          f"document {doc.doc_id} is not next in any split's stream: routed "
+          "assignments serve prepare_shards' in-order pass only."
+        )
     return self._cache.pop(doc.doc_id)
 
 
 def document_stream(data_cfg) -> Callable[[str], Iterator]:
   """split -> the split's documents, read exactly as prepare_shards reads them."""
   return lambda split: data_lib.iter_documents(
-      data_cfg.task, split, data_dir=data_cfg.tfds_data_dir, vocab_path=data_cfg.vocab_path,
-      subsample=data_cfg.subsample)
+    data_cfg.task,
+    split,
+    data_dir=data_cfg.tfds_data_dir,
+    vocab_path=data_cfg.vocab_path,
+    subsample=data_cfg.subsample,
+  )
 
 
-def make_assignment(config, path_router: PathRouter,
-                    extractor: features_lib.FeatureExtractor | None):
+def make_assignment(
+  config, path_router: PathRouter, extractor: features_lib.FeatureExtractor | None
+):
   """The prepare_shards `assign=` of a router; None keeps prepare_shards' own random default."""
   if path_router.router is None:
     return None
-  return RouterAssignment(path_router, extractor, document_stream(config.data),
-                    top_k=config.data.top_k)
+  return RouterAssignment(
+    path_router, extractor, document_stream(config.data), top_k=config.data.top_k
+  )
 
 
 def collect(extractor: features_lib.FeatureExtractor | None, documents) -> dict[str, np.ndarray]:

@@ -7,9 +7,9 @@ so the bias is then calibrated until the argmax shard sizes match a target
 distribution (see `calibrate_bias`).
 """
 
-from collections.abc import Sequence
 import functools
 import logging
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -43,8 +43,9 @@ def _top_k_paths(x_NxD, params, *, top_k: int):
   return jax.lax.top_k(_logits(x_NxD, params), top_k)[1]
 
 
-def predict_top_k(x_NxD, params: LinearParams, top_k: int = 1, *,
-                  batch_size: int = kmeans.DEFAULT_BATCH_SIZE) -> np.ndarray:
+def predict_top_k(
+  x_NxD, params: LinearParams, top_k: int = 1, *, batch_size: int = kmeans.DEFAULT_BATCH_SIZE
+) -> np.ndarray:
   """Top_k paths by logit, best first -> int32 [N, top_k] (streams in batches)."""
   kmeans.check_features(x_NxD, params["w"].shape[0])
   kmeans.check_top_k(top_k, params["w"].shape[1])
@@ -80,28 +81,46 @@ def _train(key, z_NxD, labels_N, l2, *, num_paths: int, steps: int, batch_size: 
   return params["w"], params["b"], loss_S
 
 
-def fit_logistic(x_NxD, labels_N, num_paths: int, *, l2: float = 1e-4, steps: int = 500,
-                 learning_rate: float = 0.05, batch_size: int | None = None,
-                 seed: int = 0) -> LinearParams:
+def fit_logistic(
+  x_NxD,
+  labels_N,
+  num_paths: int,
+  *,
+  l2: float = 1e-4,
+  steps: int = 500,
+  learning_rate: float = 0.05,
+  batch_size: int | None = None,
+  seed: int = 0,
+) -> LinearParams:
   """P-class logistic regression on standardised features (mean/std kept in the params)."""
   kmeans.check_features(x_NxD)
   kmeans.check_finite(x_NxD)
   labels_N = np.asarray(labels_N)
   if labels_N.shape != (x_NxD.shape[0],) or labels_N.min() < 0 or labels_N.max() >= num_paths:
-    raise ValueError(f"labels must be [N={x_NxD.shape[0]}] ints in [0, {num_paths}); got shape "
-                     f"{labels_N.shape}, range [{labels_N.min()}, {labels_N.max()}].")
+    raise ValueError(
+      f"labels must be [N={x_NxD.shape[0]}] ints in [0, {num_paths}); got shape "
+      f"{labels_N.shape}, range [{labels_N.min()}, {labels_N.max()}]."
+    )
   x_NxD = np.asarray(x_NxD, np.float32)
   mean_D = x_NxD.mean(axis=0)
   std_D = x_NxD.std(axis=0)
   std_D = np.where(std_D > 0, std_D, 1.0).astype(np.float32)  # Constant features stay 0.
-  w, b, _ = _train(jax.random.PRNGKey(seed), jnp.asarray((x_NxD - mean_D) / std_D),
-                   jnp.asarray(labels_N, jnp.int32), jnp.float32(l2), num_paths=num_paths,
-                   steps=steps, batch_size=batch_size or x_NxD.shape[0], lr=learning_rate)
+  w, b, _ = _train(
+    jax.random.PRNGKey(seed),
+    jnp.asarray((x_NxD - mean_D) / std_D),
+    jnp.asarray(labels_N, jnp.int32),
+    jnp.float32(l2),
+    num_paths=num_paths,
+    steps=steps,
+    batch_size=batch_size or x_NxD.shape[0],
+    lr=learning_rate,
+  )
   return {"w": np.asarray(w), "b": np.asarray(b), "mean": mean_D, "std": std_D}
 
 
-def target_distribution(target: str | Sequence[float], labels_N, num_paths: int, *,
-                        min_share: float = 0.0) -> np.ndarray:
+def target_distribution(
+  target: str | Sequence[float], labels_N, num_paths: int, *, min_share: float = 0.0
+) -> np.ndarray:
   """'labels' (label frequencies), 'uniform', or given shard sizes -> fractions [P], none 0.
 
   Each path's share is floored at one document (1/N) before normalising, so a
@@ -122,13 +141,16 @@ def target_distribution(target: str | Sequence[float], labels_N, num_paths: int,
   else:
     t_P = np.asarray(target, np.float64)
     if t_P.shape != (num_paths,) or (t_P < 0).any() or not t_P.sum() > 0:
-      raise ValueError(f"target shard sizes must be {num_paths} non-negative numbers with a "
-                       f"positive sum; got shape {t_P.shape}.")
+      raise ValueError(
+        f"target shard sizes must be {num_paths} non-negative numbers with a "
+        f"positive sum; got shape {t_P.shape}."
+      )
   t_P = np.maximum(t_P / t_P.sum(), 1.0 / n)
   t_P = t_P / t_P.sum()
   if not 0.0 <= min_share <= 1.0:
-    raise ValueError(f"min_share must lie in [0, 1] (a fraction of the uniform share); got "
-                     f"{min_share}.")
+    raise ValueError(
+      f"min_share must lie in [0, 1] (a fraction of the uniform share); got {min_share}."
+    )
   floor = min_share / num_paths
   floored = np.zeros(num_paths, bool)
   for _ in range(num_paths):  # Scaling the rest down can put another share under the floor.
@@ -162,9 +184,11 @@ def _fill_empty(logits_NxP: np.ndarray, b_P: np.ndarray, max_rounds: int) -> np.
     b_P[q] -= m_N[j] - gap / 2 if np.isinf(m_N[j + 1]) else (m_N[j] + m_N[j + 1]) / 2
   empty = np.nonzero(_counts(logits_NxP, b_P) == 0)[0]
   if empty.size:
-    raise ValueError(f"bias calibration could not give paths {empty.tolist()} a document: their "
-                     "logits never beat the others (degenerate classifier or fewer documents "
-                     "than paths); use more router data or fewer paths.")
+    raise ValueError(
+      f"bias calibration could not give paths {empty.tolist()} a document: their "
+      "logits never beat the others (degenerate classifier or fewer documents "
+      "than paths); use more router data or fewer paths."
+    )
   return b_P
 
 
@@ -176,12 +200,16 @@ def _size_error(c_P: np.ndarray, want_P: np.ndarray) -> float:
 def shard_stats(c_P: np.ndarray, t_P: np.ndarray) -> dict[str, float]:
   """How far shard sizes c_P are from target fractions t_P (see calibrate_bias)."""
   n = c_P.sum()
-  return {"max_ratio_err": _size_error(c_P, n * t_P),
-          "tv": float(0.5 * np.abs(c_P / n - t_P).sum()), "empty": int((c_P == 0).sum())}
+  return {
+    "max_ratio_err": _size_error(c_P, n * t_P),
+    "tv": float(0.5 * np.abs(c_P / n - t_P).sum()),
+    "empty": int((c_P == 0).sum()),
+  }
 
 
-def calibrate_bias(logits_NxP, target_P, *, tol: float = 0.1, max_iters: int = 500,
-                   step: float = 1.0) -> tuple[np.ndarray, dict[str, float]]:
+def calibrate_bias(
+  logits_NxP, target_P, *, tol: float = 0.1, max_iters: int = 500, step: float = 1.0
+) -> tuple[np.ndarray, dict[str, float]]:
   """Bias shift [P] so argmax shard sizes match target_P and no path is empty.
 
   Iterates b_p += step * log(target_p / predicted_p) on the argmax shard sizes
@@ -199,14 +227,16 @@ def calibrate_bias(logits_NxP, target_P, *, tol: float = 0.1, max_iters: int = 5
   n, p = logits_NxP.shape
   t_P = np.asarray(target_P, np.float64)
   if t_P.shape != (p,) or not np.all(t_P > 0) or abs(t_P.sum() - 1) > 1e-6:
-    raise ValueError(f"target_P must be {p} positive fractions summing to 1; use "
-                     "target_distribution() to build it.")
+    raise ValueError(
+      f"target_P must be {p} positive fractions summing to 1; use "
+      "target_distribution() to build it."
+    )
   if n < p:
     raise ValueError(f"{n} documents cannot fill {p} paths; use more router data.")
   want_P = n * t_P
   b_P = np.zeros(p)
   best_b, best_err, since_best, it = b_P, np.inf, 0, 0
-  for it in range(1, max_iters + 1):
+  for it in range(1, max_iters + 1):  # noqa: B007  (`it` is reported after the loop)
     c_P = _counts(logits_NxP, b_P)
     err = _size_error(c_P, want_P)
     if err < best_err:
@@ -221,24 +251,47 @@ def calibrate_bias(logits_NxP, target_P, *, tol: float = 0.1, max_iters: int = 5
   b_P = _fill_empty(logits_NxP, best_b, max_rounds=4 * p)
   info = {**shard_stats(_counts(logits_NxP, b_P), t_P), "iters": it}
   if info["max_ratio_err"] > np.log1p(tol):
-    logging.warning("bias calibration: worst shard off its target by log-ratio %.3f > "
-                    "log(1+tol) after %d iterations.", info["max_ratio_err"], it)
+    logging.warning(
+      "bias calibration: worst shard off its target by log-ratio %.3f > "
+      "log(1+tol) after %d iterations.",
+      info["max_ratio_err"],
+      it,
+    )
   return b_P.astype(np.float32), info
 
 
-def fit_discriminative(x_NxD, scores_NxP, *, target: str | Sequence[float] = "labels",
-                       min_share: float = 0.0, tol: float = 0.1, l2: float = 1e-4, steps: int = 500,
-                       learning_rate: float = 0.05, batch_size: int | None = None,
-                       seed: int = 0) -> tuple[LinearParams, dict[str, float]]:
+def fit_discriminative(
+  x_NxD,
+  scores_NxP,
+  *,
+  target: str | Sequence[float] = "labels",
+  min_share: float = 0.0,
+  tol: float = 0.1,
+  l2: float = 1e-4,
+  steps: int = 500,
+  learning_rate: float = 0.05,
+  batch_size: int | None = None,
+  seed: int = 0,
+) -> tuple[LinearParams, dict[str, float]]:
   """Labels from scores, logistic regression, bias calibration -> (params, info)."""
   kmeans.check_features(scores_NxP, name="scores")
   if scores_NxP.shape[0] != x_NxD.shape[0]:
-    raise ValueError(f"features have {x_NxD.shape[0]} rows but scores have "
-                     f"{scores_NxP.shape[0]}; score the same documents you featurise.")
+    raise ValueError(
+      f"features have {x_NxD.shape[0]} rows but scores have "
+      f"{scores_NxP.shape[0]}; score the same documents you featurise."
+    )
   num_paths = scores_NxP.shape[1]
   labels_N = labels_from_scores(scores_NxP)
-  params = fit_logistic(x_NxD, labels_N, num_paths, l2=l2, steps=steps,
-                        learning_rate=learning_rate, batch_size=batch_size, seed=seed)
+  params = fit_logistic(
+    x_NxD,
+    labels_N,
+    num_paths,
+    l2=l2,
+    steps=steps,
+    learning_rate=learning_rate,
+    batch_size=batch_size,
+    seed=seed,
+  )
   t_P = target_distribution(target, labels_N, num_paths, min_share=min_share)
   shift_P, info = calibrate_bias(linear_logits(x_NxD, params), t_P, tol=tol)
   params["b"] = params["b"] + shift_P
@@ -246,7 +299,12 @@ def fit_discriminative(x_NxD, scores_NxP, *, target: str | Sequence[float] = "la
   pred_N = predict_top_k(x_NxD, params)[:, 0]
   c_P = np.bincount(pred_N, minlength=num_paths)
   # Shard sizes on the router split, and the share of documents routed off their best path.
-  info.update(shard_stats(c_P, t_P), train_accuracy=float(np.mean(pred_N == labels_N)),
-              moved_off_label=float(np.mean(pred_N != labels_N)),
-              docs_min=int(c_P.min()), docs_median=float(np.median(c_P)), docs_max=int(c_P.max()))
+  info.update(
+    shard_stats(c_P, t_P),
+    train_accuracy=float(np.mean(pred_N == labels_N)),
+    moved_off_label=float(np.mean(pred_N != labels_N)),
+    docs_min=int(c_P.min()),
+    docs_median=float(np.median(c_P)),
+    docs_max=int(c_P.max()),
+  )
   return params, info

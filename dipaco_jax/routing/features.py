@@ -28,12 +28,13 @@ from dipaco_jax import model as model_lib
 from dipaco_jax.types import PyTree
 
 
-
 def check_prefix_len(prefix_len: int) -> int:
   """Raises ValueError for an empty routing prefix."""
   if not isinstance(prefix_len, (int, np.integer)) or prefix_len < 1:
-    raise ValueError(f"routing prefix length must be an integer >= 1; got {prefix_len!r}. Set "
-                     "config.routing.prefix_len (the paper routes on the first 32 tokens).")
+    raise ValueError(
+      f"routing prefix length must be an integer >= 1; got {prefix_len!r}. Set "
+      "config.routing.prefix_len (the paper routes on the first 32 tokens)."
+    )
   return int(prefix_len)
 
 
@@ -54,7 +55,7 @@ def pad_rows(seqs: Sequence[np.ndarray], length: int) -> tuple[np.ndarray, np.nd
   lens = np.zeros(len(seqs), np.int32)
   for i, s in enumerate(seqs):
     s = np.asarray(s[:length], np.int32)
-    out[i, :len(s)] = s
+    out[i, : len(s)] = s
     lens[i] = len(s)
   return out, lens
 
@@ -62,8 +63,15 @@ def pad_rows(seqs: Sequence[np.ndarray], length: int) -> tuple[np.ndarray, np.nd
 class FeatureExtractor:
   """Jitted θ̄ hidden-state means on this process's devices, batch sharded over 'data'."""
 
-  def __init__(self, model_cfg: model_lib.ModelConfig, params: PyTree, *, prefix_len: int = 32,
-               batch_size: int = 64, identity: str = ""):
+  def __init__(
+    self,
+    model_cfg: model_lib.ModelConfig,
+    params: PyTree,
+    *,
+    prefix_len: int = 32,
+    batch_size: int = 64,
+    identity: str = "",
+  ):
     self.prefix_len = check_prefix_len(prefix_len)
     devices = np.asarray(jax.local_devices())
     self.mesh = Mesh(devices, ("data",))
@@ -75,8 +83,9 @@ class FeatureExtractor:
     self.dim = model_cfg.d_model
     self.identity = identity
     self._rows = NamedSharding(self.mesh, P("data"))
-    self._running = jax.jit(self._running_fn, in_shardings=(replicated, self._rows),
-                            out_shardings=self._rows)
+    self._running = jax.jit(
+      self._running_fn, in_shardings=(replicated, self._rows), out_shardings=self._rows
+    )
 
   def _running_fn(self, params, inputs_BxT):
     """Mean of hidden states over input positions 1..j, for every j (j=0: position 0)."""
@@ -103,7 +112,7 @@ class FeatureExtractor:
     inputs = np.concatenate([np.zeros((n, 1), np.int32), tokens_NxT], 1)
     outs = []
     for start in range(0, n, self.batch_size):
-      rows = inputs[start:start + self.batch_size]
+      rows = inputs[start : start + self.batch_size]
       m = rows.shape[0]
       if m < self.batch_size:  # Pad the last batch: one compile per length.
         rows = np.concatenate([rows, np.zeros((self.batch_size - m, t + 1), np.int32)])
@@ -114,14 +123,17 @@ class FeatureExtractor:
     """[N, D] routing features: mean hidden state over each sequence's first prefix_len tokens."""
     tokens_NxL, lens_N = pad_rows(token_seqs, self.prefix_len)
     if len(lens_N) and lens_N.min() < 1:
-      raise ValueError(f"sequence {int(np.argmin(lens_N))} has no tokens: an empty prefix cannot "
-                       "be routed. Drop empty documents or texts before routing.")
+      raise ValueError(
+        f"sequence {int(np.argmin(lens_N))} has no tokens: an empty prefix cannot "
+        "be routed. Drop empty documents or texts before routing."
+      )
     means = self.running_means(tokens_NxL)
     # Shorter sequences average over the tokens they have (all causal, so padding is unseen).
     return means[np.arange(len(lens_N)), lens_N]
 
-  def stream(self, documents: Iterable, batch_size: int | None = None
-             ) -> Iterator[tuple[list, np.ndarray]]:
+  def stream(
+    self, documents: Iterable, batch_size: int | None = None
+  ) -> Iterator[tuple[list, np.ndarray]]:
     """(documents, features [n, D]) batch by batch: a corpus never sits in memory."""
     bs = batch_size or self.batch_size * 8
     batch = []
@@ -141,5 +153,10 @@ def extractor_from_config(config, params: PyTree | None = None) -> FeatureExtrac
   else:
     identity = "given"
   r = config.routing
-  return FeatureExtractor(exp_lib.model_config(config), params, prefix_len=r.prefix_len,
-                          batch_size=r.feature_batch_size, identity=identity)
+  return FeatureExtractor(
+    exp_lib.model_config(config),
+    params,
+    prefix_len=r.prefix_len,
+    batch_size=r.feature_batch_size,
+    identity=identity,
+  )

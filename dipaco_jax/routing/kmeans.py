@@ -8,8 +8,8 @@ re-seeded at the point farthest from its current centroid (the j-th empty
 cluster takes the j-th farthest point), so k clusters stay in use.
 """
 
-from collections.abc import Callable, Sequence
 import functools
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -22,13 +22,17 @@ def check_features(x_NxD, dim: int | None = None, name: str = "features") -> Non
   """Raises ValueError unless x is a non-empty [N, D] array (with D == dim when given)."""
   shape = getattr(x_NxD, "shape", None)
   if shape is None or len(shape) != 2:
-    raise ValueError(f"{name} must be a 2-D array [N, D]; got shape {shape}. "
-                     "Stack one feature vector per document.")
+    raise ValueError(
+      f"{name} must be a 2-D array [N, D]; got shape {shape}. "
+      "Stack one feature vector per document."
+    )
   if shape[0] == 0:
     raise ValueError(f"{name} is empty (shape {tuple(shape)}); pass at least one document.")
   if dim is not None and shape[1] != dim:
-    raise ValueError(f"{name} have dimension {shape[1]} but {dim} is expected; extract "
-                     "features with the same base model the router was fitted on.")
+    raise ValueError(
+      f"{name} have dimension {shape[1]} but {dim} is expected; extract "
+      "features with the same base model the router was fitted on."
+    )
 
 
 def check_finite(x, name: str = "features", offset: int = 0) -> None:
@@ -36,8 +40,10 @@ def check_finite(x, name: str = "features", offset: int = 0) -> None:
   bad = ~np.isfinite(np.asarray(x))
   if bad.any():
     rows = np.nonzero(bad.reshape(bad.shape[0], -1).any(axis=1))[0]
-    raise ValueError(f"{name} hold NaN/inf in {rows.size} row(s), first at row "
-                     f"{int(rows[0]) + offset}; fix or drop those documents before routing.")
+    raise ValueError(
+      f"{name} hold NaN/inf in {rows.size} row(s), first at row "
+      f"{int(rows[0]) + offset}; fix or drop those documents before routing."
+    )
 
 
 def check_top_k(top_k: int, num_choices: int) -> None:
@@ -48,19 +54,23 @@ def check_top_k(top_k: int, num_choices: int) -> None:
 
 def sq_dists(x_NxD: jax.Array, c_KxD: jax.Array) -> jax.Array:
   """Squared Euclidean distances [N, K], clamped at 0 against rounding."""
-  d_NxK = (jnp.sum(x_NxD**2, axis=1, keepdims=True) - 2.0 * x_NxD @ c_KxD.T
-           + jnp.sum(c_KxD**2, axis=1)[None, :])
+  d_NxK = (
+    jnp.sum(x_NxD**2, axis=1, keepdims=True)
+    - 2.0 * x_NxD @ c_KxD.T
+    + jnp.sum(c_KxD**2, axis=1)[None, :]
+  )
   return jnp.maximum(d_NxK, 0.0)
 
 
-def stream_batches(fn: Callable[[jax.Array], jax.Array], x_NxD, batch_size: int,
-                   name: str = "features") -> np.ndarray:
+def stream_batches(
+  fn: Callable[[jax.Array], jax.Array], x_NxD, batch_size: int, name: str = "features"
+) -> np.ndarray:
   """Applies a row-wise jitted fn batch by batch (last batch padded: one compile)."""
   n = x_NxD.shape[0]
   bs = max(1, min(batch_size, n))
   outs = []
   for start in range(0, n, bs):
-    xb = np.asarray(x_NxD[start:start + bs], dtype=np.float32)
+    xb = np.asarray(x_NxD[start : start + bs], dtype=np.float32)
     check_finite(xb, name, offset=start)
     m = xb.shape[0]
     if m < bs:
@@ -138,25 +148,30 @@ def _fit(key, x_NxD, tol, *, k: int, restarts: int, iters: int):
   return c_RxKxD[best], inertia_R[best]
 
 
-def _fit_key(key: jax.Array, x_NxD, k: int, restarts: int, iters: int,
-             tol: float) -> tuple[np.ndarray, float]:
+def _fit_key(
+  key: jax.Array, x_NxD, k: int, restarts: int, iters: int, tol: float
+) -> tuple[np.ndarray, float]:
   check_features(x_NxD)
   check_finite(x_NxD)
   if not 1 <= k <= x_NxD.shape[0]:
-    raise ValueError(f"k-means needs 1 <= k <= N; got k={k} for N={x_NxD.shape[0]} documents. "
-                     "Use fewer clusters or more router data.")
+    raise ValueError(
+      f"k-means needs 1 <= k <= N; got k={k} for N={x_NxD.shape[0]} documents. "
+      "Use fewer clusters or more router data."
+    )
   if restarts < 1 or iters < 0:
     raise ValueError(f"need restarts >= 1 and iters >= 0; got {restarts}, {iters}.")
   x_NxD = np.asarray(x_NxD, np.float32)
   # Centering first keeps ||x||^2 - 2x.c + ||c||^2 accurate in float32.
   mean_D = x_NxD.mean(axis=0)
-  c_KxD, inertia = _fit(key, jnp.asarray(x_NxD - mean_D), jnp.float32(tol),
-                        k=k, restarts=restarts, iters=iters)
+  c_KxD, inertia = _fit(
+    key, jnp.asarray(x_NxD - mean_D), jnp.float32(tol), k=k, restarts=restarts, iters=iters
+  )
   return np.asarray(c_KxD) + mean_D, float(inertia)
 
 
-def fit_kmeans(x_NxD, k: int, *, restarts: int = 4, iters: int = 100, tol: float = 1e-4,
-               seed: int = 0) -> np.ndarray:
+def fit_kmeans(
+  x_NxD, k: int, *, restarts: int = 4, iters: int = 100, tol: float = 1e-4, seed: int = 0
+) -> np.ndarray:
   """k-means++ + Lloyd, best inertia over restarts; deterministic in seed -> [K, D]."""
   return _fit_key(jax.random.PRNGKey(seed), x_NxD, k, restarts, iters, tol)[0]
 
@@ -171,8 +186,9 @@ def _nearest(x_NxD, c_KxD, *, top_k: int):
   return jax.lax.top_k(-sq_dists(x_NxD, c_KxD), top_k)[1]
 
 
-def assign(x_NxD, centroids_KxD, top_k: int = 1, *,
-           batch_size: int = DEFAULT_BATCH_SIZE) -> np.ndarray:
+def assign(
+  x_NxD, centroids_KxD, top_k: int = 1, *, batch_size: int = DEFAULT_BATCH_SIZE
+) -> np.ndarray:
   """Ids of the top_k nearest centroids, nearest first -> int32 [N, top_k]."""
   check_features(x_NxD, centroids_KxD.shape[1])
   check_top_k(top_k, centroids_KxD.shape[0])
@@ -193,8 +209,15 @@ def split_dims(dim: int, levels: int) -> list[tuple[int, int]]:
   return [(int(bounds[l]), int(bounds[l + 1])) for l in range(levels)]
 
 
-def fit_product_kmeans(x_NxD, grid: Sequence[int], *, restarts: int = 4, iters: int = 100,
-                       tol: float = 1e-4, seed: int = 0) -> list[np.ndarray]:
+def fit_product_kmeans(
+  x_NxD,
+  grid: Sequence[int],
+  *,
+  restarts: int = 4,
+  iters: int = 100,
+  tol: float = 1e-4,
+  seed: int = 0,
+) -> list[np.ndarray]:
   """k-means with K_l clusters on feature slice l -> list of [K_l, D_l] centroids."""
   check_features(x_NxD)
   key = jax.random.PRNGKey(seed)
@@ -220,7 +243,7 @@ def _product_nearest(x_NxD, cents: tuple[jax.Array, ...], *, top_k: int):
   lo = 0
   for c_KxE in cents:
     k_l, e = c_KxE.shape
-    neg_NxJ, idx_NxJ = jax.lax.top_k(-sq_dists(x_NxD[:, lo:lo + e], c_KxE), min(top_k, k_l))
+    neg_NxJ, idx_NxJ = jax.lax.top_k(-sq_dists(x_NxD[:, lo : lo + e], c_KxE), min(top_k, k_l))
     lo += e
     dist_NxMJ = (dist_NxM[:, :, None] - neg_NxJ[:, None, :]).reshape(n, -1)
     path_NxMJ = (path_NxM[:, :, None] * k_l + idx_NxJ[:, None, :]).reshape(n, -1)
@@ -230,8 +253,9 @@ def _product_nearest(x_NxD, cents: tuple[jax.Array, ...], *, top_k: int):
   return path_NxM
 
 
-def product_assign(x_NxD, centroids: Sequence[np.ndarray], top_k: int = 1, *,
-                   batch_size: int = DEFAULT_BATCH_SIZE) -> np.ndarray:
+def product_assign(
+  x_NxD, centroids: Sequence[np.ndarray], top_k: int = 1, *, batch_size: int = DEFAULT_BATCH_SIZE
+) -> np.ndarray:
   """Top_k paths (i_1..i_L flattened row-major), nearest first -> int32 [N, top_k]."""
   dim = sum(c.shape[1] for c in centroids)
   check_features(x_NxD, dim)

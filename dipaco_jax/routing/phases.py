@@ -18,8 +18,8 @@ import jax
 import numpy as np
 
 from dipaco_jax import data as data_lib
-from dipaco_jax.config_defaults import ConfigError
 from dipaco_jax import topology as topo_lib
+from dipaco_jax.config_defaults import ConfigError
 from dipaco_jax.routing import assignment as assign_lib
 from dipaco_jax.routing import features as features_lib
 from dipaco_jax.routing import report as report_lib
@@ -50,9 +50,11 @@ def replicas_by_router(config, topo: topo_lib.Topology) -> bool:
   if how == "hash" or topo.replicas == 1:
     return False
   if discriminative_steps(config):
-    raise ConfigError("config.routing.replica_shards='router' clusters documents per worker in "
-                     "phase 0 only; discriminative re-shards route paths. Set "
-                     "discriminative_at_outer_step=-1 or replica_shards='hash'.")
+    raise ConfigError(
+      "config.routing.replica_shards='router' clusters documents per worker in "
+      "phase 0 only; discriminative re-shards route paths. Set "
+      "discriminative_at_outer_step=-1 or replica_shards='hash'."
+    )
   return True
 
 
@@ -69,11 +71,15 @@ def phase0_grid(config, topo: topo_lib.Topology) -> tuple[int, ...]:
   grid = assign_lib.router_grid(topo, replicas_by_router(config, topo))
   if kind == "product_kmeans":
     if grid == (topo.num_paths,) and len(topo.modules_per_level) > 1:
-      raise ConfigError("product_kmeans needs the full grid of paths; this run lists an explicit "
-                       "path subset (config.dipaco.paths): use config.routing.router='kmeans'.")
+      raise ConfigError(
+        "product_kmeans needs the full grid of paths; this run lists an explicit "
+        "path subset (config.dipaco.paths): use config.routing.router='kmeans'."
+      )
     if grid == (topo.num_workers,) and topo.replicas > 1:
-      raise ConfigError("product_kmeans routes over the grid of paths; replica_shards='router' "
-                       "clusters per worker: use config.routing.router='kmeans'.")
+      raise ConfigError(
+        "product_kmeans routes over the grid of paths; replica_shards='router' "
+        "clusters per worker: use config.routing.router='kmeans'."
+      )
   return grid
 
 
@@ -86,12 +92,15 @@ def fit_phase0(config, topo: topo_lib.Topology, feats_NxD: np.ndarray) -> router
     return router_lib.fit_kmeans_router(feats_NxD, grid, **kw)
   if r.router == "product_kmeans":
     return router_lib.fit_product_kmeans_router(feats_NxD, grid, **kw)
-  raise ValueError(f"config.routing.router={r.router!r}: phase 0 fits 'kmeans' or "
-                   "'product_kmeans' ('random' needs no fit).")
+  raise ValueError(
+    f"config.routing.router={r.router!r}: phase 0 fits 'kmeans' or "
+    "'product_kmeans' ('random' needs no fit)."
+  )
 
 
-def phase0_router(config, workdir: str, topo: topo_lib.Topology,
-                  extractor: features_lib.FeatureExtractor | None) -> assign_lib.PathRouter:
+def phase0_router(
+  config, workdir: str, topo: topo_lib.Topology, extractor: features_lib.FeatureExtractor | None
+) -> assign_lib.PathRouter:
   """The configured phase-0 router: loaded from the workdir, else fitted and saved."""
   kind = config.routing.router
   grid = phase0_grid(config, topo)
@@ -102,58 +111,74 @@ def phase0_router(config, workdir: str, topo: topo_lib.Topology,
   if os.path.exists(os.path.join(directory, router_lib.META_FILE)):
     router = router_lib.Router.load(directory, grid=grid, feature_dim=extractor.dim)
     if router.kind != kind or router.info.get("features") != extractor.fingerprint:
-      raise ConfigError(f"{directory} holds a {router.kind} router on features "
-                        f"{router.info.get('features')}, but the config asks for {kind} on "
-                        f"{extractor.fingerprint}; use a new --workdir (nothing was changed).")
+      raise ConfigError(
+        f"{directory} holds a {router.kind} router on features "
+        f"{router.info.get('features')}, but the config asks for {kind} on "
+        f"{extractor.fingerprint}; use a new --workdir (nothing was changed)."
+      )
   else:
     split = assign_lib.collect(extractor, assign_lib.document_stream(config.data)("router"))
     router = fit_phase0(config, topo, split["features"])
     router.info["features"] = extractor.fingerprint
     if jax.process_index() == 0:  # Every process fits the same router; one writes it.
       router.save(directory)
-  return assign_lib.PathRouter(topo, router, seed=config.data.seed, feature_id=extractor.fingerprint,
-                    by_worker=by_worker)
+  return assign_lib.PathRouter(
+    topo, router, seed=config.data.seed, feature_id=extractor.fingerprint, by_worker=by_worker
+  )
 
 
-def load_phase_router(config, workdir: str, topo: topo_lib.Topology, phase: int,
-                      extractor: features_lib.FeatureExtractor | None) -> assign_lib.PathRouter:
+def load_phase_router(
+  config,
+  workdir: str,
+  topo: topo_lib.Topology,
+  phase: int,
+  extractor: features_lib.FeatureExtractor | None,
+) -> assign_lib.PathRouter:
   """The router that wrote phase `phase`'s shards (0: configured; >0: discriminative)."""
   if phase == 0:
     return phase0_router(config, workdir, topo, extractor)
   router = router_lib.Router.load(router_dir(workdir, phase), grid=assign_lib.router_grid(topo))
-  return assign_lib.PathRouter(topo, router, seed=config.data.seed,
-                    feature_id=router.info.get("features", ""))
+  return assign_lib.PathRouter(
+    topo, router, seed=config.data.seed, feature_id=router.info.get("features", "")
+  )
 
 
 def discriminative_steps(config) -> list[int]:
   """Outer steps after which a discriminative re-shard runs (empty: never)."""
   r = config.routing
-  at, phases, every = (r.discriminative_at_outer_step, r.discriminative_phases,
-                       r.discriminative_every)
+  at, phases, every = (
+    r.discriminative_at_outer_step,
+    r.discriminative_phases,
+    r.discriminative_every,
+  )
   if at < 0 or phases < 1:
     return []
   if phases > 1 and every < 1:
-    raise ConfigError(f"config.routing.discriminative_every={every}: successive phases need >= 1 "
-                     "outer step between them.")
+    raise ConfigError(
+      f"config.routing.discriminative_every={every}: successive phases need >= 1 "
+      "outer step between them."
+    )
   steps = [at + k * every for k in range(phases)]
   T = config.dipaco.outer_steps
   if not 1 <= at or steps[-1] >= T:
-    raise ConfigError(f"discriminative re-shards at outer steps {steps} do not fit in 1..{T - 1}: "
-                     "set config.routing.discriminative_at_outer_step (and _every) so that "
-                     "training continues after each re-shard.")
+    raise ConfigError(
+      f"discriminative re-shards at outer steps {steps} do not fit in 1..{T - 1}: "
+      "set config.routing.discriminative_at_outer_step (and _every) so that "
+      "training continues after each re-shard."
+    )
   return steps
 
 
 def score_documents(scorer: scoring.PathScorer, docs, prefix_len: int) -> np.ndarray:
   """Every path's log-likelihood of each document's tokens after the prefix -> [N, P]."""
-  toks = [d.tokens[:scorer.seq_len] for d in docs]
+  toks = [d.tokens[: scorer.seq_len] for d in docs]
   s_NxTxP = scorer.score_all_paths(toks)
   return s_NxTxP[:, prefix_len:].sum(1)
 
 
-def fit_discriminative_router(config, scorer: scoring.PathScorer,
-                              extractor: features_lib.FeatureExtractor, *, block: int = 256
-                              ) -> router_lib.Router:
+def fit_discriminative_router(
+  config, scorer: scoring.PathScorer, extractor: features_lib.FeatureExtractor, *, block: int = 256
+) -> router_lib.Router:
   """Scores the router split with every path, labels = best path, fits the linear router."""
   L = extractor.prefix_len
   limit = config.routing.router_max_docs
@@ -177,13 +202,18 @@ def fit_discriminative_router(config, scorer: scoring.PathScorer,
   if batch:
     flush()
   if not feats:
-    raise ValueError(f"the router split has no document longer than the {L}-token prefix; "
-                     "nothing to label.")
+    raise ValueError(
+      f"the router split has no document longer than the {L}-token prefix; nothing to label."
+    )
   x_NxD, s_NxP = np.concatenate(feats), np.concatenate(scores)
   router = router_lib.fit_linear_router(
-      x_NxD, s_NxP, assign_lib.router_grid(scorer.topo),
-      target=config.routing.discriminative_target,
-      min_share=config.routing.discriminative_min_share, seed=config.routing.seed)
+    x_NxD,
+    s_NxP,
+    assign_lib.router_grid(scorer.topo),
+    target=config.routing.discriminative_target,
+    min_share=config.routing.discriminative_min_share,
+    seed=config.routing.seed,
+  )
   router.info["features"] = extractor.fingerprint
   return router
 
@@ -199,16 +229,31 @@ def route_run(config, workdir: str) -> str:
   kind = config.routing.router
   extractor = features_lib.extractor_from_config(config) if kind != "random" else None
   pr = phase0_router(config, workdir, topo, extractor)
-  shard_set = data_lib.prepare_shards(config.data, topo.num_workers, shard_dir(config, workdir, 0),
-                                      assign=assign_lib.make_assignment(config, pr, extractor))
-  lines = [f"# Phase-0 routing: {pr.description}", "",
-           f"train shards (tokens per worker): {shard_set.sizes('train').tolist()}",
-           f"train shards (documents per worker): {shard_set.num_docs('train').tolist()}", ""]
+  shard_set = data_lib.prepare_shards(
+    config.data,
+    topo.num_workers,
+    shard_dir(config, workdir, 0),
+    assign=assign_lib.make_assignment(config, pr, extractor),
+  )
+  lines = [
+    f"# Phase-0 routing: {pr.description}",
+    "",
+    f"train shards (tokens per worker): {shard_set.sizes('train').tolist()}",
+    f"train shards (documents per worker): {shard_set.num_docs('train').tolist()}",
+    "",
+  ]
   for split in ("router", "validation"):
-    rep = report_lib.quality(pr, assign_lib.collect(extractor if pr.needs_features else None,
-                              assign_lib.document_stream(config.data)(split)))
-    lines += [f"## {split} split (top-1 path per document vs its domain)", "",
-              report_lib.to_markdown(rep)]
+    rep = report_lib.quality(
+      pr,
+      assign_lib.collect(
+        extractor if pr.needs_features else None, assign_lib.document_stream(config.data)(split)
+      ),
+    )
+    lines += [
+      f"## {split} split (top-1 path per document vs its domain)",
+      "",
+      report_lib.to_markdown(rep),
+    ]
   text = "\n".join(lines)
   os.makedirs(router_dir(workdir, 0), exist_ok=True)
   with open(os.path.join(router_dir(workdir, 0), "report.md"), "w") as f:

@@ -5,8 +5,8 @@ document in each of its k shards. Confusion, purity and NMI use each
 document's first (best) path only, as evaluation does.
 """
 
-from collections.abc import Sequence
 import dataclasses
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -90,8 +90,9 @@ class RouterReport:
     return float(self.sizes.max() / self.sizes.mean())
 
 
-def report(path_ids, num_paths: int, domains=None,
-           domain_names: Sequence[str] | None = None) -> RouterReport:
+def report(
+  path_ids, num_paths: int, domains=None, domain_names: Sequence[str] | None = None
+) -> RouterReport:
   """Builds a RouterReport; domains are ints in [0, M) (M = len(domain_names) if given)."""
   sizes = shard_sizes(path_ids, num_paths)
   if domains is None:
@@ -105,20 +106,26 @@ def report(path_ids, num_paths: int, domains=None,
 def to_markdown(rep: RouterReport) -> str:
   """Summary line plus a paths x domains table (sizes only when no domains)."""
   s = rep.sizes
-  lines = [f"paths: {len(s)}, documents (with overlap): {int(s.sum())}, shard size "
-           f"min/mean/max: {int(s.min())}/{s.mean():.1f}/{int(s.max())}, empty: {rep.num_empty}, "
-           f"imbalance (max/mean): {rep.imbalance:.2f}"]
+  lines = [
+    f"paths: {len(s)}, documents (with overlap): {int(s.sum())}, shard size "
+    f"min/mean/max: {int(s.min())}/{s.mean():.1f}/{int(s.max())}, empty: {rep.num_empty}, "
+    f"imbalance (max/mean): {rep.imbalance:.2f}"
+  ]
   if rep.confusion is None:
     lines += ["", "| path | docs |", "|---:|---:|"]
     lines += [f"| {p} | {int(n)} |" for p, n in enumerate(s)]
     return "\n".join(lines) + "\n"
   lines.append(f"purity: {rep.purity:.4f}, NMI(path, domain): {rep.nmi:.4f}")
-  lines += ["", "| path | top-1 docs | " + " | ".join(rep.domain_names) + " | majority |",
-            "|---:|---:|" + "---:|" * len(rep.domain_names) + "---|"]
+  lines += [
+    "",
+    "| path | top-1 docs | " + " | ".join(rep.domain_names) + " | majority |",
+    "|---:|---:|" + "---:|" * len(rep.domain_names) + "---|",
+  ]
   for p, row in enumerate(rep.confusion):
     major = rep.domain_names[int(row.argmax())] if row.sum() else "-"
-    lines.append(f"| {p} | {int(row.sum())} | " + " | ".join(str(int(v)) for v in row)
-                 + f" | {major} |")
+    lines.append(
+      f"| {p} | {int(row.sum())} | " + " | ".join(str(int(v)) for v in row) + f" | {major} |"
+    )
   return "\n".join(lines) + "\n"
 
 

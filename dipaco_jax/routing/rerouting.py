@@ -33,8 +33,10 @@ KINDS = ("linear", "transformer")
 def check_window(W: int) -> int:
   """Raises ValueError unless the re-routing interval is a positive integer."""
   if not isinstance(W, (int, np.integer)) or isinstance(W, bool) or W <= 0:
-    raise ValueError(f"re-routing window W must be an integer > 0 (tokens per chunk); got {W!r}. "
-                     "Set config.eval.rerouting_windows, e.g. (16, 32, 64, 128).")
+    raise ValueError(
+      f"re-routing window W must be an integer > 0 (tokens per chunk); got {W!r}. "
+      "Set config.eval.rerouting_windows, e.g. (16, 32, 64, 128)."
+    )
   return int(W)
 
 
@@ -52,12 +54,13 @@ def window_labels(s_NxTxP: np.ndarray, lengths_N: np.ndarray, window: int = 0) -
   if window > 0:
     end_NxT = np.minimum(end_NxT, b_T[None] + window)
   end_NxT = np.maximum(end_NxT, b_T[None])
-  sums = (np.take_along_axis(c_NxT1xP, end_NxT[:, :, None], 1) - c_NxT1xP[:, :T])
+  sums = np.take_along_axis(c_NxT1xP, end_NxT[:, :, None], 1) - c_NxT1xP[:, :T]
   return sums.argmax(-1).astype(np.int32)
 
 
-def chunk_paths(first_N: np.ndarray, lengths_N: np.ndarray, prefix_len: int, W: int,
-                decide) -> np.ndarray:
+def chunk_paths(
+  first_N: np.ndarray, lengths_N: np.ndarray, prefix_len: int, W: int, decide
+) -> np.ndarray:
   """Path scoring each target token [N, T_max]; decide(rows, b) -> paths for chunk at b."""
   T = int(np.max(lengths_N)) if len(lengths_N) else 0
   out = np.repeat(np.asarray(first_N, np.int64)[:, None], max(T, 1), 1)
@@ -68,8 +71,16 @@ def chunk_paths(first_N: np.ndarray, lengths_N: np.ndarray, prefix_len: int, W: 
   return out
 
 
-def fit_linear(running_NxT1xD: np.ndarray, labels_NxT: np.ndarray, lengths_N: np.ndarray, *,
-               prefix_len: int, stride: int, grid, seed: int = 0) -> router_lib.Router:
+def fit_linear(
+  running_NxT1xD: np.ndarray,
+  labels_NxT: np.ndarray,
+  lengths_N: np.ndarray,
+  *,
+  prefix_len: int,
+  stride: int,
+  grid,
+  seed: int = 0,
+) -> router_lib.Router:
   """Logistic regression from the running mean at b to T_b, on every stride-th b >= L."""
   xs, ys = [], []
   for n, length in enumerate(lengths_N):
@@ -78,8 +89,10 @@ def fit_linear(running_NxT1xD: np.ndarray, labels_NxT: np.ndarray, lengths_N: np
     ys.append(labels_NxT[n, bs])
   x, y = np.concatenate(xs), np.concatenate(ys)
   if not len(x):
-    raise ValueError(f"no router-split sequence is longer than the {prefix_len}-token prefix: no "
-                     "re-routing examples.")
+    raise ValueError(
+      f"no router-split sequence is longer than the {prefix_len}-token prefix: no "
+      "re-routing examples."
+    )
   P = int(np.prod(grid))
   # fit_linear_router takes scores: a one-hot of the label makes argmax = label.
   return router_lib.fit_linear_router(x, np.eye(P, dtype=np.float32)[y], grid, seed=seed)
@@ -99,15 +112,25 @@ class TransformerRerouter:
 
   def init(self, base: PyTree) -> PyTree:
     d = jax.tree.leaves(base["embed"])[0].shape[-1]
-    return {"base": base, "head": {"w": jnp.zeros((d, self.num_paths)),
-                                   "b": jnp.zeros((self.num_paths,))}}
+    return {
+      "base": base,
+      "head": {"w": jnp.zeros((d, self.num_paths)), "b": jnp.zeros((self.num_paths,))},
+    }
 
-  def fit(self, base: PyTree, tokens_NxT: np.ndarray, labels_NxT: np.ndarray,
-          mask_NxT: np.ndarray, *, steps: int, lr: float, batch_size: int, seed: int = 0
-          ) -> PyTree:
+  def fit(
+    self,
+    base: PyTree,
+    tokens_NxT: np.ndarray,
+    labels_NxT: np.ndarray,
+    mask_NxT: np.ndarray,
+    *,
+    steps: int,
+    lr: float,
+    batch_size: int,
+    seed: int = 0,
+  ) -> PyTree:
     """Fine-tunes θ̄ + head on cross-entropy to T_b at the masked positions."""
-    tx = optax.adamw(optax.cosine_decay_schedule(lr, max(steps, 1), alpha=0.05),
-                     weight_decay=0.0)
+    tx = optax.adamw(optax.cosine_decay_schedule(lr, max(steps, 1), alpha=0.05), weight_decay=0.0)
     params = self.init(base)
     opt = tx.init(params)
     # Inputs [BOS, t_0..t_{T-1}]: position b reads t_{b-1} and decides for targets from b.
@@ -120,6 +143,7 @@ class TransformerRerouter:
       def loss_fn(p):
         ce = optax.softmax_cross_entropy_with_integer_labels(self._logits_fn(p, x), y)
         return (ce * m).sum() / jnp.maximum(m.sum(), 1.0)
+
       loss, g = jax.value_and_grad(loss_fn)(params)
       upd, opt = tx.update(g, opt, params)
       return optax.apply_updates(params, upd), opt, loss
@@ -137,7 +161,7 @@ class TransformerRerouter:
     inputs = np.concatenate([np.zeros((len(tokens_NxT), 1), np.int32), tokens_NxT], 1)
     outs = []
     for s in range(0, len(inputs), batch_size):
-      rows = inputs[s:s + batch_size]
+      rows = inputs[s : s + batch_size]
       m = len(rows)
       if m < batch_size:
         rows = np.concatenate([rows, np.zeros((batch_size - m,) + rows.shape[1:], np.int32)])

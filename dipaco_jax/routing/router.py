@@ -9,13 +9,13 @@ Three kinds share one object, one `route` and one on-disk format:
 On disk: `router.npz` (the arrays) + `router.json` (kind, grid, dims, fit info).
 """
 
-from collections.abc import Sequence
 import dataclasses
 import json
 import math
 import os
-from typing import Any
 import zipfile
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -39,8 +39,10 @@ def _expected_shapes(kind: str, grid: tuple[int, ...], dim: int) -> dict[str, tu
   if kind == "kmeans":
     return {"centroids": (p, dim)}
   if kind == "product_kmeans":
-    return {f"centroids_{l}": (k, hi - lo)
-            for l, (k, (lo, hi)) in enumerate(zip(grid, kmeans.split_dims(dim, len(grid))))}
+    return {
+      f"centroids_{l}": (k, hi - lo)
+      for l, (k, (lo, hi)) in enumerate(zip(grid, kmeans.split_dims(dim, len(grid))))
+    }
   return {"w": (dim, p), "b": (p,), "mean": (dim,), "std": (dim,)}
 
 
@@ -74,8 +76,10 @@ class Router:
     want = _expected_shapes(self.kind, grid, dim) if dim else "a feature dim >= 1"
     got = {k: v.shape for k, v in arrays.items()}
     if got != want:
-      raise ValueError(f"a {self.kind} router for grid {_grid_str(grid)} needs arrays {want}; "
-                       f"got {got}. Build it with the fit_*_router functions.")
+      raise ValueError(
+        f"a {self.kind} router for grid {_grid_str(grid)} needs arrays {want}; "
+        f"got {got}. Build it with the fit_*_router functions."
+      )
     for k, v in arrays.items():
       kmeans.check_finite(v.reshape(v.shape[0], -1), name=f"router array {k!r}")
 
@@ -88,11 +92,14 @@ class Router:
     return _feature_dim(self.kind, self.arrays)
 
   def describe(self) -> str:
-    return (f"{self.kind} router for grid {_grid_str(self.grid)} ({self.num_paths} paths, "
-            f"feature dim {self.feature_dim})")
+    return (
+      f"{self.kind} router for grid {_grid_str(self.grid)} ({self.num_paths} paths, "
+      f"feature dim {self.feature_dim})"
+    )
 
-  def route(self, x_NxD, top_k: int = 1, *,
-            batch_size: int = kmeans.DEFAULT_BATCH_SIZE) -> np.ndarray:
+  def route(
+    self, x_NxD, top_k: int = 1, *, batch_size: int = kmeans.DEFAULT_BATCH_SIZE
+  ) -> np.ndarray:
     """Top_k path ids per document, best first -> int32 [N, top_k]."""
     kmeans.check_features(x_NxD, self.feature_dim)
     kmeans.check_top_k(top_k, self.num_paths)
@@ -103,30 +110,53 @@ class Router:
       return kmeans.product_assign(x_NxD, cents, top_k, batch_size=batch_size)
     return discriminative.predict_top_k(x_NxD, self.arrays, top_k, batch_size=batch_size)
 
-  def check_matches(self, *, grid: Sequence[int] | None = None, num_paths: int | None = None,
-                    feature_dim: int | None = None, source: str = "this router") -> None:
+  def check_matches(
+    self,
+    *,
+    grid: Sequence[int] | None = None,
+    num_paths: int | None = None,
+    feature_dim: int | None = None,
+    source: str = "this router",
+  ) -> None:
     """Raises ValueError ('router from another grid') unless grid / P / D match."""
-    bad = ((grid is not None and tuple(grid) != self.grid)
-           or (num_paths is not None and num_paths != self.num_paths)
-           or (feature_dim is not None and feature_dim != self.feature_dim))
+    bad = (
+      (grid is not None and tuple(grid) != self.grid)
+      or (num_paths is not None and num_paths != self.num_paths)
+      or (feature_dim is not None and feature_dim != self.feature_dim)
+    )
     if bad:
-      want = ", ".join(s for s in (grid is not None and f"grid {_grid_str(grid)}",
-                                   num_paths is not None and f"{num_paths} paths",
-                                   feature_dim is not None and f"feature dim {feature_dim}") if s)
-      raise ValueError(f"router from another grid: {source} is a {self.describe()}, but this run "
-                       f"expects {want}. Point the run at the router fitted for this grid and "
-                       "base model, or refit one (fit_*_router) on this run's router features.")
+      want = ", ".join(
+        s
+        for s in (
+          grid is not None and f"grid {_grid_str(grid)}",
+          num_paths is not None and f"{num_paths} paths",
+          feature_dim is not None and f"feature dim {feature_dim}",
+        )
+        if s
+      )
+      raise ValueError(
+        f"router from another grid: {source} is a {self.describe()}, but this run "
+        f"expects {want}. Point the run at the router fitted for this grid and "
+        "base model, or refit one (fit_*_router) on this run's router features."
+      )
 
   def save(self, directory: str, *, overwrite: bool = False) -> None:
     """Writes router.npz + router.json into directory (refuses to replace unless overwrite)."""
     os.makedirs(directory, exist_ok=True)
     paths = [os.path.join(directory, f) for f in (ARRAYS_FILE, META_FILE)]
     if not overwrite and any(os.path.exists(p) for p in paths):
-      raise FileExistsError(f"a router is already saved in {directory}; pick a new directory "
-                            "or pass overwrite=True.")
-    meta = {"format_version": _FORMAT_VERSION, "kind": self.kind, "grid": list(self.grid),
-            "num_paths": self.num_paths, "feature_dim": self.feature_dim,
-            "arrays": {k: list(v.shape) for k, v in self.arrays.items()}, "info": self.info}
+      raise FileExistsError(
+        f"a router is already saved in {directory}; pick a new directory or pass overwrite=True."
+      )
+    meta = {
+      "format_version": _FORMAT_VERSION,
+      "kind": self.kind,
+      "grid": list(self.grid),
+      "num_paths": self.num_paths,
+      "feature_dim": self.feature_dim,
+      "arrays": {k: list(v.shape) for k, v in self.arrays.items()},
+      "info": self.info,
+    }
     # Write both to temporaries first, then rename: a crash never leaves half a router.
     with open(paths[0] + ".tmp", "wb") as f:
       np.savez(f, **self.arrays)
@@ -141,22 +171,32 @@ class Router:
     return os.path.exists(os.path.join(directory, META_FILE))
 
   @classmethod
-  def load(cls, directory: str, *, grid: Sequence[int] | None = None,
-           num_paths: int | None = None, feature_dim: int | None = None) -> "Router":
+  def load(
+    cls,
+    directory: str,
+    *,
+    grid: Sequence[int] | None = None,
+    num_paths: int | None = None,
+    feature_dim: int | None = None,
+  ) -> "Router":
     """Reads a saved router; checks it against the expected grid / P / D when given."""
     paths = [os.path.join(directory, f) for f in (ARRAYS_FILE, META_FILE)]
     missing = [p for p in paths if not os.path.exists(p)]
     if missing:
-      raise FileNotFoundError(f"no saved router in {directory} (missing {missing}); fit one "
-                              "with a fit_*_router function and Router.save it there.")
+      raise FileNotFoundError(
+        f"no saved router in {directory} (missing {missing}); fit one "
+        "with a fit_*_router function and Router.save it there."
+      )
     try:
       with open(paths[1]) as f:
         meta = json.load(f)
     except ValueError as e:  # JSONDecodeError and UnicodeDecodeError.
       raise _damaged(paths[1], errors.json_problem(e)) from e
     if meta.get("format_version") != _FORMAT_VERSION:
-      raise ValueError(f"{paths[1]} has router format {meta.get('format_version')}, this code "
-                       f"reads {_FORMAT_VERSION}; refit the router with this code.")
+      raise ValueError(
+        f"{paths[1]} has router format {meta.get('format_version')}, this code "
+        f"reads {_FORMAT_VERSION}; refit the router with this code."
+      )
     try:
       with np.load(paths[0]) as z:
         arrays = {k: z[k] for k in z.files}
@@ -165,51 +205,78 @@ class Router:
     router = cls(meta["kind"], tuple(meta["grid"]), arrays, meta.get("info", {}))
     if router.feature_dim != meta["feature_dim"] or router.num_paths != meta["num_paths"]:
       raise ValueError(f"{directory}: {META_FILE} and {ARRAYS_FILE} disagree; re-save the router.")
-    router.check_matches(grid=grid, num_paths=num_paths, feature_dim=feature_dim,
-                         source=f"the router in {directory}")
+    router.check_matches(
+      grid=grid, num_paths=num_paths, feature_dim=feature_dim, source=f"the router in {directory}"
+    )
     return router
 
 
 def _damaged(path: str, reason: str) -> errors.DamagedFileError:
   directory = os.path.dirname(path)
   return errors.DamagedFileError(
-      f"router file {path} is damaged ({reason}); move {directory} aside (mv {directory} "
-      f"{directory}.damaged) and rerun to fit it again (a discriminative phase's router is "
-      "refitted only when the run resumes from before its re-shard).")
+    f"router file {path} is damaged ({reason}); move {directory} aside (mv {directory} "
+    f"{directory}.damaged) and rerun to fit it again (a discriminative phase's router is "
+    "refitted only when the run resumes from before its re-shard)."
+  )
 
 
 def _json_info(**info) -> dict[str, Any]:
   return {k: (v.item() if isinstance(v, np.generic) else v) for k, v in info.items()}
 
 
-def fit_kmeans_router(x_NxD, grid: Sequence[int], *, restarts: int = 4, iters: int = 100,
-                      tol: float = 1e-4, seed: int = 0) -> Router:
+def fit_kmeans_router(
+  x_NxD,
+  grid: Sequence[int],
+  *,
+  restarts: int = 4,
+  iters: int = 100,
+  tol: float = 1e-4,
+  seed: int = 0,
+) -> Router:
   """k-means with prod(grid) clusters; cluster id = path id (§2.4.1)."""
-  c_PxD = kmeans.fit_kmeans(x_NxD, math.prod(grid), restarts=restarts, iters=iters, tol=tol,
-                            seed=seed)
+  c_PxD = kmeans.fit_kmeans(
+    x_NxD, math.prod(grid), restarts=restarts, iters=iters, tol=tol, seed=seed
+  )
   info = _json_info(inertia=kmeans.inertia(x_NxD, c_PxD), num_docs=len(x_NxD), seed=seed)
   return Router("kmeans", tuple(grid), {"centroids": c_PxD}, info)
 
 
-def fit_product_kmeans_router(x_NxD, grid: Sequence[int], *, restarts: int = 4, iters: int = 100,
-                              tol: float = 1e-4, seed: int = 0) -> Router:
+def fit_product_kmeans_router(
+  x_NxD,
+  grid: Sequence[int],
+  *,
+  restarts: int = 4,
+  iters: int = 100,
+  tol: float = 1e-4,
+  seed: int = 0,
+) -> Router:
   """One k-means of K_l clusters per contiguous feature slice l (§7.3)."""
-  cents = kmeans.fit_product_kmeans(x_NxD, grid, restarts=restarts, iters=iters, tol=tol,
-                                    seed=seed)
+  cents = kmeans.fit_product_kmeans(x_NxD, grid, restarts=restarts, iters=iters, tol=tol, seed=seed)
   info = _json_info(num_docs=len(x_NxD), seed=seed)
-  return Router("product_kmeans", tuple(grid), {f"centroids_{l}": c for l, c in enumerate(cents)},
-                info)
+  return Router(
+    "product_kmeans", tuple(grid), {f"centroids_{l}": c for l, c in enumerate(cents)}, info
+  )
 
 
-def fit_linear_router(x_NxD, scores_NxP, grid: Sequence[int], *,
-                      target: str | Sequence[float] = "labels", tol: float = 0.02, **fit_kwargs
-                      ) -> Router:
+def fit_linear_router(
+  x_NxD,
+  scores_NxP,
+  grid: Sequence[int],
+  *,
+  target: str | Sequence[float] = "labels",
+  tol: float = 0.02,
+  **fit_kwargs,
+) -> Router:
   """Discriminative router from per-path scores (§2.4.2); see discriminative.fit_discriminative."""
   if scores_NxP.shape[-1] != math.prod(grid):
-    raise ValueError(f"scores have {scores_NxP.shape[-1]} paths but grid {_grid_str(grid)} has "
-                     f"{math.prod(grid)}; score every path of this grid.")
-  params, info = discriminative.fit_discriminative(x_NxD, scores_NxP, target=target, tol=tol,
-                                                   **fit_kwargs)
+    raise ValueError(
+      f"scores have {scores_NxP.shape[-1]} paths but grid {_grid_str(grid)} has "
+      f"{math.prod(grid)}; score every path of this grid."
+    )
+  params, info = discriminative.fit_discriminative(
+    x_NxD, scores_NxP, target=target, tol=tol, **fit_kwargs
+  )
   target_name = target if isinstance(target, str) else "given"
-  return Router("linear", tuple(grid), params,
-                _json_info(num_docs=len(x_NxD), target=target_name, **info))
+  return Router(
+    "linear", tuple(grid), params, _json_info(num_docs=len(x_NxD), target=target_name, **info)
+  )

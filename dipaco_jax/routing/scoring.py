@@ -22,7 +22,6 @@ from dipaco_jax import paths as paths_lib
 from dipaco_jax.types import PyTree
 
 
-
 def _token_logprobs(params, inputs_BxT, targets_BxT, *, model):
   """log p(target_t | inputs_<=t) for one path: [B, T] float32."""
   logits_BxTxV = model.apply({"params": params}, inputs_BxT)
@@ -32,8 +31,9 @@ def _token_logprobs(params, inputs_BxT, targets_BxT, *, model):
 class PathScorer:
   """Scores units with the params of every worker ([W, ...], sharded like training)."""
 
-  def __init__(self, exp: exp_lib.Experiment, params_W: PyTree, *, seq_len: int,
-               batch_size: int | None = None):
+  def __init__(
+    self, exp: exp_lib.Experiment, params_W: PyTree, *, seq_len: int, batch_size: int | None = None
+  ):
     self.exp, self.topo = exp, exp.topo
     self.seq_len = int(seq_len)
     data = exp.mesh.shape["data"]
@@ -42,16 +42,21 @@ class PathScorer:
     self.params_W = params_W
     sh = exp.batch_sharding
     self._sharding = sh
-    self._fn = jax.jit(jax.vmap(functools.partial(_token_logprobs, model=exp.model)),
-                       in_shardings=(exp.state_sharding.params, sh, sh), out_shardings=sh)
-    self.workers_of_path = [np.flatnonzero(self.topo.path_of_worker == p)
-                            for p in range(self.topo.num_paths)]
+    self._fn = jax.jit(
+      jax.vmap(functools.partial(_token_logprobs, model=exp.model)),
+      in_shardings=(exp.state_sharding.params, sh, sh),
+      out_shardings=sh,
+    )
+    self.workers_of_path = [
+      np.flatnonzero(self.topo.path_of_worker == p) for p in range(self.topo.num_paths)
+    ]
 
   @classmethod
   def from_store(cls, exp: exp_lib.Experiment, store: PyTree, **kw) -> "PathScorer":
     """Scorer for the global modules: every replica of a path holds the store's path."""
-    assemble = jax.jit(functools.partial(paths_lib.assemble, topo=exp.topo),
-                       out_shardings=exp.state_sharding.params)
+    assemble = jax.jit(
+      functools.partial(paths_lib.assemble, topo=exp.topo), out_shardings=exp.state_sharding.params
+    )
     return cls(exp, assemble(store), **kw)
 
   def _put(self, x_WxBxT: np.ndarray) -> jax.Array:
@@ -66,7 +71,9 @@ class PathScorer:
     sent = np.zeros(self.topo.num_paths, np.int64)  # Units per path so far: round-robin replicas.
     for i, (t, p) in enumerate(zip(tokens, paths)):
       if not 0 <= int(p) < self.topo.num_paths:
-        raise ValueError(f"unit {i} names path {p}; this grid has paths 0-{self.topo.num_paths - 1}.")
+        raise ValueError(
+          f"unit {i} names path {p}; this grid has paths 0-{self.topo.num_paths - 1}."
+        )
       if not 1 <= len(t) <= T:
         raise ValueError(f"unit {i} has {len(t)} tokens; units need 1..{T} (the scorer's seq_len).")
       ws = self.workers_of_path[int(p)]
@@ -79,14 +86,15 @@ class PathScorer:
       for w in range(W):
         rows, queues[w] = queues[w][:B], queues[w][B:]
         for b, i in enumerate(rows):
-          targets[w, b, :len(tokens[i])] = tokens[i]
+          targets[w, b, : len(tokens[i])] = tokens[i]
           taken.append((w, b, i))
       inputs = np.concatenate([np.zeros((W, B, 1), np.int32), targets[:, :, :-1]], -1)
       # Blocks every batch: keeps dispatch close (CPU collectives, NOTES.md).
-      logp = np.asarray(feed_lib.host(self._fn(self.params_W, self._put(inputs),
-                                               self._put(targets))))
+      logp = np.asarray(
+        feed_lib.host(self._fn(self.params_W, self._put(inputs), self._put(targets)))
+      )
       for w, b, i in taken:
-        out[i] = logp[w, b, :len(tokens[i])]
+        out[i] = logp[w, b, : len(tokens[i])]
     return out  # type: ignore[return-value]
 
   def score_all_paths(self, tokens: Sequence[np.ndarray]) -> np.ndarray:
@@ -96,7 +104,7 @@ class PathScorer:
     flat = self.score(units, [p for _ in tokens for p in range(P)])
     out = np.zeros((len(tokens), T, P), np.float32)
     for k, lp in enumerate(flat):
-      out[k // P, :len(lp), k % P] = lp
+      out[k // P, : len(lp), k % P] = lp
     return out
 
 
