@@ -183,6 +183,7 @@ def test_user_errors_are_named_in_one_place():
   assert cli.is_user_error(FileNotFoundError("x"))
   assert cli.is_user_error(errors.DamagedFileError("x"))
   assert cli.is_user_error(metrics.NonFiniteLossError("x"))
+  assert cli.is_user_error(metrics.DivergenceError("x"))  # The guard's other stops.
   assert not cli.is_user_error(KeyError("x"))  # A bug: its traceback is kept.
   assert cli.one_line(ValueError("first\n  detail\nlast")) == "ValueError: first ... last"
 
@@ -321,3 +322,56 @@ def test_verbose_errors_shows_the_traceback(tmp_path):
   assert r.returncode != 0
   assert "Traceback (most recent call last)" in r.stderr
   assert "config.outer.momentum=1.5 is invalid" in r.stderr
+
+
+# A seconds-long run of the tiny config (the shipped tokenizer), checkpointed every 2 steps.
+_SMALL = [
+  "--config.model.d_model=32",
+  "--config.model.num_heads=2",
+  "--config.model.head_dim=16",
+  "--config.data.seq_len=16",
+  "--config.data.batch_size=2",
+  "--config.inner.warmup_steps=2",
+  "--config.dipaco.inner_steps=2",
+  "--config.dipaco.outer_steps=3",
+  "--config.ckpt.every_steps=2",
+  "--config.eval.every_steps=2",
+  "--config.eval.batches=1",
+]
+
+
+def _last_line(stderr: str) -> str:
+  """The last line of stderr (splitlines also splits tqdm's carriage-return redraws)."""
+  return [l for l in stderr.splitlines() if l.strip()][-1]
+
+
+@pytest.mark.slow
+def test_a_diverged_run_and_a_damaged_checkpoint_stop_in_one_line(tmp_path):
+  workdir = tmp_path / "run"
+  args = [f"--config={TINY}", f"--workdir={workdir}", *_SMALL]
+  assert _command("main", *args, "--config.stop_at_step=2").returncode == 0
+  ckpts = workdir / "checkpoints"
+  before = helpers.tree_bytes(ckpts)
+  # issue #11: inner.lr=1e6 once ran to the end (params ~1e13, loss at ln V) and exited 0.
+  r = _command("main", *args, "--config.inner.lr=1e6")
+  assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+  line = _last_line(r.stderr)
+  assert re.fullmatch(
+    r"DivergenceError: parameter norm of \w+ grew \S+x since step 2 .* at step "
+    r"3, .*: the run diverged; the last checkpoint, step 2, is kept and "
+    r"nothing later was saved\. Lower config\.inner\.lr, .*",
+    line,
+  ), line
+  assert helpers.tree_bytes(ckpts) == before
+  helpers.truncate(ckpts / "2" / "state" / "manifest.ocdbt")
+  r = _command("main", *args)
+  assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+  line = _last_line(r.stderr)
+  assert line.startswith(
+    f"DamagedCheckpointError: checkpoint step 2 in {ckpts} is damaged "
+    "(state/manifest.ocdbt: Length in header ("
+  ), line
+  assert line.endswith(
+    f"); move it aside (mv {ckpts}/2 {workdir}/damaged_checkpoint_2) to start "
+    "the run over from step 0 (no older checkpoint is intact)."
+  ), line
