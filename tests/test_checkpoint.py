@@ -219,6 +219,7 @@ def test_no_intact_older_checkpoint_says_start_over(saved, tmp_path):
   del cfg
 
 
+@pytest.mark.slow  # two training runs on the embedded corpus
 def test_the_trainer_stops_on_a_damaged_checkpoint_and_resumes_after_the_mv(tmp_path):
   over = {
     "model.vocab_size": 8192,
