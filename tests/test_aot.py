@@ -87,7 +87,7 @@ def test_bad_input_is_refused_with_one_clear_error():
   with pytest.raises(aot.AotError, match="libtpu cannot build it"):
     aot.topology_devices("v5e:3x5", 1)
   tiny = os.path.join(helpers.ROOT, "configs", "tiny.py")
-  with pytest.raises(sharding.MeshError, match="does not divide"):
+  with pytest.raises(sharding.MeshError, match="not divisible by the 'data' mesh axis"):
     aot.Report(config_defaults.load(tiny, **{"mesh.data": 3}), "v5e:2x2", 2)
   with pytest.raises(ValueError, match="inner.microbatches=3"):
     aot.Report(config_defaults.load(tiny, **{"inner.microbatches": 3}), "v5e:2x2", 2)
