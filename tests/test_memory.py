@@ -33,6 +33,7 @@ def _train(cfg, batches):
   return _leaves(params), np.stack(losses)
 
 
+@pytest.mark.slow  # three batch-8 steps, accumulated and not, on 4 workers (16 s, load 4)
 def test_microbatches_give_the_full_batch_update():
   # 8 sequences per path in 4 microbatches of 2, against one batch of 8.
   over = {"data.batch_size": 8, "dipaco.inner_steps": 3}
@@ -138,6 +139,7 @@ def test_dot_product_attention_equals_the_einsum_attention():
     np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow  # two experiments on a 2x2 mesh, FSDP and not, compiled and run (35 s, load 13)
 def test_fsdp_shards_params_over_data_and_trains_the_same():
   over = {"mesh.path": 2, "mesh.data": 2, "data.batch_size": 4}
   rng = np.random.default_rng(4)
