@@ -27,6 +27,7 @@ def data_cfg(tfds_dir: str, **overrides) -> ml_collections.ConfigDict:
   return cfg
 
 
+@pytest.mark.slow  # ~7-12 s of CPU: the fast suite's budget is 3 minutes.
 def test_embedded_task_streams_tokenized_documents(tfds_dir):
   docs = list(data.iter_documents("dipaco_embedded", "router", data_dir=tfds_dir))
   records = list(corpus.read_records("router"))

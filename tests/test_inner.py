@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 from dipaco_jax import experiment
 from dipaco_jax import inner
@@ -44,6 +45,7 @@ def test_paths_are_independent_during_an_inner_phase():
   assert any(not np.array_equal(a[3], b[3]) for a, b in zip(_leaves(base), _leaves(other)))
 
 
+@pytest.mark.slow  # ~7-12 s of CPU: the fast suite's budget is 3 minutes.
 def test_h1_with_outer_sgd_lr1_equals_plain_adamw():
   # One path, H = 1, outer SGD lr 1 without momentum: θ_store ← θ_store −
   # (θ_store − θ) = θ after every step, so training is plain AdamW.

@@ -81,6 +81,7 @@ def _packed_batch(seed=0, B=3, T=16, V=64):
   return b
 
 
+@pytest.mark.slow  # ~7-12 s of CPU: the fast suite's budget is 3 minutes.
 @pytest.mark.parametrize("tie", [True, False])
 def test_chunked_loss_equals_the_full_logits_loss(tie):
   cfg = _model_cfg(tie_embeddings=tie)
@@ -119,6 +120,7 @@ def test_unknown_remat_policy_is_refused():
     _model_cfg(remat=True)
 
 
+@pytest.mark.slow  # ~7-12 s of CPU: the fast suite's budget is 3 minutes.
 def test_dot_product_attention_equals_the_einsum_attention():
   # Packed rows (two documents each) check the segment mask, causality the rest.
   cfg = _model_cfg()
