@@ -31,7 +31,7 @@ from dipaco_jax import sharding
 _FROZEN_SECTIONS = ("model", "dipaco", "data")
 
 
-def _check_config_matches(workdir: epath.Path, config) -> None:
+def check_config_matches(workdir: epath.Path, config) -> None:
   """Refuses to resume a workdir written by a different grid, model or data."""
   path = workdir / "config.json"
   if path.exists():
@@ -45,7 +45,7 @@ def _check_config_matches(workdir: epath.Path, config) -> None:
       )
 
 
-def _write_config(workdir: epath.Path, config) -> None:
+def write_config(workdir: epath.Path, config) -> None:
   """config.json, once the config is valid and the run's shards are ready."""
   path = workdir / "config.json"
   if jax.process_index() == 0 and not path.exists():
@@ -69,7 +69,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   elastic.check_workdir_mode(workdir, "spmd")
   exp = exp_lib.Experiment(config)
   workdir_path = epath.Path(workdir)
-  _check_config_matches(workdir_path, config)
+  check_config_matches(workdir_path, config)
   workdir_path.mkdir(parents=True, exist_ok=True)
   topo = exp.topo
   W, H, T = topo.num_workers, config.dipaco.inner_steps, config.dipaco.outer_steps
@@ -86,7 +86,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     if config.early_stopping.enabled
     else None
   )
-  _write_config(workdir_path, config)  # The run's inputs are all valid and ready.
+  write_config(workdir_path, config)  # The run's inputs are all valid and ready.
 
   ckpt = ckpt_lib.Checkpointer(
     workdir, max_to_keep=config.ckpt.max_to_keep, async_save=config.ckpt.async_save

@@ -226,7 +226,7 @@ def run(config, workdir: str) -> dict:
   workdir = str(workdir)
   epath.Path(workdir).mkdir(parents=True, exist_ok=True)
   check_workdir_mode(workdir, "elastic")
-  train._check_config_matches(epath.Path(workdir), config)  # pylint: disable=protected-access
+  train.check_config_matches(epath.Path(workdir), config)
   e = config.elastic
   started = _connect(config, num_cpus=e.num_workers + 1)  # A bad address fails before any work.
   actors, log_path = [], storage.root(workdir) / "tasks.jsonl"
@@ -240,7 +240,7 @@ def run(config, workdir: str) -> dict:
     )
     grid = grid_lib.Grid(config)
     plan = shard_plan.ShardPlan(config, workdir, exp)  # Phase-0 shards and α, as the SPMD loop.
-    train._write_config(epath.Path(workdir), config)  # pylint: disable=protected-access
+    train.write_config(epath.Path(workdir), config)
     alpha_W = np.asarray(jax.device_get(plan.alpha_W), np.float32)
     if not (storage.root(workdir) / META).exists():
       _init_storage(config, workdir, exp, grid, alpha_W)
