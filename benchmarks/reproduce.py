@@ -13,6 +13,9 @@ Table 1 / Fig. 8 (shared/reference/dipaco-paper.md §5):
   dense_4x      a dense model with ~4x the path's parameters, trained from
                 scratch for pretrain + steps (the paper's 1.3B baseline).
   diloco_iid    DiLoCo: one path, P replicas on i.i.d. shards, forked from θ̄.
+  diloco_iid_16 DiLoCo with as many replicas as the 4x4 grid has paths (16): the
+                comparison at equal workers (the paper's Table 1 pairs DiLoCo P=8
+                with DiPaCo 2x4, 8 paths each); diloco_iid is the one at P=4.
   diloco_kmeans DiLoCo on non-i.i.d. shards: k-means with one cluster per replica.
   flat_moe      P independent paths (one level, K=P), k-means then one
                 discriminative re-shard.
@@ -20,6 +23,7 @@ Table 1 / Fig. 8 (shared/reference/dipaco-paper.md §5):
                 and head shared; k-means, then one discriminative re-shard.
   dipaco_2x2_kmeans  the same run without the re-shard (k-means throughout).
   dipaco_4x4    16 paths, 4 modules per level; k-means, then discriminative.
+  dipaco_4x4_kmeans  the same run without the re-shard (k-means throughout).
 
 All forks re-warm the inner LR and anneal it over `steps`; the re-shard does
 not restart the schedule (routing.restart_schedule=False), so k-means and
@@ -155,11 +159,13 @@ MODELS = {
   "dense_path": "dense, path size (Table 1 baseline, 16.23)",
   "dense_4x": "dense, ~4x path params, from scratch (the 1.3B dense, 11.41)",
   "diloco_iid": "DiLoCo, P replicas, i.i.d. shards (DiLoCo Table 3)",
+  "diloco_iid_16": "DiLoCo, 16 replicas (the 4x4 grid's paths), i.i.d. shards",
   "diloco_kmeans": "DiLoCo, P replicas, k-means shards (non-i.i.d.)",
   "flat_moe": "flat MoE, P independent paths (Table 1)",
   "dipaco_2x2": "DiPaCo 2x2, k-means then discriminative",
   "dipaco_2x2_kmeans": "DiPaCo 2x2, k-means only (control)",
   "dipaco_4x4": "DiPaCo 4x4, k-means then discriminative",
+  "dipaco_4x4_kmeans": "DiPaCo 4x4, k-means only (control)",
 }
 
 
@@ -230,6 +236,8 @@ def run_overrides(
   }
   if name == "diloco_iid":
     return diloco
+  if name == "diloco_iid_16":  # Equal workers with dipaco_4x4.
+    return {**diloco, "dipaco.replicas": 16}
   if name == "diloco_iid_sqrtp":
     return {**diloco, "outer.sqrt_paths": sqrt_paths}
   if name == "diloco_kmeans":
@@ -245,8 +253,10 @@ def run_overrides(
     return {**grid(2), **fork, **disc, "data.shard_dir": shared_shards + "_2x2"}
   if name == "dipaco_2x2_kmeans":
     return {**grid(2), **fork, **kmeans, "data.shard_dir": shared_shards + "_2x2"}
-  if name == "dipaco_4x4":
-    return {**grid(4), **fork, **disc}
+  if name == "dipaco_4x4":  # Same phase-0 shards as its control.
+    return {**grid(4), **fork, **disc, "data.shard_dir": shared_shards + "_4x4"}
+  if name == "dipaco_4x4_kmeans":
+    return {**grid(4), **fork, **kmeans, "data.shard_dir": shared_shards + "_4x4"}
   raise ValueError(f"unknown model {name!r}; choose from {['pretrain', *MODELS, *INVESTIGATIONS]}.")
 
 

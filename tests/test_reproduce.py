@@ -54,6 +54,10 @@ def test_smoke_run_tables_every_model_with_finite_numbers(tmp_path):
   p = {k: v["params"] for k, v in models.items()}
   assert (p["dipaco_4x4"]["paths"], p["dipaco_2x2"]["paths"], p["flat_moe"]["paths"]) == (16, 4, 4)
   assert p["diloco_iid"]["workers"] == 4 and p["diloco_iid"]["paths"] == 1
+  # The fair baseline: as many DiLoCo replicas as the 4x4 grid has paths.
+  assert p["diloco_iid_16"]["workers"] == p["dipaco_4x4"]["paths"] == 16
+  assert p["diloco_iid_16"]["paths"] == 1
+  assert p["dipaco_4x4_kmeans"]["paths"] == 16
   assert p["flat_moe"]["total"] == 4 * p["flat_moe"]["path"]
   assert p["dense_path"]["path"] < p["dipaco_2x2"]["total"] < p["flat_moe"]["total"]
   assert p["dense_4x"]["path"] > 2 * p["dense_path"]["path"]
