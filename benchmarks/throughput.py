@@ -134,10 +134,7 @@ def bench_config(d_model: int, paths: int, quick: bool):
 def flops_per_token(cfg: model_lib.ModelConfig, seq_len: int) -> tuple[int, int]:
   """(6 N + 12 L T H K, N): training FLOPs per token and matmul params."""
   hk = cfg.num_heads * cfg.head_dim
-  n = (
-    cfg.num_layers * (4 * cfg.d_model * hk + 2 * cfg.d_model * cfg.mlp_dim)
-    + cfg.vocab_size * cfg.d_model
-  )
+  n = cfg.num_layers * (4 * cfg.d_model * hk + cfg.mlp_params) + cfg.vocab_size * cfg.d_model
   return 6 * n + 12 * cfg.num_layers * seq_len * hk, n
 
 
@@ -383,7 +380,7 @@ def main(args) -> dict:
       "all P paths vmapped on the plain loop's device"
     ),
     "flops_formula": (
-      "6 N + 12 L T H K per token, N = L (4 d H K + 2 d F) "
+      "6 N + 12 L T H K per token, N = L (4 d H K + 2 d F, or 3 d F for swiglu) "
       "+ V d; GEMM peak = 2 n^3 / t of an fp32 n x n dot"
     ),
     "statistic": (

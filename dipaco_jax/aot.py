@@ -174,17 +174,19 @@ def collective_table(hlo_text: str, mesh) -> list[dict[str, Any]]:
   return sorted(rows.values(), key=lambda r: -r["bytes"])
 
 
-def model_flops_per_token(exp: exp_lib.Experiment) -> float:
-  """Training FLOPs per token: 6 x matmul params + causal-free attention (PaLM, App. B)."""
-  cfg = exp.model_cfg
+def model_flops_per_token(cfg: model_lib.ModelConfig, seq_len: int) -> float:
+  """Training FLOPs per token: 6 x matmul params + causal-free attention (PaLM, App. B).
+
+  The params are counted from the model's own tree, so every MLP kind (gelu, swiglu's third
+  matrix) counts as built.
+  """
   params = jax.eval_shape(lambda: model_lib.init_params(cfg, jax.random.key(0)))
   n = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
   # Lookup tables do no matmul; a tied table does one (the unembedding).
   n -= cfg.vocab_size * cfg.d_model * (0 if cfg.tie_embeddings else 1)
   if cfg.positions == "learned":
     n -= cfg.max_len * cfg.d_model
-  T = exp.config.data.seq_len
-  return 6.0 * n + 12.0 * cfg.num_layers * T * cfg.num_heads * cfg.head_dim
+  return 6.0 * n + 12.0 * cfg.num_layers * seq_len * cfg.num_heads * cfg.head_dim
 
 
 class OutOfMemory(Exception):
@@ -358,7 +360,7 @@ class Report:
         flops, nbytes, how = self._inner_cost(compiled)
         W, B, T = self.exp.batch_shape
         t = max(flops / self.chip.peak_flops, nbytes / self.chip.hbm_bw)
-        model_flops = model_flops_per_token(self.exp) * W * B * T / self.n_devices
+        model_flops = model_flops_per_token(self.exp.model_cfg, T) * W * B * T / self.n_devices
         row.update(
           flops=flops,
           bytes=nbytes,

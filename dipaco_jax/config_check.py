@@ -200,6 +200,7 @@ def _rules() -> dict[str, Rule]:
     "model.dtype": _choice(model.DTYPES),
     "model.remat": _choice(tuple(model.REMAT_POLICIES)),
     "model.attention": _choice(model.ATTENTION),
+    "model.mlp": _choice(model.MLPS),
     "model.loss_chunk": _integer(0, what=" (0 = off)"),
     "inner.lr": _number(0),
     "inner.warmup_steps": count0,

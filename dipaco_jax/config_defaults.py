@@ -29,7 +29,9 @@ def base() -> ml_collections.ConfigDict:
   c.model.num_layers = 12  # Transformer blocks (paper: 12).
   c.model.num_heads = 16  # Attention heads (paper: 16).
   c.model.head_dim = 64  # Key/value size per head (paper: 64).
-  c.model.mlp_ratio = 4.0  # MLP width / d_model (paper silent; Chinchilla-style 4).
+  # MLP hidden width F / d_model (paper silent; Chinchilla-style 4); with mlp="swiglu", F is
+  # the width of each of its gate and up projections.
+  c.model.mlp_ratio = 4.0
   c.model.max_len = 2048  # Longest position (learned positions only).
   c.model.positions = "rope"  # "rope" | "learned" (paper silent).
   c.model.tie_embeddings = True  # Paper silent; tied fits its 150M count.
@@ -42,6 +44,9 @@ def base() -> ml_collections.ConfigDict:
   # Sequence positions per cross-entropy chunk (never the full [B, T, V] logits); 0 = off.
   # Divides seq_len.
   c.model.loss_chunk = 0
+  # "gelu" (up, GELU, down) | "swiglu" (Llama's gated SiLU: 1.5x the weights at one width; its
+  # mlp_ratio 8/3 matches gelu's 4 in weights and FLOPs).
+  c.model.mlp = "gelu"
 
   c.inner = ml_collections.ConfigDict()
   c.inner.lr = 4e-4  # Peak AdamW LR (paper 150M: 4e-4; 1.3B: 2e-4).

@@ -26,6 +26,10 @@ REMAT_POLICIES = {
   "save_matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
 ATTENTION = ("xla", "dot_product_attention")
+# model.mlp: "gelu" is up (D -> F), GELU, down (F -> D): 2 D F weights. "swiglu" is
+# down(silu(gate x) * up x) with gate and up both D -> F: 3 D F weights, so a SwiGLU of width
+# F costs what a GELU MLP of width 1.5 F does (Llama's 8/3 d_model matches GELU's 4 d_model).
+MLPS = ("gelu", "swiglu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +48,7 @@ class ModelConfig:
   dtype: str  # Compute dtype (one of DTYPES); parameters stay float32.
   remat: str  # Block activations kept for the backward pass: REMAT_POLICIES.
   attention: str  # "xla" (einsums here) | "dot_product_attention" (jax.nn's).
+  mlp: str  # One of MLPS; mlp_dim is the hidden width F of each of its D -> F projections.
   loss_chunk: int  # Sequence positions per cross-entropy chunk (inner.loss_sums); 0 = all.
 
   def __post_init__(self):
@@ -51,10 +56,17 @@ class ModelConfig:
       raise ValueError(f"model.remat={self.remat!r}: use one of {tuple(REMAT_POLICIES)}.")
     if self.attention not in ATTENTION:
       raise ValueError(f"model.attention={self.attention!r}: use one of {ATTENTION}.")
+    if self.mlp not in MLPS:
+      raise ValueError(f"model.mlp={self.mlp!r}: use one of {MLPS}.")
 
   @property
   def mlp_dim(self) -> int:
     return int(self.d_model * self.mlp_ratio)
+
+  @property
+  def mlp_params(self) -> int:
+    """Weights of one block's MLP: 2 D F (gelu) or 3 D F (swiglu)."""
+    return (3 if self.mlp == "swiglu" else 2) * self.d_model * self.mlp_dim
 
 
 def _rope(x_BxTxHxK: jax.Array, positions_BxT: jax.Array) -> jax.Array:
@@ -71,9 +83,17 @@ def _rope(x_BxTxHxK: jax.Array, positions_BxT: jax.Array) -> jax.Array:
 
 
 class Attention(nn.Module):
-  """Causal multi-head attention that never crosses packed segments."""
+  """Causal multi-head attention that never crosses packed segments.
+
+  decode=True keeps keys and values in the "cache" collection ([B, S, H, K]
+  each, S the longest sequence, from `init_cache`): the tokens given are
+  written at the cache slots named by their positions, and each attends to
+  the slots at or before its own position. One sequence per row, so no
+  segment ids; rows may stand at different positions.
+  """
 
   cfg: ModelConfig
+  decode: bool = False
 
   @nn.compact
   def __call__(self, x_BxTxD, segment_ids_BxT, positions_BxT):
@@ -84,46 +104,73 @@ class Attention(nn.Module):
     )
     shape = (cfg.num_heads, cfg.head_dim)
     q_BxTxHxK = dense("query", shape)(x_BxTxD)
-    k_BxTxHxK = dense("key", shape)(x_BxTxD)
-    v_BxTxHxK = dense("value", shape)(x_BxTxD)
+    k_BxSxHxK = dense("key", shape)(x_BxTxD)
+    v_BxSxHxK = dense("value", shape)(x_BxTxD)
     if cfg.positions == "rope":
       q_BxTxHxK = _rope(q_BxTxHxK, positions_BxT)
-      k_BxTxHxK = _rope(k_BxTxHxK, positions_BxT)
-    T = x_BxTxD.shape[1]
-    same_BxTxT = segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :]
+      k_BxSxHxK = _rope(k_BxSxHxK, positions_BxT)
+    B, T = x_BxTxD.shape[:2]
+    causal = True  # For dot_product_attention: the mask below holds no causal part.
+    mask_BxTxS = segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :]
+    if self.decode and self.has_variable("cache", "cached_key"):
+      cache_k = self.variable("cache", "cached_key", jnp.zeros, (), dtype)  # Never built here.
+      cache_v = self.variable("cache", "cached_value", jnp.zeros, (), dtype)
+      row_Bx1 = jnp.arange(B)[:, None]
+      cache_k.value = cache_k.value.at[row_Bx1, positions_BxT].set(k_BxSxHxK)
+      cache_v.value = cache_v.value.at[row_Bx1, positions_BxT].set(v_BxSxHxK)
+      k_BxSxHxK, v_BxSxHxK = cache_k.value, cache_v.value
+      # Slot s holds position s: a query sees its own and earlier positions. Later slots hold
+      # zeros or a shorter row's padding, masked to exact zero weights.
+      slots_S = jnp.arange(k_BxSxHxK.shape[1])
+      mask_BxTxS = slots_S[None, None, :] <= positions_BxT[:, :, None]
+      causal = False
+    elif self.decode:  # init_cache: the shapes of a length-T cache.
+      self.variable("cache", "cached_key", jnp.zeros, k_BxSxHxK.shape, dtype)
+      self.variable("cache", "cached_value", jnp.zeros, v_BxSxHxK.shape, dtype)
     scale = cfg.head_dim**-0.5
     if cfg.attention == "dot_product_attention":
       # jax.nn picks the implementation (cuDNN flash on GPU where it applies).
       out_BxTxHxK = jax.nn.dot_product_attention(
-        q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, mask=same_BxTxT[:, None], scale=scale, is_causal=True
+        q_BxTxHxK,
+        k_BxSxHxK,
+        v_BxSxHxK,
+        mask=mask_BxTxS[:, None],
+        scale=scale,
+        is_causal=causal,
       )
       return dense("out", cfg.d_model, axis=(-2, -1))(out_BxTxHxK)
-    causal_TxT = jnp.tril(jnp.ones((T, T), dtype=bool))
-    mask_Bx1xTxT = (causal_TxT[None] & same_BxTxT)[:, None]
-    att_BxHxTxT = jnp.einsum("bqhk,bshk->bhqs", q_BxTxHxK * scale, k_BxTxHxK)
-    att_BxHxTxT = jnp.where(
-      mask_Bx1xTxT, att_BxHxTxT.astype(jnp.float32), jnp.finfo(jnp.float32).min
+    if causal:
+      mask_BxTxS &= jnp.tril(jnp.ones((T, T), dtype=bool))[None]
+    att_BxHxTxS = jnp.einsum("bqhk,bshk->bhqs", q_BxTxHxK * scale, k_BxSxHxK)
+    att_BxHxTxS = jnp.where(
+      mask_BxTxS[:, None], att_BxHxTxS.astype(jnp.float32), jnp.finfo(jnp.float32).min
     )
-    att_BxHxTxT = jax.nn.softmax(att_BxHxTxT, axis=-1).astype(dtype)
-    out_BxTxHxK = jnp.einsum("bhqs,bshk->bqhk", att_BxHxTxT, v_BxTxHxK)
+    att_BxHxTxS = jax.nn.softmax(att_BxHxTxS, axis=-1).astype(dtype)
+    out_BxTxHxK = jnp.einsum("bhqs,bshk->bqhk", att_BxHxTxS, v_BxSxHxK)
     return dense("out", cfg.d_model, axis=(-2, -1))(out_BxTxHxK)
 
 
 class Block(nn.Module):
-  """Pre-norm transformer block: attention then a GELU MLP."""
+  """Pre-norm transformer block: attention then a GELU or SwiGLU MLP."""
 
   cfg: ModelConfig
+  decode: bool = False
 
   @nn.compact
   def __call__(self, x_BxTxD, segment_ids_BxT, positions_BxT):
     cfg = self.cfg
     dtype = jnp.dtype(cfg.dtype)
     h_BxTxD = nn.RMSNorm(dtype=dtype, name="attn_norm")(x_BxTxD)
-    x_BxTxD = x_BxTxD + Attention(cfg, name="attn")(h_BxTxD, segment_ids_BxT, positions_BxT)
+    attn = Attention(cfg, decode=self.decode, name="attn")
+    x_BxTxD = x_BxTxD + attn(h_BxTxD, segment_ids_BxT, positions_BxT)
     h_BxTxD = nn.RMSNorm(dtype=dtype, name="mlp_norm")(x_BxTxD)
-    h_BxTxF = nn.Dense(cfg.mlp_dim, use_bias=False, dtype=dtype, name="mlp_in")(h_BxTxD)
-    h_BxTxD = nn.Dense(cfg.d_model, use_bias=False, dtype=dtype, name="mlp_out")(nn.gelu(h_BxTxF))
-    return x_BxTxD + h_BxTxD
+    dense = lambda name, features: nn.Dense(features, use_bias=False, dtype=dtype, name=name)
+    h_BxTxF = dense("mlp_in", cfg.mlp_dim)(h_BxTxD)
+    if cfg.mlp == "swiglu":
+      h_BxTxF = nn.silu(dense("mlp_gate", cfg.mlp_dim)(h_BxTxD)) * h_BxTxF
+    else:
+      h_BxTxF = nn.gelu(h_BxTxF)
+    return x_BxTxD + dense("mlp_out", cfg.d_model)(h_BxTxF)
 
 
 class Transformer(nn.Module):
@@ -131,6 +178,8 @@ class Transformer(nn.Module):
 
   unembed=False returns (features_BxTxD, unembedding_DxV) instead of logits:
   logits = features @ unembedding, for a loss that builds them in chunks.
+  decode=True reads and writes the KV cache (apply with a "cache" from
+  `init_cache` and mutable=["cache"]); positions_BxT are then required.
   """
 
   cfg: ModelConfig
@@ -143,6 +192,7 @@ class Transformer(nn.Module):
     positions_BxT=None,
     return_hidden: bool = False,
     unembed: bool = True,
+    decode: bool = False,
   ):
     cfg = self.cfg
     dtype = jnp.dtype(cfg.dtype)
@@ -154,9 +204,11 @@ class Transformer(nn.Module):
     embed = Embed(cfg, name="embed")
     x_BxTxD = embed(inputs_BxT, positions_BxT)
     policy = REMAT_POLICIES[cfg.remat]
-    block_cls = Block if cfg.remat == "none" else nn.remat(Block, policy=policy)
+    # Decoding takes no gradient: nothing to rematerialise.
+    block_cls = Block if cfg.remat == "none" or decode else nn.remat(Block, policy=policy)
     for i in range(cfg.num_layers):
-      x_BxTxD = block_cls(cfg, name=f"block_{i}")(x_BxTxD, segment_ids_BxT, positions_BxT)
+      block = block_cls(cfg, decode=decode, name=f"block_{i}")
+      x_BxTxD = block(x_BxTxD, segment_ids_BxT, positions_BxT)
     hidden_BxTxD = x_BxTxD
     table_VxD = embed.variables["params"]["token"] if cfg.tie_embeddings else None
     head = Head(cfg, name="head")
@@ -231,3 +283,11 @@ def init_params(cfg: ModelConfig, rng: jax.Array) -> PyTree:
   """Initial parameters of one path model (a pure pytree keyed by group)."""
   tokens_1x1 = jnp.zeros((1, 1), jnp.int32)
   return Transformer(cfg).init(rng, tokens_1x1)["params"]
+
+
+def init_cache(cfg: ModelConfig, batch: int, length: int) -> PyTree:
+  """A zero KV cache for `batch` rows of up to `length` positions (the "cache" collection)."""
+  tokens_BxS = jnp.zeros((batch, length), jnp.int32)
+  init = lambda: Transformer(cfg).init(jax.random.key(0), tokens_BxS, decode=True)
+  shapes = jax.eval_shape(init)["cache"]
+  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)

@@ -33,6 +33,7 @@ _MODEL_DIM = {
   "value": 1,
   "out": 0,
   "mlp_in": 1,
+  "mlp_gate": 1,
   "mlp_out": 0,
   "unembed": 1,
 }

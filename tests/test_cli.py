@@ -67,6 +67,10 @@ BAD_INPUTS = [
     "config.model.positions='alibi' is invalid: it must be one of 'rope', 'learned'",
   ),
   (["--config.model.dtype=float16"], "config.model.dtype='float16' is invalid"),
+  (
+    ["--config.model.mlp=relu"],
+    "config.model.mlp='relu' is invalid: it must be one of 'gelu', 'swiglu'",
+  ),
   (["--config.dipaco.init=zeros"], "config.dipaco.init='zeros' is invalid"),
   (["--config.routing.router=hash"], "config.routing.router='hash' is invalid"),
   (["--config.outer.weighting=tokens"], "config.outer.weighting='tokens' is invalid"),
