@@ -1,13 +1,18 @@
 """Route a text to one path, load only that path from the checkpoint, generate or score.
 
 python -m dipaco_jax.serve --config=configs/tiny.py --workdir=DIR --text="..."
+
+Repeat --text for several inputs: each is routed by its own first tokens, and
+texts on one path are decoded together (--batch_size at a time, KV cache).
 """
 
 from absl import flags
 
 from dipaco_jax import cli
 
-_TEXT = flags.DEFINE_string("text", None, "The input text.", required=True)
+_TEXT = flags.DEFINE_multi_string(
+  "text", None, "The input text (repeat for several: a JSON list of results).", required=True
+)
 _MODE = flags.DEFINE_enum(
   "mode",
   "generate",
@@ -20,6 +25,8 @@ _SOURCE = flags.DEFINE_enum(
 _PATH = flags.DEFINE_integer("path", None, "Serve this path instead of the routed one.")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 32, "Tokens to generate.")
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "Sampling temperature (0: greedy).")
+_TOP_K = flags.DEFINE_integer("top_k", 0, "Sample among the k likeliest tokens (0: all).")
+_BATCH = flags.DEFINE_integer("batch_size", 8, "Texts of one path decoded together.")
 
 
 def main(argv):
@@ -36,6 +43,8 @@ def main(argv):
       path=_PATH.value,
       max_new_tokens=_MAX_NEW.value,
       temperature=_TEMPERATURE.value,
+      top_k=_TOP_K.value,
+      batch_size=_BATCH.value,
     )
   )
 

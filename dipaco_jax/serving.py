@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dipaco_jax import checkpoint
+from dipaco_jax import decoding
 from dipaco_jax import experiment as exp_lib
 from dipaco_jax import model as model_lib
 from dipaco_jax import routing
@@ -146,51 +147,93 @@ class PathServer:
     *,
     max_new_tokens: int = 32,
     temperature: float = 0.0,
+    top_k: int = 0,
     seed: int = 0,
     path: int | None = None,
   ) -> dict:
     """Continues the text with one path (greedy at temperature 0); stops at EOS."""
-    ids = self.tokenize(text)
-    path = self.route(text) if path is None else path
-    params = self.params(path)
-    n0 = len(ids)
-    size = -(-(n0 + max_new_tokens) // 32) * 32  # Few buffer sizes: few compiles.
-    buf = np.zeros((1, size + 1), np.int32)
-    buf[0, 1 : n0 + 1] = ids  # buf = [BOS, tokens...]: position n predicts token n.
-    rng = np.random.default_rng(seed)
-    n = n0
-    while n < n0 + max_new_tokens:
-      logits = np.asarray(self._logits(params, buf[:, :size]))[0, n]
-      if temperature > 0:
-        p = np.exp((logits - logits.max()) / temperature)
-        nxt = int(rng.choice(len(p), p=p / p.sum()))
-      else:
-        nxt = int(np.argmax(logits))
-      if nxt == vocab_lib.EOS_ID:
-        break
-      buf[0, n + 1] = nxt
-      n += 1
-    new = buf[0, n0 + 1 : n + 1].tolist()
-    return {"path": path, "text": self.sp.decode(new), "new_tokens": len(new)}
+    kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed)
+    return self.generate_batch([text], path=path, **kw)[0]
+
+  def generate_batch(
+    self,
+    texts: list[str],
+    *,
+    max_new_tokens: int = 32,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    seed: int = 0,
+    path: int | None = None,
+    batch_size: int = 8,
+  ) -> list[dict]:
+    """generate() for each text: texts routed to one path decode together, batch_size at once.
+
+    Each text's path is the router's pick from its own first tokens (or `path`). A row's
+    tokens do not depend on the other rows of its batch (decoding.py); with sampling, its
+    random draws do (one key per batch and step).
+    """
+    if batch_size < 1:
+      raise ValueError(f"batch_size={batch_size}: decode at least 1 text at a time.")
+    ids = [self.tokenize(t) for t in texts]
+    paths = [self.route(t) if path is None else path for t in texts]
+    out: list[dict] = [{} for _ in texts]
+    for p in sorted(set(paths)):  # One path's params in memory at a time.
+      rows = [i for i, q in enumerate(paths) if q == p]
+      params = self.params(p)
+      for start in range(0, len(rows), batch_size):
+        chunk = rows[start : start + batch_size]
+        new = decoding.complete(
+          self.model,
+          params,
+          [ids[i] for i in chunk],
+          max_new_tokens=max_new_tokens,
+          eos_id=vocab_lib.EOS_ID,
+          temperature=temperature,
+          top_k=top_k,
+          seed=seed,
+        )
+        for i, tokens in zip(chunk, new):
+          out[i] = {
+            "path": p,
+            "text": self.sp.decode(tokens),
+            "tokens": tokens,
+            "new_tokens": len(tokens),
+          }
+    return out
 
 
 def serve(
   config,
   workdir: str,
-  text: str,
+  text: str | list[str],
   *,
   mode: str = "generate",
   source: str = "store",
   path: int | None = None,
   max_new_tokens: int = 32,
   temperature: float = 0.0,
+  top_k: int = 0,
+  batch_size: int = 8,
 ) -> str:
-  """The serve CLI's one call: route, load one path, generate or score; JSON out."""
+  """The serve CLI's one call: route, load one path, generate or score; JSON out.
+
+  Several texts give a list of results (generated in batches grouped by path).
+  """
   server = PathServer(config, workdir, source=source)
+  texts = [text] if isinstance(text, str) else list(text)
   if mode == "score":
-    out = server.score(text, path=path)
+    out = [server.score(t, path=path) for t in texts]
   elif mode == "generate":
-    out = server.generate(text, path=path, max_new_tokens=max_new_tokens, temperature=temperature)
+    out = server.generate_batch(
+      texts,
+      path=path,
+      max_new_tokens=max_new_tokens,
+      temperature=temperature,
+      top_k=top_k,
+      batch_size=batch_size,
+    )
   else:
     raise ValueError(f"mode={mode!r}: use 'generate' or 'score'.")
-  return json.dumps({**out, "loaded": server.load_info}, indent=1)
+  if len(out) == 1:
+    return json.dumps({**out[0], "loaded": server.load_info}, indent=1)
+  return json.dumps({"results": out, "loaded": server.load_info}, indent=1)

@@ -155,3 +155,33 @@ def test_serving_bad_inputs(saved):
   server = serving.PathServer(cfg, plain)
   with pytest.raises(ValueError, match="empty prefix"):
     server.route("")
+
+
+def test_generate_batch_groups_texts_by_their_routed_path(saved, monkeypatch):
+  cfg, _, _, plain, _ = saved
+  server = serving.PathServer(cfg, plain)
+  tokenize = server.tokenize
+  monkeypatch.setattr(server, "tokenize", lambda t: tokenize(t) % 256)  # The micro vocab.
+  loads = []
+  load = serving.load_path_params
+  monkeypatch.setattr(
+    serving, "load_path_params", lambda *a, **k: loads.append(a[2]) or load(*a, **k)
+  )
+  # Texts whose routed paths repeat: three on one path, one each on two others.
+  by_path = {}
+  for i in range(200):
+    by_path.setdefault(server.route(f"Text number {i} of the batch"), []).append(i)
+  shared = next(p for p, ids in by_path.items() if len(ids) >= 3)
+  others = [p for p in by_path if p != shared][:2]
+  picks = by_path[shared][:3] + [by_path[p][0] for p in others]
+  texts = [f"Text number {i} of the batch" for i in picks]
+  out = server.generate_batch(texts, max_new_tokens=5, batch_size=4)
+  assert [o["path"] for o in out] == [shared] * 3 + others
+  assert sorted(loads) == sorted({shared, *others})  # Each path's params read once.
+  for text, got in zip(texts, out):
+    # Alone, each text gives the same (tests/test_decoding.py: the same as the old full-forward
+    # loop too).
+    assert server.generate(text, max_new_tokens=5) == got
+    assert got["new_tokens"] == len(got["tokens"]) == 5  # This micro model never picks EOS here.
+    assert got["text"] == server.sp.decode(got["tokens"])
+  assert len({tuple(o["tokens"]) for o in out}) > 1
