@@ -36,7 +36,11 @@ def check_config_matches(workdir: epath.Path, config) -> None:
   path = workdir / "config.json"
   if path.exists():
     old, new = json.loads(path.read_text()), json.loads(config.to_json_best_effort())
-    changed = [s for s in _FROZEN_SECTIONS if old.get(s) != new.get(s)]
+    # A field added since the run started (model.mlp, ...) had its default then.
+    default = json.loads(config_defaults.base().to_json_best_effort())
+    changed = [
+      s for s in _FROZEN_SECTIONS if {**default.get(s, {}), **old.get(s, {})} != new.get(s)
+    ]
     if changed:
       raise config_defaults.ConfigError(
         f"{workdir} holds a run with different config sections {changed}; "

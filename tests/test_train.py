@@ -7,6 +7,7 @@ import re
 import jax
 import numpy as np
 import pytest
+from etils import epath
 
 from dipaco_jax import checkpoint
 from dipaco_jax import experiment
@@ -132,6 +133,20 @@ def test_resuming_with_another_grid_is_refused(tmp_path, shard_dir):
   with pytest.raises(ValueError, match="different config sections"):
     train.train_and_evaluate(other, str(tmp_path))
   assert checkpoint.Checkpointer(str(tmp_path)).latest_step() == 1
+
+
+def test_a_field_added_since_the_run_started_reads_as_its_default(tmp_path):
+  # A config.json written before model.mlp existed: the run used GELU, today's default.
+  cfg = helpers.micro_config()
+  train.write_config(epath.Path(tmp_path), cfg)
+  saved = json.loads((tmp_path / "config.json").read_text())
+  del saved["model"]["mlp"]
+  (tmp_path / "config.json").write_text(json.dumps(saved))
+  train.check_config_matches(epath.Path(tmp_path), cfg)  # Resumes.
+  with pytest.raises(ValueError, match=r"different config sections \['model'\]"):
+    train.check_config_matches(
+      epath.Path(tmp_path), helpers.micro_config(**{"model.mlp": "swiglu"})
+    )
 
 
 def test_init_from_dense_checkpoint_forks_every_module(tmp_path, shard_dir):
