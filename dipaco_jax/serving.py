@@ -234,6 +234,7 @@ def serve(
     )
   else:
     raise ValueError(f"mode={mode!r}: use 'generate' or 'score'.")
+  out = [{k: v for k, v in o.items() if k != "tokens"} for o in out]  # Text for the console.
   if len(out) == 1:
     return json.dumps({**out[0], "loaded": server.load_info}, indent=1)
   return json.dumps({"results": out, "loaded": server.load_info}, indent=1)

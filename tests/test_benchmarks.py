@@ -55,3 +55,22 @@ def test_throughput_quick(tmp_path):
   assert mb["store"] == sum(
     mb[lvl] * k for lvl, k in zip(("level_0", "level_1", "level_2"), r["grid"])
   )
+
+
+def test_serving_quick(tmp_path):
+  out = tmp_path / "serving.json"
+  proc = subprocess.run(
+    [sys.executable, os.path.join(ROOT, "benchmarks", "serving.py"), "--quick", "--out", str(out)],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=240,
+    check=False,
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  r = json.loads(out.read_text())
+  assert r["greedy_tokens_agree"] is True
+  assert [x["batch"] for x in r["results"]] == [1, 8]
+  for x in r["results"]:
+    assert x["cached_tokens_per_s"] > 0 and x["uncached_tokens_per_s"] > 0
+    assert x["speedup"] > 1  # The cache skips recomputing the prefix: never slower here.
