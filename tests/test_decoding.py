@@ -29,15 +29,17 @@ def _prompts(*lengths, seed=0):
 
 
 @pytest.mark.parametrize(
-  "positions,attention",
+  "positions,attention,mlp",
   [
-    ("rope", "xla"),
+    ("rope", "xla", "gelu"),
     # ~6 CPU-seconds of compiles: outside the fast suite (-m "not slow").
-    pytest.param("learned", "dot_product_attention", marks=pytest.mark.slow),
+    pytest.param("learned", "dot_product_attention", "swiglu", marks=pytest.mark.slow),
   ],
 )
-def test_cached_batch_matches_full_forward_per_token_and_each_prompt_alone(positions, attention):
-  model, params = _model(positions=positions, attention=attention)
+def test_cached_batch_matches_full_forward_per_token_and_each_prompt_alone(
+  positions, attention, mlp
+):
+  model, params = _model(positions=positions, attention=attention, mlp=mlp)
   prompts = _prompts(3, 14, 1)  # Unequal lengths: rows 0 and 2 decode beside padding.
   batch = decoding.complete(model, params, prompts, max_new_tokens=N, eos_id=-1, return_logits=True)
   for prompt, (tokens, logits) in zip(prompts, batch):
