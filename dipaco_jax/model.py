@@ -110,7 +110,7 @@ class Attention(nn.Module):
       q_BxTxHxK = _rope(q_BxTxHxK, positions_BxT)
       k_BxSxHxK = _rope(k_BxSxHxK, positions_BxT)
     B, T = x_BxTxD.shape[:2]
-    causal = True  # For dot_product_attention: the mask below holds no causal part.
+    causal = True  # mask_BxTxS has no causal part yet: added below, or by is_causal.
     mask_BxTxS = segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :]
     if self.decode and self.has_variable("cache", "cached_key"):
       cache_k = self.variable("cache", "cached_key", jnp.zeros, (), dtype)  # Never built here.
