@@ -32,6 +32,18 @@ gave per-repetition ratios from 0.45 to 1.8 (other processes preempt one of
 XLA's worker threads and the other waits at every parallel op); pinned, they
 agree within a few percent. --cpus 0 uses every core.
 
+Presets: `tiny` (default) is configs/tiny.py at each --d_model. `llama_toy`
+is the Llama-shaped toy path of the CPU-speed work (docs/performance.md):
+d_model 128, 4 heads, 4 blocks, SwiGLU of width 512 (the FLOPs of a GELU MLP
+of 768), vocab 8192 untied, T=128, B=8 per path, H=50, 4 paths: 13.37 MFLOP
+per token by the formula below.
+
+--cpus takes a comma list (e.g. 1,2): each count runs in its own child
+process (a thread pool is sized and pinned when JAX starts), with its own
+GEMM peak on the same cores; the report gathers them under `by_cpus`.
+--layouts lists the device counts the P-path step is timed on (fake CPU
+devices; each divides P): `dipaco_<n>dev`, P devices also as `dipaco`.
+
 Repetitions are interleaved (A, B, C, C, B, A, ...): a ratio is the median
 over repetitions of the paired ratio of back-to-back runs, other numbers are
 medians; each segment gives every step loop the same number of tokens.
@@ -39,6 +51,7 @@ medians; each segment gives every step loop the same number of tokens.
 # pylint: disable=invalid-name,g-import-not-at-top,wrong-import-position
 
 import argparse
+import json
 import os
 import sys
 
@@ -56,17 +69,42 @@ def parse_args(argv):
     "--reps", type=int, default=None, help="interleaved repetitions (default 9; quick: 2)"
   )
   p.add_argument(
-    "--cpus", type=int, default=1, help="pin the process to this many host CPUs (0: no pinning)"
+    "--cpus",
+    default="1",
+    help="pin to this many host CPUs (0: no pinning); a comma list runs one child per count",
+  )
+  p.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model shapes")
+  p.add_argument(
+    "--layouts", default="", help="device counts for the P-path step (default: P,1; e.g. 4,2,1)"
   )
   p.add_argument("--out", default="", help="JSON file to write")
   p.add_argument("--quick", action="store_true", help="seconds-long setting (vocab 512, T=32, B=2)")
   a = p.parse_args(argv)
-  a.d_model = [int(x) for x in (a.d_model or ("32" if a.quick else "128,256")).split(",")]
+  widths = a.d_model or ("32" if a.quick else PRESETS[a.preset]["d_model"])
+  a.d_model = [int(x) for x in widths.split(",")]
   a.steps = a.steps or (1 if a.quick else 2)
   a.reps = a.reps or (2 if a.quick else 9)
-  if a.paths < 1 or a.steps < 1 or a.reps < 1 or a.cpus < 0:
+  try:
+    a.cpu_list = [int(x) for x in a.cpus.split(",")]
+    a.layouts = sorted({int(x) for x in (a.layouts or f"{a.paths},1").split(",")} | {1, a.paths})
+  except ValueError:
+    p.error(f"--cpus {a.cpus!r} / --layouts {a.layouts!r}: comma lists of integers, e.g. 1,2")
+  a.cpus = a.cpu_list[0]
+  if a.paths < 1 or a.steps < 1 or a.reps < 1 or min(a.cpu_list) < 0:
     p.error("--paths, --steps and --reps must be >= 1, --cpus >= 0")
+  if any(n < 1 or a.paths % n for n in a.layouts):
+    p.error(f"--layouts {a.layouts}: each device count must divide --paths {a.paths}")
   return a
+
+
+# Shapes on top of configs/tiny.py; d_model: the default --d_model list.
+PRESETS = {
+  "tiny": {"d_model": "128,256", "model": {}},
+  "llama_toy": {
+    "d_model": "128",
+    "model": {"mlp": "swiglu", "mlp_ratio": 4.0, "tie_embeddings": False},
+  },
+}
 
 
 def _fake_cpu_devices(n: int) -> None:
@@ -90,8 +128,9 @@ def pin_cpus(n: int) -> None:
 
 if __name__ == "__main__":
   ARGS = parse_args(sys.argv[1:])
-  _fake_cpu_devices(ARGS.paths)
-  pin_cpus(ARGS.cpus)
+  if len(ARGS.cpu_list) == 1:
+    _fake_cpu_devices(ARGS.paths)
+    pin_cpus(ARGS.cpus)
 
 import math
 import statistics
@@ -115,9 +154,11 @@ from timing import Loop, gemm_loop, interleave, paired_ratio, write_json  # Besi
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def bench_config(d_model: int, paths: int, quick: bool):
-  """configs/tiny.py at width d_model with a 1 x a x b grid of `paths` paths."""
+def bench_config(d_model: int, paths: int, quick: bool, preset: str = "tiny"):
+  """configs/tiny.py (with the preset's shapes) at width d_model, a 1 x a x b grid of P paths."""
   c = config_defaults.load(os.path.join(ROOT, "configs", "tiny.py"))
+  for k, v in PRESETS[preset]["model"].items():
+    c.model[k] = v
   if d_model % c.model.num_heads:
     raise ValueError(f"--d_model {d_model} is not a multiple of num_heads={c.model.num_heads}.")
   c.model.d_model = d_model
@@ -234,7 +275,7 @@ def xla_flops(exp, W: int, B: int, T: int) -> float:
 
 def measure(d_model: int, args) -> dict:
   """Every number of one width; loops interleaved repetition by repetition."""
-  c = bench_config(d_model, args.paths, args.quick)
+  c = bench_config(d_model, args.paths, args.quick, args.preset)
   devices = jax.devices()
   W, B, T = args.paths, c.data.batch_size, c.data.seq_len
   exp1 = experiment.Experiment(c, mesh=sharding.make_mesh(c.mesh, W, devices=devices[:1]))
@@ -263,15 +304,20 @@ def measure(d_model: int, args) -> dict:
     innerP, outerP = step_loops(expP, batch_np)
     loops["dipaco"] = (innerP, args.steps)
     loops["outer"] = (outerP, 2)
+    for n in args.layouts:  # The P-path step on n devices (P/n paths vmapped on each).
+      if 1 < n < W:
+        expN = experiment.Experiment(c, mesh=sharding.make_mesh(c.mesh, W, devices=devices[:n]))
+        loops[f"dipaco_{n}dev"] = (step_loops(expN, batch_np)[0], args.steps)
   n = 256 if args.quick else 2048
   peak_gemm, peak_flops = gemm_loop(n, n, n, devices[0])
   loops["gemm_peak"] = (peak_gemm, 2 if args.quick else 3)
   shape_gemm, shape_flops = gemm_loop(B * T, d_model, exp1.model_cfg.mlp_dim, devices[0])
   loops["gemm_model_shape"] = (shape_gemm, 20)
   first_call_s = {k: loop.run(2) for k, (loop, _) in loops.items()}
-  secs, cpu = interleave(
-    loops, args.reps, [k for k in ("dipaco_1dev", "plain", "dipaco") if k in loops]
-  )
+  layouts = {n: ("dipaco" if n == W else f"dipaco_{n}dev") for n in args.layouts}
+  compared = ["plain", *(v for v in layouts.values() if v in loops)]
+  system_s: dict = {}
+  secs, cpu = interleave(loops, args.reps, compared, system_s)
   med = {k: statistics.median(v) for k, v in secs.items()}
   tok_s = {k: loops[k][0].tokens / med[k] for k in loops if loops[k][0].tokens}
   ratio, ratio_reps, ratio_best = paired_ratio(loops, secs, "dipaco", hardware)
@@ -279,8 +325,27 @@ def measure(d_model: int, args) -> dict:
   fpt, n_params = flops_per_token(exp1.model_cfg, T)
   peak = peak_flops / med["gemm_peak"]
   H = c.dipaco.inner_steps
+  # Per layout of the P-path step: model FLOP/s, its fraction of the GEMM peak
+  # (same run, same cores) and CPU seconds per step, user and system apart.
+  by_layout = {}
+  for n, k in layouts.items():
+    if k in loops:
+      sys_s = statistics.median(system_s[k])
+      by_layout[str(n)] = {
+        "loop": k,
+        "tokens_per_s": tok_s[k],
+        "model_flops_per_s": fpt * tok_s[k],
+        "fraction_of_gemm_peak": fpt * tok_s[k] / peak,
+        "user_cpu_s_per_step": statistics.median(cpu[k]) - sys_s,
+        "system_cpu_s_per_step": sys_s,
+      }
+  best = max(by_layout, key=lambda n: by_layout[n]["tokens_per_s"])
   return {
     "d_model": d_model,
+    "preset": args.preset,
+    "by_layout": by_layout,
+    "best_layout_devices": int(best),
+    "best_fraction_of_gemm_peak": by_layout[best]["fraction_of_gemm_peak"],
     "dipaco_vs_plain_tokens_ratio": ratio,
     "dipaco_vs_plain_tokens_ratio_one_device": ratio1,
     "ratio_per_repetition": ratio_reps,
@@ -317,6 +382,8 @@ def measure(d_model: int, args) -> dict:
 
 
 ROWS = [  # (label, key path, format[, scale])
+  ("best layout: devices for P paths", ("best_layout_devices",), "{}"),
+  ("best layout: model FLOP/s / GEMM peak", ("best_fraction_of_gemm_peak",), "{:.3f}"),
   ("tokens/s P-path step, P devices", ("tokens_per_s", "dipaco"), "{:,.0f}"),
   ("tokens/s P-path step, 1 device", ("tokens_per_s", "dipaco_1dev"), "{:,.0f}"),
   ("tokens/s plain loop, 1 device", ("tokens_per_s", "plain"), "{:,.0f}"),
@@ -349,10 +416,60 @@ def table(results: list[dict]) -> str:
       v = v.get(k) if isinstance(v, dict) else None
     return "-" if v is None else fmt.format(v * scale)
 
+  rows = list(ROWS)
+  for n in results[0]["by_layout"]:
+    at = ("by_layout", n)
+    rows += [
+      (f"P paths on {n} device(s): tokens/s", (*at, "tokens_per_s"), "{:,.0f}"),
+      ("  model GFLOP/s", (*at, "model_flops_per_s"), "{:.1f}", 1e-9),
+      ("  fraction of GEMM peak", (*at, "fraction_of_gemm_peak"), "{:.3f}"),
+      ("  user CPU s per step", (*at, "user_cpu_s_per_step"), "{:.3f}"),
+      ("  system CPU s per step", (*at, "system_cpu_s_per_step"), "{:.3f}"),
+    ]
   lines = [f"{'d_model':38s}" + "".join(f"{r['d_model']:>14d}" for r in results)]
-  for label, *spec in ROWS:
+  for label, *spec in rows:
     lines.append(f"{label:38s}" + "".join(f"{cell(r, *spec):>14s}" for r in results))
   return "\n".join(lines)
+
+
+def main_per_cpu_count(args, argv: list[str]) -> dict:
+  """One child process per --cpus count; gathers their reports and the 2-core scaling."""
+  import subprocess
+  import tempfile
+
+  by_cpus = {}
+  with tempfile.TemporaryDirectory() as tmp:
+    for n in args.cpu_list:
+      out = os.path.join(tmp, f"cpus_{n}.json")
+      child = [
+        f"--d_model={','.join(map(str, args.d_model))}",
+        f"--paths={args.paths}",
+        f"--steps={args.steps}",
+        f"--reps={args.reps}",
+        f"--preset={args.preset}",
+        f"--layouts={','.join(map(str, args.layouts))}",
+        *(["--quick"] if args.quick else []),
+      ]
+      subprocess.run(
+        [sys.executable, os.path.abspath(__file__), *child, f"--cpus={n}", f"--out={out}"],
+        check=True,
+      )
+      with open(out) as f:
+        by_cpus[str(n)] = json.load(f)
+  report = {"command": "python benchmarks/throughput.py " + " ".join(argv), "by_cpus": by_cpus}
+  if len(by_cpus) > 1:  # Tokens/s of the best layout, each count over the first.
+    first, *rest = by_cpus
+    best = lambda n, i: max(
+      v["tokens_per_s"] for v in by_cpus[n]["results"][i]["by_layout"].values()
+    )
+    report["scaling"] = {
+      f"{n}_over_{first}_cpus": [best(n, i) / best(first, i) for i in range(len(args.d_model))]
+      for n in rest
+    }
+    print("tokens/s scaling of the best layout:", report["scaling"])
+  if args.out:
+    write_json(args.out, report)
+  return report
 
 
 def main(args) -> dict:
@@ -366,6 +483,8 @@ def main(args) -> dict:
     "num_devices": len(jax.devices()),
     "host_cpus": os.cpu_count(),
     "pinned_cpus": sorted(os.sched_getaffinity(0)) if args.cpus else None,
+    "preset": args.preset,
+    "layouts": args.layouts,
     "loadavg_start": load_start,
     "loadavg_end": os.getloadavg(),
     "paths": args.paths,
@@ -401,4 +520,7 @@ def main(args) -> dict:
 
 
 if __name__ == "__main__":
-  main(ARGS)
+  if len(ARGS.cpu_list) > 1:
+    main_per_cpu_count(ARGS, sys.argv[1:])
+  else:
+    main(ARGS)

@@ -7,6 +7,7 @@ of jitted steps with collectives abort on fake CPU devices).
 
 import json
 import os
+import resource
 import statistics
 import time
 
@@ -31,16 +32,19 @@ class Loop:
 
   def __init__(self, step, state, tokens_per_call: int):
     self.step, self.state, self.tokens = step, state, tokens_per_call
-    self.cpu_s = 0.0  # Process CPU seconds of the last `run`.
+    # Process CPU seconds (all threads) of the last `run`: user + system, and each.
+    self.cpu_s = self.user_s = self.sys_s = 0.0
 
   def run(self, n: int) -> float:
-    """Wall seconds of n steps (CPU seconds, all threads, go to `cpu_s`)."""
-    t0, c0 = time.perf_counter(), time.process_time()
+    """Wall seconds of n steps (CPU seconds go to `cpu_s`, `user_s`, `sys_s`)."""
+    t0, c0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
     for i in range(n):
       self.state = self.step(self.state)
       if (i + 1) % BLOCK_EVERY == 0 or i == n - 1:
         jax.block_until_ready(self.state)
-    self.cpu_s = time.process_time() - c0
+    c1 = resource.getrusage(resource.RUSAGE_SELF)  # Microseconds, every thread.
+    self.user_s, self.sys_s = c1.ru_utime - c0.ru_utime, c1.ru_stime - c0.ru_stime
+    self.cpu_s = self.user_s + self.sys_s
     return time.perf_counter() - t0
 
 
@@ -53,14 +57,16 @@ def gemm_loop(n: int, k: int, m: int, device) -> tuple[Loop, int]:
   return Loop(lambda _: dot(a, b), None, 0), 2 * n * k * m
 
 
-def interleave(loops: dict, reps: int, compared: list[str]):
+def interleave(loops: dict, reps: int, compared: list[str], system_s: dict | None = None):
   """Seconds and CPU seconds per call of each loop, one entry per repetition.
 
   The compared loops run back to back in alternating order (A B C, C B A, ...)
-  so that each repetition's ratio sees the same load on a shared host.
+  so that each repetition's ratio sees the same load on a shared host. A dict
+  passed as `system_s` receives the system-time part of the CPU seconds.
   """
   secs = {k: [] for k in loops}
   cpu = {k: [] for k in loops}
+  sys_cpu = {k: [] for k in loops}  # The system part of `cpu`.
   for rep in range(reps):
     for k in (compared if rep % 2 == 0 else compared[::-1]) + [
       k for k in loops if k not in compared
@@ -68,6 +74,9 @@ def interleave(loops: dict, reps: int, compared: list[str]):
       loop, calls = loops[k]
       secs[k].append(loop.run(calls) / calls)
       cpu[k].append(loop.cpu_s / calls)
+      sys_cpu[k].append(loop.sys_s / calls)
+  if system_s is not None:
+    system_s.update(sys_cpu)
   return secs, cpu
 
 
