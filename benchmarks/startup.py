@@ -5,7 +5,8 @@ r"""The training start's import time and peak RSS, and whether it imports Tensor
 Each repeat is a fresh Python process that imports what `python -m dipaco_jax.main` imports
 before its first step (main, cli, train) and opens the run's metrics writer in a temporary
 workdir: the fixed cost every run pays before any data or compilation. Reports the median
-wall seconds and peak RSS, and the figures of every repeat (a loaded machine varies).
+wall seconds (imports; imports + metrics writer), CPU seconds (user + system, steadier than wall
+time on a loaded machine) and peak RSS, and the figures of every repeat.
 """
 
 import argparse
@@ -30,6 +31,7 @@ with tempfile.TemporaryDirectory() as d:
 print(json.dumps({
   "import_s": t_import,
   "start_s": time.perf_counter() - t0,
+  "cpu_s": sum(resource.getrusage(resource.RUSAGE_SELF)[:2]),
   "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
   "tensorflow_imported": "tensorflow" in sys.modules,
 }))
@@ -48,6 +50,7 @@ def measure(repeats: int) -> dict:
   return {
     "import_s": statistics.median(r["import_s"] for r in runs),
     "start_s": statistics.median(r["start_s"] for r in runs),
+    "cpu_s": statistics.median(r["cpu_s"] for r in runs),
     "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in runs),
     "tensorflow_imported": any(r["tensorflow_imported"] for r in runs),
     "runs": runs,
@@ -59,7 +62,8 @@ def main():
   ap.add_argument("--repeats", type=int, default=5, help="fresh processes measured")
   ap.add_argument("--out", default="", help="JSON file for the figures (default: stdout only)")
   args = ap.parse_args()
-  result = measure(args.repeats)
+  result = {"machine": f"{os.cpu_count()} CPU cores, load {os.getloadavg()[0]:.1f} at start"}
+  result.update(measure(args.repeats))
   text = json.dumps(result, indent=1)
   print(text)
   if args.out:
