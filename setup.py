@@ -9,8 +9,7 @@ _CORE = [
   "optax>=0.2.4",
   "orbax-checkpoint>=0.11",
   "ml-collections>=1.0",
-  "clu>=0.0.12",
-  "tensorboard",  # clu's summary writer imports it; tensorflow 2.21 no longer pulls it in.
+  "tensorboard",  # Event files written with its protos and record writer (no TensorFlow).
   "numpy",
   "tqdm",
   "sentencepiece>=0.2",

@@ -32,6 +32,7 @@ import numpy as np  # noqa: E402
 
 from dipaco_jax import checkpoint  # noqa: E402
 from dipaco_jax import config_defaults  # noqa: E402
+from dipaco_jax import metrics  # noqa: E402
 from dipaco_jax import train  # noqa: E402
 from dipaco_jax.elastic import storage  # noqa: E402
 
@@ -87,7 +88,7 @@ def _outer_latency(events, T):
 
 
 def _spmd_tokens_per_s(workdir, H):
-  recs = [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl"))]
+  recs = metrics.read_records(workdir)
   return statistics.median(r["tokens_per_s"] for r in recs if r["step"] > H and "tokens_per_s" in r)
 
 

@@ -2,12 +2,16 @@
 
     cli.run(main)  # main(argv) calls `config, workdir = cli.start(argv)` first.
 
+Libraries log at WARNING and above (`--library_log_level`; orbax alone printed
+~100 INFO lines per tiny run); the project's own lines follow absl's --verbosity.
+
 A user error (`is_user_error`: a wrong config field or flag, a grid or mesh that
 cannot work, a missing or damaged input file, an empty shard, a diverged run)
 prints one line to stderr and exits with status 1; --verbose_errors shows
 its traceback. Any other exception is a bug and keeps its traceback.
 """
 
+import logging
 import os
 import re
 import sys
@@ -16,6 +20,7 @@ from typing import Any, Callable, NoReturn
 import jax
 from absl import app
 from absl import flags
+from absl import logging as absl_logging
 from ml_collections import config_flags
 
 from dipaco_jax import config_check
@@ -42,6 +47,17 @@ _WORKDIR = flags.DEFINE_string(
   "router. An existing run there is resumed.",
 )
 flags.mark_flags_as_required(["config", "workdir"])
+_LIBRARY_LOG_LEVEL = flags.DEFINE_enum(
+  "library_log_level",
+  "warning",
+  ["debug", "info", "warning", "error"],
+  "Least severity of the libraries' log lines (orbax, tensorflow-datasets, jax, TensorFlow's "
+  "C++ logs); 'info' brings back orbax's lines about every checkpoint. The project's own "
+  "lines follow --verbosity.",
+)
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+# TF_CPP_MIN_LOG_LEVEL for each --library_log_level (TensorFlow's C++ logs, read at its import).
+_CPP_LEVEL = {"debug": "0", "info": "0", "warning": "1", "error": "2"}
 
 _CONFIG_FLAG = re.compile(r"^--?(?:no)?config\.([^=]+)")
 _CONFIG_FILE = re.compile(r"^--?config(?:=(.*))?$")
@@ -122,10 +138,31 @@ def parse_flags(argv: list[str]) -> list[str]:
     fail(e, verbose)
 
 
+class _LibraryFilter(logging.Filter):
+  """Passes the project's records, and the others at `level` or above."""
+
+  def __init__(self, level: int):
+    super().__init__()
+    self.level = level
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return record.levelno >= self.level or record.pathname.startswith(_PACKAGE_DIR)
+
+
+def quiet_libraries(level: str) -> None:
+  """Drops the libraries' log records below `level` (debug|info|warning|error)."""
+  handler = absl_logging.get_absl_handler()
+  for f in [f for f in handler.filters if isinstance(f, _LibraryFilter)]:
+    handler.removeFilter(f)
+  handler.addFilter(_LibraryFilter(logging.getLevelName(level.upper())))
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", _CPP_LEVEL[level])
+
+
 def guard(main: Callable[[list[str]], Any]) -> Callable[[list[str]], Any]:
   """`main` with user errors reduced to one line (see the module docstring)."""
 
   def guarded(argv):
+    quiet_libraries(_LIBRARY_LOG_LEVEL.value)
     try:
       return main(argv)
     except Exception as e:  # pylint: disable=broad-except

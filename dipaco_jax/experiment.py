@@ -177,11 +177,19 @@ class Experiment:
       return jnp.ones(self.topo.num_workers, jnp.float32)
     return jnp.asarray(np.asarray(sizes_W, np.float64) / max(np.max(sizes_W), 1), jnp.float32)
 
-  def evaluate(self, params: PyTree, batches) -> np.ndarray:
-    """Token-weighted validation loss of each worker on its own shard [W] (NaN: no tokens)."""
+  def evaluate_sums(self, params: PyTree, batches) -> tuple[np.ndarray, np.ndarray]:
+    """Summed validation loss and token count of each worker on its own shard, [W] each."""
     loss_sum = weight = 0.0
     for batch in batches:
       out = feed.host(self.eval_step(params, self.put_batch(batch)))
       loss_sum, weight = loss_sum + out["loss_sum"], weight + out["weight"]
-    weight = np.asarray(weight)
-    return np.where(weight > 0, np.asarray(loss_sum) / np.maximum(weight, 1.0), np.nan)
+    return np.asarray(loss_sum, np.float64), np.asarray(weight, np.float64)
+
+  @staticmethod
+  def losses(loss_sum_W: np.ndarray, tokens_W: np.ndarray) -> np.ndarray:
+    """Token-weighted loss per worker [W] from `evaluate_sums` (NaN: no tokens)."""
+    return np.where(tokens_W > 0, loss_sum_W / np.maximum(tokens_W, 1.0), np.nan)
+
+  def evaluate(self, params: PyTree, batches) -> np.ndarray:
+    """Token-weighted validation loss of each worker on its own shard [W] (NaN: no tokens)."""
+    return self.losses(*self.evaluate_sums(params, batches))

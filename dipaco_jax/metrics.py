@@ -1,21 +1,26 @@
-"""Run metrics: clu writers (TensorBoard + console) and `metrics.jsonl`.
+"""Run metrics (TensorBoard, `metrics.jsonl`, console), tokens/s and the divergence guard.
 
-Only process 0 writes. `metrics.jsonl` holds one JSON object per logged step;
-on resume, lines past the resumed step are dropped so the file reads as one
-uninterrupted run.
+Only process 0 writes. `metrics.jsonl` holds one JSON object per logged step; on
+resume, records past the resumed step are dropped so the log reads as one
+uninterrupted run. Nothing here imports TensorFlow (summaries.py writes the
+event files).
 """
 
 import collections
+import contextlib
 import json
 import math
-from typing import Any, Mapping
+import os
+import time
+from typing import Any, Callable, Mapping
 
 import jax
 import numpy as np
-from clu import metric_writers
+from absl import logging
 from etils import epath
 
 from dipaco_jax import errors
+from dipaco_jax import summaries
 
 
 def nan_mean(values) -> float:
@@ -153,44 +158,174 @@ def _plain(x: Any) -> Any:
   return arr.tolist()
 
 
+JSONL = "metrics.jsonl"
+
+
+def jsonl_part(workdir: str | os.PathLike, i: int) -> epath.Path:
+  """Part i of the run's metrics log: metrics.jsonl, then metrics-00001.jsonl, ... (gs://)."""
+  root = epath.Path(workdir)
+  return root / JSONL if i == 0 else root / f"metrics-{i:05d}.jsonl"
+
+
+def _records(path: epath.Path, last_part: bool) -> tuple[list[dict], bool]:
+  """A part's records, and whether it ends in a torn record (a write cut short by a stop)."""
+  text = path.read_text()
+  lines = [l for l in text.splitlines() if l.strip()]
+  out = []
+  for i, line in enumerate(lines):
+    try:
+      out.append(json.loads(line))
+    except ValueError as e:
+      if last_part and i == len(lines) - 1 and not text.endswith("\n"):
+        return out, True
+      raise errors.DamagedFileError(
+        f"{path} line {i + 1}: {errors.json_problem(e)}; remove that line to go on."
+      ) from None
+  return out, False
+
+
+def read_records(workdir: str | os.PathLike) -> list[dict]:
+  """Every record of a run's metrics log, in step order, over all its parts."""
+  parts = summaries.existing_parts(lambda i: jsonl_part(workdir, i))
+  return [r for i, p in enumerate(parts) for r in _records(p, i == len(parts) - 1)[0]]
+
+
+def _drop_after(workdir: str | os.PathLike, resume_step: int) -> None:
+  """Removes the records past `resume_step` (and a torn last one) from storage, once."""
+  parts = summaries.existing_parts(lambda i: jsonl_part(workdir, i))
+  for i, path in enumerate(parts):
+    records, torn = _records(path, i == len(parts) - 1)
+    kept = [r for r in records if r.get("step", 0) <= resume_step]
+    if len(kept) == len(records) and not torn:
+      continue
+    text = "".join(json.dumps(r, sort_keys=True) + "\n" for r in kept)
+    if not kept and i > 0:
+      path.unlink()
+    elif summaries.appends_in_place(path):  # Atomic: a stop here leaves the old file whole.
+      tmp = path.parent / f".{path.name}.tmp"
+      tmp.write_text(text)
+      tmp.replace(path)
+    else:  # An object is replaced whole.
+      path.write_text(text)
+    for later in parts[i + 1 :]:  # Records are in step order: the later parts are all past it.
+      later.unlink()
+    return
+
+
+# Record keys with one value per worker: a TensorBoard scalar per path, and a histogram.
+_PER_WORKER = {"train_loss": "train/loss", "val_loss": "val/loss"}
+_HISTOGRAMS = {**_PER_WORKER, "grad_norm": "train/grad_norm"}
+
+
+def tensorboard_values(
+  record: Mapping[str, Any],
+  worker_labels: list[str] | None = None,
+  module_labels: Mapping[str, list[str]] | None = None,
+) -> tuple[dict[str, float], dict[str, np.ndarray]]:
+  """A record's TensorBoard scalars and histograms, by tag.
+
+  A number keeps its key; a list also gives `<key>_mean` (NaN entries skipped). Per-worker
+  lists give `train/loss/path_<label>`; `outer_delta_norm` ({level: [K]}) gives
+  `outer/delta_norm/<level>/<module>`. Labels default to indices.
+  """
+  scalars, histograms = {}, {}
+  for key, value in record.items():
+    if key == "step":
+      continue
+    if isinstance(value, (int, float)):
+      scalars[key] = value
+    elif isinstance(value, list) and value and isinstance(value[0], (int, float)):
+      scalars[f"{key}_mean"] = nan_mean(value)
+      labels = worker_labels or [str(w) for w in range(len(value))]
+      if key in _PER_WORKER:
+        scalars.update({f"{_PER_WORKER[key]}/path_{l}": v for l, v in zip(labels, value)})
+      if key in _HISTOGRAMS:
+        histograms[_HISTOGRAMS[key]] = np.asarray(value, np.float64)
+  for level, norms in record.get("outer_delta_norm", {}).items():
+    names = (module_labels or {}).get(level) or [f"module_{k}" for k in range(len(norms))]
+    scalars.update({f"outer/delta_norm/{level}/{n}": v for n, v in zip(names, norms)})
+    histograms[f"outer/delta_norm/{level}"] = np.asarray(norms, np.float64)
+  return scalars, histograms
+
+
 class MetricsLogger:
-  """Writes scalars to clu writers and full records to metrics.jsonl."""
+  """One record per logged step: all of it to metrics.jsonl, its numbers to TensorBoard.
 
-  def __init__(self, workdir: str, *, resume_step: int = 0):
+  metrics.jsonl is appended (rolled into numbered parts on gs://, see summaries.py); a resume
+  first drops the records past the resumed step, so the log reads as one run, and marks the
+  event file so TensorBoard drops them too. The console gets the averaged numbers.
+  """
+
+  def __init__(
+    self,
+    workdir: str | os.PathLike,
+    *,
+    resume_step: int = 0,
+    worker_labels: list[str] | None = None,
+    module_labels: Mapping[str, list[str]] | None = None,
+  ):
     self.active = jax.process_index() == 0
-    self._path = epath.Path(workdir) / "metrics.jsonl"
-    self._writer = metric_writers.create_default_writer(workdir, just_logging=not self.active)
-    self._lines: list[str] = []
-    if self.active and self._path.exists():
-      for line in self._path.read_text().splitlines():
-        if line.strip() and json.loads(line).get("step", 0) <= resume_step:
-          self._lines.append(line)
-      self._flush()
-
-  def _flush(self) -> None:
-    # Rewritten whole: object stores (gs://) cannot append.
-    self._path.write_text("".join(l + "\n" for l in self._lines))
+    self._labels = (worker_labels, module_labels)
+    if not self.active:
+      return
+    _drop_after(workdir, resume_step)
+    self._jsonl = summaries.AppendLog(lambda i: jsonl_part(workdir, i))
+    self._events = summaries.EventWriter(workdir)
+    if resume_step:
+      self._events.restart(resume_step + 1)
 
   def write_hparams(self, hparams: Mapping[str, Any]) -> None:
-    self._writer.write_hparams(dict(hparams))
+    if self.active:
+      self._events.hparams(hparams)
 
   def write(self, step: int, record: Mapping[str, Any]) -> None:
-    """Logs one record: its scalars go to TensorBoard, all of it to jsonl."""
+    """Logs one record of inner step `step`."""
     if not self.active:
       return
     record = {"step": int(step), **_plain(record)}
-    scalars = {}
-    for key, value in record.items():
-      if key == "step":
-        continue
-      if isinstance(value, (int, float)):
-        scalars[key] = value
-      elif isinstance(value, list) and value and isinstance(value[0], (int, float)):
-        scalars[f"{key}_mean"] = nan_mean(value)
-    self._writer.write_scalars(step, scalars)
-    self._lines.append(json.dumps(record, sort_keys=True))
-    self._flush()
+    self._jsonl.append((json.dumps(record, sort_keys=True) + "\n").encode())
+    scalars, histograms = tensorboard_values(record, *self._labels)
+    self._events.scalars(step, scalars)
+    self._events.histograms(step, histograms)
+    flat = {k: v for k, v in scalars.items() if "/" not in k}
+    logging.info("[%d] %s", step, ", ".join(f"{k}={v:.6g}" for k, v in sorted(flat.items())))
 
   def close(self) -> None:
-    self._writer.flush()
-    self._writer.close()
+    if self.active:
+      self._jsonl.close()
+      self._events.close()
+
+
+class Throughput:
+  """The run's tokens/s and the training steps' own time, between consecutive records.
+
+  `tokens_per_s` divides the tokens trained since the previous record by ALL the wall time
+  since then (evaluation, metrics writes, checkpoint saves included): over a run the records
+  add up to its wall time. `step_s` is the mean time per inner step spent inside `timed()`
+  (the batch, the inner and outer steps) and excludes the rest.
+  """
+
+  def __init__(
+    self, tokens_per_step: int, step: int, clock: Callable[[], float] = time.perf_counter
+  ):
+    self._tokens_per_step, self._clock = tokens_per_step, clock
+    self._step, self._time, self._busy = step, clock(), 0.0
+
+  @contextlib.contextmanager
+  def timed(self):
+    start = self._clock()
+    try:
+      yield
+    finally:
+      self._busy += self._clock() - start
+
+  def rates(self, step: int) -> dict[str, float]:
+    """tokens_per_s and step_s since the previous call (or the start); starts a new interval."""
+    now = self._clock()
+    steps = step - self._step
+    out = {
+      "tokens_per_s": self._tokens_per_step * steps / max(now - self._time, 1e-9),
+      "step_s": self._busy / max(steps, 1),
+    }
+    self._step, self._time, self._busy = step, now, 0.0
+    return out

@@ -88,6 +88,23 @@ class Topology:
   def path_label(self, p: int) -> str:
     return "-".join(str(int(m)) for m in self.paths[p])
 
+  def worker_labels(self) -> list[str]:
+    """Each worker's path label, with `/r<i>` for its replica when paths have several."""
+    return [
+      self.path_label(int(p)) + (f"/r{w % self.replicas}" if self.replicas > 1 else "")
+      for w, p in enumerate(self.path_of_worker)
+    ]
+
+  def module_labels(self) -> dict[str, list[str]]:
+    """Each level's module names: `module_<k>`, or `path_<label>` for the private copies."""
+    out = {}
+    for s in self.store_groups():
+      if s.level == PRIVATE:
+        out[s.level] = [f"path_{self.path_label(p)}" for p in range(s.num_modules)]
+      else:
+        out[s.level] = [f"module_{k}" for k in range(s.num_modules)]
+    return out
+
   def describe(self) -> str:
     grid = "x".join(str(k) for k in self.modules_per_level)
     return (

@@ -6,7 +6,7 @@ each module and applies Nesterov to the store. Auto-resumes from the workdir.
 """
 
 import json
-import time
+import math
 from typing import Any
 
 import jax
@@ -108,20 +108,19 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     if best is not None:
       best.load(ckpt.restore_best(exp.abstract_state.params))
   step = int(jax.device_get(state.step))
-  log = metrics_lib.MetricsLogger(workdir, resume_step=step)
+  labels = topo.worker_labels()
+  log = metrics_lib.MetricsLogger(
+    workdir, resume_step=step, worker_labels=labels, module_labels=topo.module_labels()
+  )
   if step == 0:
     log.write_hparams(config.to_dict())
-  labels = [
-    topo.path_label(int(p)) + (f"/r{w % topo.replicas}" if topo.replicas > 1 else "")
-    for w, p in enumerate(topo.path_of_worker)
-  ]
   guard = metrics_lib.DivergenceGuard(
     config,
     labels,
     feed_lib.host(exp.group_norms(state.params)),
     last_saved=None if restored is None else step,
   )
-  tokens_per_step = W * config.data.batch_size * config.data.seq_len
+  meter = metrics_lib.Throughput(W * config.data.batch_size * config.data.seq_len, step)
   log_every = config.log_every_steps
   eval_every = config.eval.every_steps
   ckpt_every = config.ckpt.every_steps
@@ -129,49 +128,51 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     total=total, initial=step, disable=jax.process_index() > 0, desc="inner steps", unit="step"
   )
   record: dict[str, Any] = {}
-  last = {"time": time.perf_counter(), "step": step}
   result: dict[str, Any] = {}
   stop = total if config.stop_at_step < 0 else min(config.stop_at_step, total)
   try:  # On any stop, the last checkpoint's save (async) still completes.
     while step < stop:
-      batch = exp.put_batch(plan.train_it.next_batch())
-      params, inner_opt, m = exp.inner_step(state.params, state.inner_opt, batch)
-      state = state.replace(params=params, inner_opt=inner_opt, step=state.step + 1)
-      step += 1
-      # Blocking on each step's small metrics keeps the CPU collectives healthy
-      # (NOTES.md) and lets the divergence guard stop before a bad state is saved.
-      m = feed_lib.host(m)
-      guard.check(step, m["loss"], m["param_norm"])
-      if step % H == 0:
-        if exp.outer_enabled:
+      with meter.timed():  # step_s: the steps alone (tokens_per_s counts everything).
+        batch = exp.put_batch(plan.train_it.next_batch())
+        params, inner_opt, m = exp.inner_step(state.params, state.inner_opt, batch)
+        state = state.replace(params=params, inner_opt=inner_opt, step=state.step + 1)
+        step += 1
+        # Blocking on each step's small metrics keeps the CPU collectives healthy
+        # (NOTES.md) and lets the divergence guard stop before a bad state is saved.
+        m = feed_lib.host(m)
+        guard.check(step, m["loss"], m["param_norm"])
+        if step % H == 0 and exp.outer_enabled:
           store, outer_opt, params, om = exp.outer_step(
             state.store, state.outer_opt, state.params, plan.alpha_W
           )
           state = state.replace(store=store, outer_opt=outer_opt, params=params)
           record["outer_delta_norm"] = feed_lib.host(om["delta_norm"])
-        else:
+        elif step % H == 0:
           state = state.replace(store=exp.sync_store(state.params))
-        if plan.reshards_after(step):
-          plan.reshard(step, state.params)
-          if config.routing.restart_schedule:  # Paper Fig. 10: the cosine starts over.
-            state = state.replace(inner_opt=inner_lib.restart_schedule(state.inner_opt))
+      if step % H == 0 and plan.reshards_after(step):
+        plan.reshard(step, state.params)
+        if config.routing.restart_schedule:  # Paper Fig. 10: the cosine starts over.
+          state = state.replace(inner_opt=inner_lib.restart_schedule(state.inner_opt))
       bar.update(1)
       if step % log_every == 0 or step % H == 0 or step == total:
-        now = time.perf_counter()
         record.update(
           phase=(step - 1) // H,
           train_loss=m["loss"],
           grad_norm=m["grad_norm"],
           param_norm=m["param_norm"],
-          tokens_per_s=tokens_per_step * (step - last["step"]) / max(now - last["time"], 1e-9),
+          **meter.rates(step),  # The write and save below fall in the next interval.
         )
         bar.set_postfix(loss=f"{float(np.mean(m['loss'])):.3f}")
       if step % eval_every == 0 or step == stop:
-        val = exp.evaluate(state.params, plan.eval_batches)
+        loss_sum_W, tokens_W = exp.evaluate_sums(state.params, plan.eval_batches)
+        val = exp.losses(loss_sum_W, tokens_W)
         if best is not None:  # In memory; saved with the next checkpoint (at `stop` at the latest).
           best.update(step, val, state.params, plan.phase)
         # Workers whose validation shard is empty read NaN (allow_validation): skipped.
         record.update(val_loss=val, val_loss_mean=metrics_lib.nan_mean(val))
+        # Routed: every validation token scored by the path its document was routed to.
+        routed = float(np.sum(loss_sum_W) / np.sum(tokens_W)) if np.sum(tokens_W) else math.nan
+        record.update(val_loss_routed=routed, val_perplexity_routed=float(np.exp(routed)))
         result = {
           "step": step,
           "val_loss": val.tolist(),
@@ -181,7 +182,6 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
       if record:
         log.write(step, record)
         record = {}
-        last = {"time": time.perf_counter(), "step": step}
       if step % ckpt_every == 0 or step == stop:
         if not bool(jax.device_get(exp.all_finite(state.params))):
           guard.not_finite(step)

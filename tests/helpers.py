@@ -5,6 +5,9 @@ import os
 
 import jax
 import numpy as np
+from tensorboard.compat.proto import event_pb2
+from tensorboard.compat.tensorflow_stub import errors as tb_errors
+from tensorboard.compat.tensorflow_stub import pywrap_tensorflow
 
 from dipaco_jax import config_defaults
 from dipaco_jax import data as data_lib
@@ -90,3 +93,19 @@ def model_config(**fields) -> model_lib.ModelConfig:
   """A ModelConfig of base()'s model section with `fields` changed."""
   section = {**config_defaults.base().model.to_dict(), **fields}  # Any type: tests bad values too.
   return config_defaults.from_section(model_lib.ModelConfig, section)
+
+
+def events(logdir) -> list:
+  """Every Event of logdir's event files, in file-name order, read by TensorBoard's reader."""
+  out = []
+  for name in sorted(os.listdir(logdir)):
+    if "tfevents" not in name:
+      continue
+    reader = pywrap_tensorflow.PyRecordReader_New(os.path.join(logdir, name))
+    while True:
+      try:
+        reader.GetNext()
+      except tb_errors.OutOfRangeError:
+        break
+      out.append(event_pb2.Event.FromString(reader.record()))
+  return out

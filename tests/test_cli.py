@@ -6,11 +6,13 @@ the slow tests run the real commands as subprocesses.
 """
 
 import glob
+import logging
 import os
 import re
 import subprocess
 import sys
 
+import orbax.checkpoint
 import pytest
 from absl import flags
 from ml_collections import config_flags
@@ -379,3 +381,14 @@ def test_a_diverged_run_and_a_damaged_checkpoint_stop_in_one_line(tmp_path):
     f"); move it aside (mv {ckpts}/2 {workdir}/damaged_checkpoint_2) to start "
     "the run over from step 0 (no older checkpoint is intact)."
   ), line
+
+
+def test_library_log_lines_below_warning_are_dropped_and_the_projects_kept():
+  orbax_file = os.path.join(os.path.dirname(orbax.checkpoint.__file__), "checkpoint_manager.py")
+  ours = os.path.abspath(metrics.__file__)
+  keep = cli._LibraryFilter(logging.WARNING).filter
+  record = lambda path, level: logging.LogRecord("absl", level, path, 1, "m", None, None)
+  assert not keep(record(orbax_file, logging.INFO))
+  assert keep(record(orbax_file, logging.WARNING))
+  assert keep(record(ours, logging.INFO))
+  assert cli._LibraryFilter(logging.INFO).filter(record(orbax_file, logging.INFO))

@@ -34,6 +34,18 @@ def test_replicas_and_subset():
   # Module 1 is on no path: P_{0,1} = 0.
   np.testing.assert_array_equal(np.bincount(t.worker_modules[:, 0], minlength=3), [2, 0, 2])
   assert t.path_label(1) == "2"
+  assert t.worker_labels() == ["0/r0", "0/r1", "2/r0", "2/r1"]
+  assert t.module_labels() == {"level_0": ["module_0", "module_1", "module_2"]}
+
+
+def test_module_labels_name_private_copies_by_path():
+  t = topology.build(("embed,head", "block_0", "block_1"), (1, 2, 2), 2, path_specific="block_1")
+  assert t.worker_labels() == ["0-0-0", "0-0-1", "0-1-0", "0-1-1"]
+  assert t.module_labels() == {
+    "level_0": ["module_0"],
+    "level_1": ["module_0", "module_1"],
+    "private": ["path_0-0-0", "path_0-0-1", "path_0-1-0", "path_0-1-1"],
+  }
 
 
 @pytest.mark.parametrize(

@@ -1,8 +1,10 @@
 """End to end on the embedded corpus: loss falls, resume is bit-exact, guards."""
 
 import json
+import math
 import os
 import re
+import time
 
 import jax
 import numpy as np
@@ -39,7 +41,14 @@ def _params(workdir, cfg):
   return jax.tree.map(np.asarray, state), data_state
 
 
-def test_short_run_loss_falls(tmp_path, shard_dir):
+def test_short_run_loss_falls(tmp_path, shard_dir, monkeypatch):
+  write = metrics.MetricsLogger.write
+
+  def slow_write(self, step, record):  # Each record's write takes >= 0.2 s.
+    time.sleep(0.2)
+    write(self, step, record)
+
+  monkeypatch.setattr(metrics.MetricsLogger, "write", slow_write)
   cfg = _config(
     shard_dir,
     **{
@@ -53,7 +62,7 @@ def test_short_run_loss_falls(tmp_path, shard_dir):
     },
   )
   out = train.train_and_evaluate(cfg, str(tmp_path))
-  lines = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
+  lines = metrics.read_records(tmp_path)
   vals = [l["val_loss_mean"] for l in lines if "val_loss_mean" in l]
   assert len(vals) == 3 and vals[-1] < vals[0] - 0.3, vals
   assert out["step"] == 30
@@ -61,6 +70,22 @@ def test_short_run_loss_falls(tmp_path, shard_dir):
   assert len(outer) == 3
   assert len(outer[0]["outer_delta_norm"]["level_1"]) == 2
   assert len(lines[0]["train_loss"]) == 4
+  # Routed: each path's tokens scored by that path; equal token counts per path here.
+  for l in lines:
+    if "val_loss" in l:
+      assert l["val_loss_routed"] == pytest.approx(np.mean(l["val_loss"]), rel=1e-5)
+      assert l["val_perplexity_routed"] == pytest.approx(math.exp(l["val_loss_routed"]))
+  # tokens_per_s counts the previous record's write (>= 0.2 s); step_s leaves it out.
+  timed = [l for l in lines if "tokens_per_s" in l]
+  assert [l["step"] for l in timed] == [5, 10, 15, 20, 25, 30]
+  for prev, l in zip(timed, timed[1:]):
+    steps = l["step"] - prev["step"]
+    wall = 4 * 2 * 16 * steps / l["tokens_per_s"]  # W x batch x seq_len tokens per step.
+    assert wall - l["step_s"] * steps >= 0.2, (prev, l)
+  # TensorBoard: a scalar per path and per module.
+  tags = {v.tag for e in helpers.events(tmp_path) for v in e.summary.value}
+  assert {"train/loss/path_0-1-0", "val/loss/path_0-1-1", "val_perplexity_routed"} <= tags
+  assert {"outer/delta_norm/level_0/module_0", "outer/delta_norm/level_2/module_1"} <= tags
 
 
 @pytest.mark.parametrize("stop_at", [3, 4])  # mid-phase, and at a phase boundary

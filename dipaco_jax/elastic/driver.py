@@ -313,7 +313,12 @@ def _loop(
   # Record of step (t+1)*H: phase t's training losses and tasks t+1's validation (train.py's).
   complete = lambda t: all(f"{t}/{w}" in results for w in range(grid.W))
   phases_logged = sum(complete(t) and complete(t + 1) for t in range(grid.T))
-  mlog = metrics_lib.MetricsLogger(workdir, resume_step=phases_logged * grid.H)
+  mlog = metrics_lib.MetricsLogger(
+    workdir,
+    resume_step=phases_logged * grid.H,
+    worker_labels=grid.topo.worker_labels(),
+    module_labels=grid.topo.module_labels(),
+  )
   if phases_logged == 0 and not results:
     mlog.write_hparams(config.to_dict())
 
