@@ -18,9 +18,8 @@ import numpy as np
 from etils import epath
 
 PathLike = str | os.PathLike
-CONFIG_FILE = (
-  "config.json"  # <workdir>/config.json: the trainer writes it, every entry point reads it.
-)
+# <workdir>/config.json: the trainer writes it, every entry point reads it.
+CONFIG_FILE = "config.json"
 
 
 def path(p: PathLike) -> epath.Path:
@@ -59,8 +58,12 @@ def write_json(p: PathLike, obj: Any, *, indent: int | None = 2, sort_keys: bool
   write_text(p, json.dumps(obj, indent=indent, sort_keys=sort_keys))
 
 
+def read_text(p: PathLike) -> str:
+  return path(p).read_text()
+
+
 def read_json(p: PathLike) -> Any:
-  return json.loads(path(p).read_text())
+  return json.loads(read_text(p))
 
 
 def write_npz(p: PathLike, arrays: dict[str, np.ndarray]) -> None:

@@ -2,9 +2,18 @@
 
 The emulator is gcp-storage-emulator (pure Python, the `test` extra), in memory,
 in a subprocess. gcsfs (etils.epath's gs:// backend here) reaches it through
-STORAGE_EMULATOR_HOST, TensorStore (orbax's checkpoints) through
-TENSORSTORE_GCS_HTTP_URL. TensorFlow's own GCS client has no endpoint setting:
-a run must not need it (tested below: no `tensorflow` module is imported).
+STORAGE_EMULATOR_HOST, TensorStore (orbax's checkpoint arrays) through
+TENSORSTORE_GCS_HTTP_URL. TensorFlow's own GCS client has no endpoint setting, so
+nothing here may go through it (epath's backend is checked below).
+
+What the emulator cannot do: TensorStore writes OCDBT manifests with
+`ifGenerationMatch` and reads generations from the `x-goog-generation` header,
+neither of which the emulator implements (orbax's save fails with "Malformed
+StorageGeneration"), and so does serving's direct OCDBT read
+(checkpoint.read_rows). So checkpoints are written locally by orbax and
+uploaded, then orbax's restore, the early-stopping set and records and
+evaluate read them from the bucket; the write side (and read_rows) is orbax's
+and TensorStore's own GCS code, given the gs:// URI unchanged.
 """
 
 import contextlib
@@ -15,14 +24,19 @@ import sys
 import time
 import urllib.request
 
+import jax
 import numpy as np
 import pytest
 from etils import epath
 
+from dipaco_jax import checkpoint
+from dipaco_jax import early_stopping
 from dipaco_jax import evaluation
+from dipaco_jax import experiment
 from dipaco_jax import files
 from dipaco_jax import routing
 from dipaco_jax import train
+from dipaco_jax.data import shards as shards_lib
 from dipaco_jax.elastic import storage as elastic_storage
 from dipaco_jax.routing import rerouting
 
@@ -103,6 +117,22 @@ def objects(url: str) -> list[str]:
   return sorted(p.removeprefix(root + "/") for p in fs.find(root))
 
 
+def upload(local_dir, url: str) -> None:
+  """Copies a local folder's files to gs://bucket/prefix (what orbax would have written there)."""
+  import gcsfs  # pylint: disable=g-import-not-at-top
+
+  fs = gcsfs.GCSFileSystem()
+  for dirpath, _, names in os.walk(local_dir):
+    for name in names:
+      rel = os.path.relpath(os.path.join(dirpath, name), local_dir)
+      fs.put_file(os.path.join(dirpath, name), f"{url.removeprefix('gs://')}/{rel}")
+  fs.invalidate_cache()
+
+
+def test_gs_paths_go_through_gcsfs_not_tensorflow():
+  assert type(files.path("gs://b/x")._backend).__name__ == "_FileSystemSpecBackend"  # pylint: disable=protected-access
+
+
 def test_paths_keep_their_scheme():
   assert files.join("gs://b/run", "router", "phase_0") == "gs://b/run/router/phase_0"
   assert routing.router_dir("gs://b/run", 1) == "gs://b/run/router/phase_1"
@@ -178,3 +208,79 @@ def test_elastic_storage_round_trip(bucket):
   assert elastic_storage.load_json(elastic_storage.worker_data_file(f"{bucket}/run", 0, 1)) == {
     "pos": 5
   }
+
+
+@pytest.mark.slow  # a micro checkpoint saved, uploaded and restored: ~8 s
+def test_checkpoint_and_early_stopping_records_read_from_the_bucket(bucket, tmp_path):
+  cfg = helpers.micro_config()
+  exp = experiment.Experiment(cfg)
+  state = exp.init_state(0)
+  best = early_stopping.BestPaths(exp.state_sharding.params, exp.topo.num_workers)
+  best.update(2, np.array([4.0, 3.0, 2.0, 1.0]), state.params, phase=0)
+  local = str(tmp_path / "local_run")
+  ck = checkpoint.Checkpointer(local, async_save=False)
+  ck.save(2, state, {"train": {"position": 3}, "routing": {"phase": 0}}, best=best.saved())
+  ck.close()
+  workdir = f"{bucket}/run"
+  upload(checkpoint.directory(local), f"{workdir}/checkpoints")
+  assert "run/checkpoints/2/state/_METADATA" in objects(bucket)
+
+  assert checkpoint.steps(workdir) == [2]
+  records = early_stopping.read_meta(workdir)
+  assert records["checkpoint_step"] == 2 and records["loss"] == [4.0, 3.0, 2.0, 1.0]
+  ck = checkpoint.Checkpointer(workdir, async_save=False)
+  got, data_state = ck.restore(exp.abstract_state)
+  params_W, _ = ck.restore_best(exp.abstract_state.params)
+  ck.close()
+  assert data_state == {"train": {"position": 3}, "routing": {"phase": 0}}
+  for a, b in zip(jax.tree.leaves((got, params_W)), jax.tree.leaves((state, state.params))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.slow  # route, train 4 steps, evaluate on the embedded corpus: ~1 min
+def test_a_whole_run_on_a_gs_workdir(bucket, tmp_path, monkeypatch):
+  """route -> train -> evaluate with --workdir=gs://...: each writer's files are in the bucket."""
+  monkeypatch.setattr(shards_lib, "CACHE_DIR", str(tmp_path / "shard_cache"))
+  cfg = helpers.micro_config(
+    **{
+      "model.vocab_size": 8192,
+      "data.subsample": 20,
+      "routing.router": "kmeans",
+      "routing.kmeans_restarts": 1,
+      "routing.kmeans_iters": 10,
+      "routing.prefix_len": 4,
+      "ckpt.every_steps": 4,
+      "eval.every_steps": 4,
+      "eval.rerouters": ("linear",),
+      "eval.rerouting_windows": (8,),
+    }
+  )
+  workdir = f"{bucket}/run"
+  local = str(tmp_path / "local_run")  # Checkpoints only (see the module docstring).
+  real_directory = checkpoint.directory
+  with monkeypatch.context() as m:
+    m.setattr(checkpoint, "directory", lambda w: real_directory(local if str(w) == workdir else w))
+    report = routing.route_run(cfg, workdir)
+    out = train.train_and_evaluate(cfg, workdir)
+  assert out["step"] == 4 and "kmeans" in report
+  upload(checkpoint.directory(local), f"{workdir}/checkpoints")
+
+  # What evaluate (and the notebook) do: the config from the bucket, then everything else.
+  text = evaluation.evaluate_and_write(evaluation.config_from_workdir(workdir), workdir)
+  assert "params: best" in text  # The early-stopping set, read back from the bucket.
+  assert early_stopping.read_meta(workdir)["checkpoint_step"] == 4
+  got = set(objects(bucket))
+  for want in (
+    "run/config.json",
+    "run/metrics.jsonl",
+    "run/router/phase_0/router.json",
+    "run/router/phase_0/router.npz",
+    "run/router/phase_0/report.md",
+    "run/router/rerouters_step4/linear/router.json",
+    "run/eval/step_4.json",
+    "run/eval/step_4.md",
+    "run/shards/train/worker_00003.array_record",
+    "run/checkpoints/4/data/metadata",
+  ):
+    assert want in got, (want, sorted(got))
+  assert files.read_text(f"{workdir}/eval/step_4.md") == text
