@@ -210,7 +210,7 @@ def test_elastic_storage_round_trip(bucket):
   }
 
 
-@pytest.mark.slow  # a micro checkpoint saved, uploaded and restored: ~8 s
+@pytest.mark.slow  # a micro checkpoint saved, uploaded and restored: 5-8 s
 def test_checkpoint_and_early_stopping_records_read_from_the_bucket(bucket, tmp_path):
   cfg = helpers.micro_config()
   exp = experiment.Experiment(cfg)
