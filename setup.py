@@ -16,7 +16,8 @@ _CORE = [
   "seqio>=0.0.19",
   "tensorflow-datasets>=4.9",
   "array-record>=0.5",
-  "etils[epath]",
+  # epath-gcs: gcsfs, epath's gs:// backend without TensorFlow (dipaco_jax/files.py).
+  "etils[epath,epath-gcs]",
   "importlib_resources",  # tensorflow-datasets 4.9.10 imports it without declaring it
 ]
 
@@ -44,6 +45,7 @@ setuptools.setup(
       "matplotlib",
       "ruff==0.17.6",  # the formatter: pinned, as its output changes between releases
       "ray==2.*",  # CI runs the elastic mode for real (tests/test_elastic.py)
+      "gcp-storage-emulator",  # tests/test_gcs.py: gs:// workdirs against a loopback server
       _LIBTPU,  # CI compiles for TPU topologies (tests/test_aot.py)
     ],
     "elastic": ["ray==2.*"],  # dipaco.mode="elastic" (docs/elastic.md)

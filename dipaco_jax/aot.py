@@ -17,7 +17,6 @@ spans 'path'. docs/tpu.md holds the paper configs' numbers.
 # pylint: disable=invalid-name
 
 import dataclasses
-import json
 import math
 import os
 import re
@@ -38,6 +37,7 @@ import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 from dipaco_jax import data as data_lib  # pylint: disable=wrong-import-position
 from dipaco_jax import experiment as exp_lib  # pylint: disable=wrong-import-position
+from dipaco_jax import files  # pylint: disable=wrong-import-position
 from dipaco_jax import hlo  # pylint: disable=wrong-import-position
 from dipaco_jax import model as model_lib  # pylint: disable=wrong-import-position
 from dipaco_jax import sharding  # pylint: disable=wrong-import-position
@@ -544,8 +544,7 @@ def main(argv):
     sys.exit(2)
   print(format_report(result))
   if _FLAGS["out"].value:
-    with open(_FLAGS["out"].value, "w") as f:
-      json.dump(result, f, indent=1)
+    files.write_json(_FLAGS["out"].value, result, indent=1, sort_keys=False)
   sys.exit(0 if ok(result) else 1)
 
 

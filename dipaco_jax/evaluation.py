@@ -14,8 +14,6 @@ one's own shard is known: `own_shard` is each worker's loss on its own shard.
 # pylint: disable=invalid-name
 
 import dataclasses
-import json
-import os
 from typing import Any, Callable
 
 import jax
@@ -24,9 +22,12 @@ import numpy as np
 from dipaco_jax import checkpoint as ckpt_lib
 from dipaco_jax import data as data_lib
 from dipaco_jax import experiment as exp_lib
+from dipaco_jax import files
 from dipaco_jax import routing
 from dipaco_jax.routing import report as report_lib
 from dipaco_jax.routing import rerouting
+
+EVAL_DIR = "eval"  # <workdir>/eval/step_<s>.{json,md}: evaluate_and_write's reports.
 
 
 @dataclasses.dataclass
@@ -71,8 +72,8 @@ def config_from_workdir(workdir: str):
   """The config a run was trained with (<workdir>/config.json, written by the trainer)."""
   import ml_collections  # pylint: disable=g-import-not-at-top
 
-  path = os.path.join(workdir, "config.json")
-  if not os.path.exists(path):
+  path = files.path(workdir) / files.CONFIG_FILE
+  if not path.exists():
     raise FileNotFoundError(
       f"no {path}: pass the run's --config instead (the trainer writes config.json when it starts)."
     )
@@ -83,8 +84,7 @@ def config_from_workdir(workdir: str):
     if isinstance(x, list)
     else x
   )
-  with open(path) as f:
-    return ml_collections.ConfigDict(tuples(json.load(f)))
+  return ml_collections.ConfigDict(tuples(files.read_json(path)))
 
 
 def validation_sequences(run: Run, max_docs: int = 0) -> dict[str, np.ndarray]:
@@ -111,7 +111,7 @@ def validation_sequences(run: Run, max_docs: int = 0) -> dict[str, np.ndarray]:
 
 
 def rerouter_dir(workdir: str, step: int) -> str:
-  return os.path.join(workdir, routing.ROUTER_DIR, f"rerouters_step{step}")
+  return files.join(workdir, routing.ROUTER_DIR, f"rerouters_step{step}")
 
 
 def fit_rerouters(run: Run, scorer: routing.PathScorer, extractor, *, kinds) -> dict[str, Any]:
@@ -126,7 +126,7 @@ def fit_rerouters(run: Run, scorer: routing.PathScorer, extractor, *, kinds) -> 
   for kind in kinds:
     if kind not in rerouting.KINDS:
       raise ValueError(f"unknown re-router {kind!r}: choose from {rerouting.KINDS}.")
-    sub = os.path.join(directory, kind)
+    sub = files.join(directory, kind)
     if kind == "linear" and routing.Router.exists(sub):
       out[kind] = routing.Router.load(sub, grid=routing.router_grid(topo))
     elif kind == "transformer" and rerouting.load_transformer(sub) is not None:
@@ -158,7 +158,7 @@ def fit_rerouters(run: Run, scorer: routing.PathScorer, extractor, *, kinds) -> 
       seed=cfg.seed,
     )
     r.info["features"] = extractor.fingerprint
-    r.save(os.path.join(directory, "linear"), overwrite=True)
+    r.save(files.join(directory, "linear"), overwrite=True)
     out["linear"] = r
   if "transformer" in todo:
     mask = (np.arange(T)[None] >= L) & (np.arange(T)[None] < lengths[:, None])
@@ -173,7 +173,7 @@ def fit_rerouters(run: Run, scorer: routing.PathScorer, extractor, *, kinds) -> 
       batch_size=ev.reroute_batch_size,
       seed=cfg.seed,
     )
-    rerouting.save_transformer(params, os.path.join(directory, "transformer"))
+    rerouting.save_transformer(params, files.join(directory, "transformer"))
     out["transformer"] = params
   return out
 
@@ -369,10 +369,7 @@ def evaluate_and_write(config, workdir: str, step: int | None = None) -> str:
     f"{report_lib.to_markdown(domain_report(r, P))}"
     for k, r in reports.items()
   )
-  out = os.path.join(workdir, "eval")
-  os.makedirs(out, exist_ok=True)
-  with open(os.path.join(out, f"step_{run.step}.json"), "w") as f:
-    json.dump(reports, f, indent=1)
-  with open(os.path.join(out, f"step_{run.step}.md"), "w") as f:
-    f.write(text)
+  out = files.path(workdir) / EVAL_DIR
+  files.write_json(out / f"step_{run.step}.json", reports, indent=1, sort_keys=False)
+  files.write_text(out / f"step_{run.step}.md", text)
   return text

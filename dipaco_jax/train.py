@@ -22,6 +22,7 @@ from dipaco_jax import early_stopping
 from dipaco_jax import elastic
 from dipaco_jax import experiment as exp_lib
 from dipaco_jax import feed as feed_lib
+from dipaco_jax import files
 from dipaco_jax import inner as inner_lib
 from dipaco_jax import metrics as metrics_lib
 from dipaco_jax import shard_plan
@@ -33,9 +34,9 @@ _FROZEN_SECTIONS = ("model", "dipaco", "data")
 
 def check_config_matches(workdir: epath.Path, config) -> None:
   """Refuses to resume a workdir written by a different grid, model or data."""
-  path = workdir / "config.json"
+  path = workdir / files.CONFIG_FILE
   if path.exists():
-    old, new = json.loads(path.read_text()), json.loads(config.to_json_best_effort())
+    old, new = files.read_json(path), json.loads(config.to_json_best_effort())
     # A field added since the run started (model.mlp, ...) had its default then.
     default = json.loads(config_defaults.base().to_json_best_effort())
     changed = [
@@ -51,9 +52,9 @@ def check_config_matches(workdir: epath.Path, config) -> None:
 
 def write_config(workdir: epath.Path, config) -> None:
   """config.json, once the config is valid and the run's shards are ready."""
-  path = workdir / "config.json"
+  path = workdir / files.CONFIG_FILE
   if jax.process_index() == 0 and not path.exists():
-    path.write_text(json.dumps(json.loads(config.to_json_best_effort()), indent=2, sort_keys=True))
+    files.write_json(path, json.loads(config.to_json_best_effort()))
 
 
 def _initial_theta(config):

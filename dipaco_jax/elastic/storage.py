@@ -1,7 +1,8 @@
 """Elastic mode's shared storage: per-module and per-worker items under `<workdir>/elastic/`.
 
-Every item is written whole to a temporary name and renamed into place, so a
-reader sees the old item or the new one, never half of one. Arrays go to
+Every item is written whole (files.write_bytes: a temporary name renamed into
+place, or one object upload on gs://), so a reader sees the old item or the
+new one, never half of one. Arrays go to
 `.npz` files read with `allow_pickle=False`; small records are JSON. Nothing
 here unpickles. Layout (t = outer steps applied, i.e. the phase that reads it):
 
@@ -16,12 +17,12 @@ here unpickles. Layout (t = outer steps applied, i.e. the phase that reads it):
 
 import io
 import json
-import uuid
 
 import jax
 import numpy as np
 from etils import epath
 
+from dipaco_jax import files
 from dipaco_jax.types import PyTree
 
 ROOT = "elastic"
@@ -54,10 +55,7 @@ def worker_out_dir(workdir: str, worker: int, phase: int) -> epath.Path:
 
 
 def _write_atomic(path: epath.Path, data: bytes) -> None:
-  path.parent.mkdir(parents=True, exist_ok=True)
-  tmp = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
-  tmp.write_bytes(data)
-  tmp.replace(path)  # Atomic on a local file system; several writers of the same bytes are fine.
+  files.write_bytes(path, data)  # Whole; several writers of the same bytes are fine.
 
 
 def _keys(tree: PyTree) -> list[str]:

@@ -12,12 +12,11 @@ phase k's shards in `<workdir>/shards_phase_<k>/` (phase 0: data.shard_dir or
 """
 # pylint: disable=invalid-name
 
-import os
-
 import jax
 import numpy as np
 
 from dipaco_jax import data as data_lib
+from dipaco_jax import files
 from dipaco_jax import topology as topo_lib
 from dipaco_jax.config_defaults import ConfigError
 from dipaco_jax.routing import assignment as assign_lib
@@ -29,17 +28,18 @@ from dipaco_jax.routing import scoring
 PHASE0_ROUTERS = ("random", "kmeans", "product_kmeans")
 REPLICA_SHARDS = ("hash", "router")
 ROUTER_DIR = "router"
+REPORT_FILE = "report.md"  # route_run's phase-0 routing report, in router_dir(workdir, 0).
 
 
 def router_dir(workdir: str, phase: int) -> str:
-  return os.path.join(str(workdir), ROUTER_DIR, f"phase_{phase}")
+  return files.join(workdir, ROUTER_DIR, f"phase_{phase}")
 
 
 def shard_dir(config, workdir: str, phase: int) -> str:
   """Phase 0: config.data.shard_dir or <workdir>/shards; phase k: <workdir>/shards_phase_<k>."""
   if phase == 0:
-    return config.data.shard_dir or os.path.join(str(workdir), "shards")
-  return os.path.join(str(workdir), f"shards_phase_{phase}")
+    return config.data.shard_dir or files.join(workdir, "shards")
+  return files.join(workdir, f"shards_phase_{phase}")
 
 
 def replicas_by_router(config, topo: topo_lib.Topology) -> bool:
@@ -108,7 +108,7 @@ def phase0_router(
     return assign_lib.PathRouter(topo, None, seed=config.data.seed)
   by_worker = replicas_by_router(config, topo)
   directory = router_dir(workdir, 0)
-  if os.path.exists(os.path.join(directory, router_lib.META_FILE)):
+  if router_lib.Router.exists(directory):
     router = router_lib.Router.load(directory, grid=grid, feature_dim=extractor.dim)
     if router.kind != kind or router.info.get("features") != extractor.fingerprint:
       raise ConfigError(
@@ -255,7 +255,5 @@ def route_run(config, workdir: str) -> str:
       report_lib.to_markdown(rep),
     ]
   text = "\n".join(lines)
-  os.makedirs(router_dir(workdir, 0), exist_ok=True)
-  with open(os.path.join(router_dir(workdir, 0), "report.md"), "w") as f:
-    f.write(text)
+  files.write_text(files.join(router_dir(workdir, 0), REPORT_FILE), text)
   return text

@@ -15,19 +15,19 @@ the sequence end; the paper's Table 3 uses the whole sequence). Kinds:
 """
 # pylint: disable=invalid-name
 
-import os
-
 import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+from dipaco_jax import files
 from dipaco_jax import model as model_lib
 from dipaco_jax.routing import router as router_lib
 from dipaco_jax.types import PyTree
 
 KINDS = ("linear", "transformer")
+PARAMS_FILE = "params.msgpack"  # The transformer re-router's params.
 
 
 def check_window(W: int) -> int:
@@ -170,16 +170,14 @@ class TransformerRerouter:
 
 
 def save_transformer(params: PyTree, directory: str) -> None:
-  os.makedirs(directory, exist_ok=True)
-  tmp = os.path.join(directory, "params.msgpack.tmp")
-  with open(tmp, "wb") as f:
-    f.write(flax.serialization.msgpack_serialize(jax.device_get(params)))
-  os.replace(tmp, os.path.join(directory, "params.msgpack"))
+  files.write_bytes(
+    files.path(directory) / PARAMS_FILE,
+    flax.serialization.msgpack_serialize(jax.device_get(params)),
+  )
 
 
 def load_transformer(directory: str) -> PyTree | None:
-  path = os.path.join(directory, "params.msgpack")
-  if not os.path.exists(path):
+  path = files.path(directory) / PARAMS_FILE
+  if not path.exists():
     return None
-  with open(path, "rb") as f:
-    return flax.serialization.msgpack_restore(f.read())
+  return flax.serialization.msgpack_restore(path.read_bytes())

@@ -10,9 +10,7 @@ On disk: `router.npz` (the arrays) + `router.json` (kind, grid, dims, fit info).
 """
 
 import dataclasses
-import json
 import math
-import os
 import zipfile
 from collections.abc import Sequence
 from typing import Any
@@ -20,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from dipaco_jax import errors
+from dipaco_jax import files
 from dipaco_jax.routing import discriminative
 from dipaco_jax.routing import kmeans
 
@@ -142,9 +141,8 @@ class Router:
 
   def save(self, directory: str, *, overwrite: bool = False) -> None:
     """Writes router.npz + router.json into directory (refuses to replace unless overwrite)."""
-    os.makedirs(directory, exist_ok=True)
-    paths = [os.path.join(directory, f) for f in (ARRAYS_FILE, META_FILE)]
-    if not overwrite and any(os.path.exists(p) for p in paths):
+    paths = [files.path(directory) / f for f in (ARRAYS_FILE, META_FILE)]
+    if not overwrite and any(p.exists() for p in paths):
       raise FileExistsError(
         f"a router is already saved in {directory}; pick a new directory or pass overwrite=True."
       )
@@ -157,18 +155,16 @@ class Router:
       "arrays": {k: list(v.shape) for k, v in self.arrays.items()},
       "info": self.info,
     }
-    # Write both to temporaries first, then rename: a crash never leaves half a router.
-    with open(paths[0] + ".tmp", "wb") as f:
-      np.savez(f, **self.arrays)
-    with open(paths[1] + ".tmp", "w") as f:
-      json.dump(meta, f, indent=2, sort_keys=True)
-    for p in paths:
-      os.replace(p + ".tmp", p)
+    # Each file is written whole, the metadata last (and an old one removed first): a reader
+    # (`exists`, `load`) sees a whole router or none, never new arrays under old metadata.
+    paths[1].unlink(missing_ok=True)
+    files.write_npz(paths[0], self.arrays)
+    files.write_json(paths[1], meta)
 
   @staticmethod
   def exists(directory: str) -> bool:
     """Whether `directory` holds a saved router (its metadata is written last)."""
-    return os.path.exists(os.path.join(directory, META_FILE))
+    return (files.path(directory) / META_FILE).exists()
 
   @classmethod
   def load(
@@ -180,16 +176,15 @@ class Router:
     feature_dim: int | None = None,
   ) -> "Router":
     """Reads a saved router; checks it against the expected grid / P / D when given."""
-    paths = [os.path.join(directory, f) for f in (ARRAYS_FILE, META_FILE)]
-    missing = [p for p in paths if not os.path.exists(p)]
+    paths = [files.path(directory) / f for f in (ARRAYS_FILE, META_FILE)]
+    missing = [str(p) for p in paths if not p.exists()]
     if missing:
       raise FileNotFoundError(
         f"no saved router in {directory} (missing {missing}); fit one "
         "with a fit_*_router function and Router.save it there."
       )
     try:
-      with open(paths[1]) as f:
-        meta = json.load(f)
+      meta = files.read_json(paths[1])
     except ValueError as e:  # JSONDecodeError and UnicodeDecodeError.
       raise _damaged(paths[1], errors.json_problem(e)) from e
     if meta.get("format_version") != _FORMAT_VERSION:
@@ -198,8 +193,7 @@ class Router:
         f"reads {_FORMAT_VERSION}; refit the router with this code."
       )
     try:
-      with np.load(paths[0]) as z:
-        arrays = {k: z[k] for k in z.files}
+      arrays = files.read_npz(paths[0])
     except (zipfile.BadZipFile, ValueError, EOFError, OSError) as e:  # What a cut zip raises.
       raise _damaged(paths[0], str(e) or type(e).__name__) from e
     router = cls(meta["kind"], tuple(meta["grid"]), arrays, meta.get("info", {}))
@@ -211,8 +205,8 @@ class Router:
     return router
 
 
-def _damaged(path: str, reason: str) -> errors.DamagedFileError:
-  directory = os.path.dirname(path)
+def _damaged(path, reason: str) -> errors.DamagedFileError:
+  directory = files.path(path).parent
   return errors.DamagedFileError(
     f"router file {path} is damaged ({reason}); move {directory} aside (mv {directory} "
     f"{directory}.damaged) and rerun to fit it again (a discriminative phase's router is "

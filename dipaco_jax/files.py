@@ -1,0 +1,79 @@
+"""The one path layer for the run's files: local paths and gs:// (any etils.epath URI) alike.
+
+etils.epath does the work; gs:// goes through fsspec/gcsfs, never TensorFlow
+(dipaco_jax/__init__.py sets EPATH_USE_TF). What this module adds is writing a
+file whole: a reader sees the old contents or the new, never half of them.
+Locally that is a temporary name renamed into place; an object store publishes
+an object only when its upload completes, so there the object is written
+directly (a rename on GCS is a copy plus a delete, and no more atomic).
+"""
+
+import io
+import json
+import os
+import uuid
+from typing import Any
+
+import numpy as np
+from etils import epath
+
+PathLike = str | os.PathLike
+# <workdir>/config.json: the trainer writes it, every entry point reads it.
+CONFIG_FILE = "config.json"
+
+
+def path(p: PathLike) -> epath.Path:
+  """`p` as an epath.Path (gs://bucket/... stays a URI, never a local `gs:` folder)."""
+  return epath.Path(p)
+
+
+def is_remote(p: PathLike) -> bool:
+  """Whether `p` names an object store (gs://, s3://, ...), not the local file system."""
+  return "://" in os.fspath(p)
+
+
+def join(p: PathLike, *parts: str) -> str:
+  """`p/parts...` as a string, keeping a URI's scheme."""
+  return os.fspath(path(p).joinpath(*parts))
+
+
+def write_bytes(p: PathLike, data: bytes) -> None:
+  """Writes `data` to `p` whole (see the module docstring), making its parent folders."""
+  p = path(p)
+  if is_remote(p):
+    p.write_bytes(data)
+    return
+  p.parent.mkdir(parents=True, exist_ok=True)
+  tmp = p.parent / f".{p.name}.{uuid.uuid4().hex}.tmp"
+  tmp.write_bytes(data)
+  tmp.replace(p)
+
+
+def write_text(p: PathLike, text: str) -> None:
+  write_bytes(p, text.encode("utf-8"))
+
+
+def write_json(p: PathLike, obj: Any, *, indent: int | None = 2, sort_keys: bool = True) -> None:
+  """`obj` as JSON, written whole."""
+  write_text(p, json.dumps(obj, indent=indent, sort_keys=sort_keys))
+
+
+def read_text(p: PathLike) -> str:
+  return path(p).read_text()
+
+
+def read_json(p: PathLike) -> Any:
+  return json.loads(read_text(p))
+
+
+def write_npz(p: PathLike, arrays: dict[str, np.ndarray]) -> None:
+  """Named arrays to one .npz, written whole."""
+  buf = io.BytesIO()
+  np.savez(buf, **arrays)
+  write_bytes(p, buf.getvalue())
+
+
+def read_npz(p: PathLike) -> dict[str, np.ndarray]:
+  """The arrays of an .npz (no pickles); a cut file raises what np.load raises."""
+  with np.load(io.BytesIO(path(p).read_bytes()), allow_pickle=False) as z:
+    return {k: z[k] for k in z.files}
