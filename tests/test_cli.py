@@ -49,6 +49,11 @@ BAD_INPUTS = [
   (["--config.outer.momentum=1.5"], "config.outer.momentum=1.5 is invalid"),
   (["--config.inner.b2=1.0"], "config.inner.b2=1.0 is invalid"),
   (["--config.data.batch_size=0"], "config.data.batch_size=0 is invalid"),
+  (
+    ["--config.data.tfds_name=c4/en"],
+    "config.data.tfds_name='c4/en' is invalid: it must be a tfds name with its version pinned, "
+    "such as 'c4/en:3.0.1'",
+  ),
   (["--config.log_every_steps=0"], "config.log_every_steps=0 is invalid"),
   (["--config.eval.every_steps=0"], "config.eval.every_steps=0 is invalid"),
   (["--config.ckpt.every_steps=0"], "config.ckpt.every_steps=0 is invalid"),
