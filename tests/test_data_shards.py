@@ -212,7 +212,7 @@ def test_a_missing_part_is_one_error_naming_it_and_the_fix_and_loses_nothing(tmp
   msg = str(e.value)
   assert "\n" not in msg and "1 of 2 parts have no done-marker" in msg, msg
   assert str(tmp_path / "train" / "parts" / "part-00001-of-00002.json") in msg, msg
-  assert "Rerun process(es) 1 (" in msg and "--num_processes=2 --process_index=I" in msg, msg
+  assert "Rerun process(es) 1 (" in msg and "--num_processes=2 --process_id=I" in msg, msg
   assert "the finished parts are kept" in msg, msg
   with pytest.raises(ValueError, match="interrupted write \\(train has parts\\): rerun the same"):
     data.ShardSet(str(tmp_path))

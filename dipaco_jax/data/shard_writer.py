@@ -235,7 +235,7 @@ def finish_split(
       f"{split_dir} is incomplete: {len(missing)} of {num_parts} parts have no done-marker "
       f"({split_dir / PARTS_DIR / missing[0]}.json ...): their process is still running or "
       f"crashed. Rerun process(es) {indices} ({_WRITE_COMMAND}--num_processes={num_parts} "
-      "--process_index=I); the finished parts are kept."
+      "--process_id=I); the finished parts are kept."
     )
   markers = [
     shards.read_json(split_dir / PARTS_DIR / f"{part_name(i, num_parts)}.json", shard_dir)
