@@ -72,9 +72,7 @@ def check_tfds_name(tfds_name) -> str:
 
 
 def check_part(part: int, num_parts: int) -> None:
-  if not (isinstance(num_parts, int) and num_parts >= 1 and isinstance(part, int)) or not (
-    0 <= part < num_parts
-  ):
+  if not all(isinstance(x, int) for x in (part, num_parts)) or not 0 <= part < num_parts:
     raise ValueError(
       f"part {part!r} of {num_parts!r}: need num_processes >= 1 and "
       "0 <= process_index < num_processes."
@@ -157,10 +155,7 @@ def iter_documents(
   if split not in corpus.SPLITS:
     raise ValueError(f"Unknown split {split!r}; choose one of {corpus.SPLITS}.")
   vocab.load(vocab.resolve(task, vocab_path))  # one clear error for a missing or wrong file
-  if task == "dipaco_embedded":
-    tfds_builder.prepare(data_dir)  # offline, cached after the first call
-  else:
-    check_prepared(check_tfds_name(tfds_name), data_dir)
+  _check_source(task, data_dir, tfds_name)
   seqio_task = register(
     task,
     data_dir=data_dir,
@@ -177,6 +172,14 @@ def iter_documents(
     Document(int(ex["doc_id"]), ex["targets"].astype(np.int32), ex["domain"].decode())
     for ex in ds.as_numpy_iterator()
   )
+
+
+def _check_source(task: str, data_dir: str | None, tfds_name: str) -> None:
+  """The embedded corpus prepared (offline, cached after the first call), or C4's one error."""
+  if task == "dipaco_embedded":
+    tfds_builder.prepare(data_dir)
+  else:
+    check_prepared(check_tfds_name(tfds_name), data_dir)
 
 
 def check_prepared(tfds_name: str, data_dir: str | None) -> None:
@@ -200,10 +203,7 @@ def check_prepared(tfds_name: str, data_dir: str | None) -> None:
 
 def part_size(task: str, split: str, *, data_dir=None, tfds_name=C4_TFDS_NAME, part=0, num_parts=1):
   """Source documents in a split's part (before subsampling), from tfds's metadata."""
-  if task == "dipaco_embedded":
-    tfds_builder.prepare(data_dir)
-  else:
-    check_prepared(check_tfds_name(tfds_name), data_dir)
+  _check_source(task, data_dir, tfds_name)
   source = _source(task, data_dir, tfds_name, part, num_parts)
   return source.num_input_examples(split)
 
