@@ -1,4 +1,4 @@
-"""Smoke tests: benchmarks/throughput.py --quick and shard_writing.py (2 OS processes) run."""
+"""Smoke tests: benchmarks/throughput.py, serving.py (--quick) and shard_writing.py run."""
 
 import json
 import math
