@@ -13,6 +13,7 @@ choices (model.POSITIONS, outer.SQRT_MODES, ...) define them.
 import difflib
 import functools
 import math
+import re
 from typing import Any, Callable
 
 import ml_collections
@@ -240,6 +241,10 @@ def _rules() -> dict[str, Rule]:
     "dipaco.mode": _choice(elastic_errors.MODES),
     "data.task": _choice(data_lib.TASKS),
     "data.tfds_data_dir": _path("tfds's default directory"),
+    "data.tfds_name": (
+      lambda v: isinstance(v, str) and re.match(data_lib.TFDS_NAME_PATTERN, v) is not None,
+      f"a tfds name with its version pinned, such as {data_lib.C4_TFDS_NAME!r}",
+    ),
     "data.vocab_path": _path("the task's shipped tokenizer"),
     "data.seq_len": count,
     "data.batch_size": count,

@@ -88,6 +88,8 @@ def base() -> ml_collections.ConfigDict:
   c.data = ml_collections.ConfigDict()
   c.data.task = "dipaco_embedded"  # seqio task: "dipaco_embedded" | "c4_en".
   c.data.tfds_data_dir = ml_collections.config_dict.placeholder(str)  # tfds dir (gs:// for C4).
+  # The tfds dataset:version c4_en reads (3.0.1: the public prepared copy, docs/data.md).
+  c.data.tfds_name = "c4/en:3.0.1"
   # SentencePiece model; None = shipped.
   c.data.vocab_path = ml_collections.config_dict.placeholder(str)
   c.data.seq_len = 1024  # Training sequence length (paper: 1024).

@@ -11,8 +11,15 @@ _COORDINATOR = flags.DEFINE_string(
   None,
   "host:port of process 0 (multi-process runs off TPU; TPU VMs detect it).",
 )
-_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Number of processes in the run.")
-_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index.")
+_NUM_PROCESSES = flags.DEFINE_integer(
+  "num_processes",
+  None,
+  "Number of processes in the run (without --coordinator_address: of an offline job of "
+  "independent processes, e.g. `route` writing 1/N of the shards each).",
+)
+_PROCESS_ID = flags.DEFINE_integer(
+  "process_id", None, "This process's index in [0, num_processes)."
+)
 
 
 def initialize() -> None:
@@ -33,3 +40,23 @@ def initialize() -> None:
     jax.local_device_count(),
     jax.device_count(),
   )
+
+
+def process_index_and_count() -> tuple[int, int]:
+  """This process's (index, count): jax's in a distributed run, else --process_id/--num_processes.
+
+  Without jax.distributed, the flags describe an offline job of independent processes
+  (`python -m dipaco_jax.route ... --num_processes=N --process_id=i`); unset: (0, 1).
+  """
+  if jax.process_count() > 1:
+    return jax.process_index(), jax.process_count()
+  count = 1 if _NUM_PROCESSES.value is None else _NUM_PROCESSES.value
+  index = 0 if _PROCESS_ID.value is None else _PROCESS_ID.value
+  if (
+    count < 1 or not 0 <= index < count or (_PROCESS_ID.value is not None and count == 1 and index)
+  ):
+    raise flags.ValidationError(
+      f"--process_id={_PROCESS_ID.value} --num_processes={_NUM_PROCESSES.value}: need "
+      "num_processes >= 1 and 0 <= process_id < num_processes."
+    )
+  return index, count

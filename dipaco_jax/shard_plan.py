@@ -23,17 +23,16 @@ from dipaco_jax.types import PyTree
 
 
 def prepare_shards(config, num_workers: int, shard_dir: str, assign=None) -> data_lib.ShardSet:
-  """Process 0 writes the shards once; the others wait, then open them."""
-  if jax.process_index() == 0:
-    shard_set = data_lib.prepare_shards(
-      config.data, num_workers=num_workers, shard_dir=shard_dir, assign=assign
-    )
-  multihost_utils.sync_global_devices("dipaco_shards_ready")
-  if jax.process_index() != 0:
-    shard_set = data_lib.prepare_shards(
-      config.data, num_workers=num_workers, shard_dir=shard_dir, assign=assign
-    )
-  return shard_set
+  """Every process writes 1/process_count of the shards (once); process 0 joins the parts."""
+  part, num_parts = jax.process_index(), jax.process_count()
+  data_lib.write_shard_part(
+    config.data, num_workers, shard_dir, assign=assign, part=part, num_parts=num_parts
+  )
+  multihost_utils.sync_global_devices(f"dipaco_shard_parts:{shard_dir}")
+  if part == 0:
+    data_lib.finish_shards(config.data, num_workers, shard_dir, assign=assign, num_parts=num_parts)
+  multihost_utils.sync_global_devices(f"dipaco_shards_ready:{shard_dir}")
+  return data_lib.prepare_shards(config.data, num_workers, shard_dir, assign=assign)
 
 
 class ShardPlan:

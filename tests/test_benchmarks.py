@@ -1,4 +1,4 @@
-"""Smoke test: benchmarks/throughput.py --quick runs and reports every number."""
+"""Smoke tests: benchmarks/throughput.py, serving.py (--quick) and shard_writing.py run."""
 
 import json
 import math
@@ -74,3 +74,36 @@ def test_serving_quick(tmp_path):
   for x in r["results"]:
     assert x["cached_tokens_per_s"] > 0 and x["uncached_tokens_per_s"] > 0
     assert x["speedup"] > 1  # The cache skips recomputing the prefix: never slower here.
+
+
+def test_shard_writing_two_os_processes(tmp_path):
+  """The documented offline job as 2 OS processes (route --num_processes=2 --process_id=i)."""
+  out = tmp_path / "shard_writing.json"
+  proc = subprocess.run(
+    [
+      sys.executable,
+      os.path.join(ROOT, "benchmarks", "shard_writing.py"),
+      "--processes",
+      "2",
+      "--subsample",
+      "50",
+      "--out",
+      str(out),
+    ],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=600,
+    check=False,
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  r = json.loads(out.read_text())
+  (run,) = r["runs"]
+  assert [p["process"] for p in run["per_process"]] == [0, 1]
+  # Subsample 50 of 20,315 train + 606 validation documents: about 418, split between the two.
+  docs = [p["docs"] for p in run["per_process"]]
+  assert 300 < sum(docs) < 550 and min(docs) > 50, docs
+  assert all(p["tokens_per_s"] > 0 for p in run["per_process"])
+  rate = r["c4_estimate"]["tokens_per_s_per_process"]
+  for pool in r["c4_estimate"]["pools"]:
+    assert pool["hours"] == round(156e9 / (rate * pool["processes"]) / 3600, 2)

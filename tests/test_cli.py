@@ -51,6 +51,11 @@ BAD_INPUTS = [
   (["--config.outer.momentum=1.5"], "config.outer.momentum=1.5 is invalid"),
   (["--config.inner.b2=1.0"], "config.inner.b2=1.0 is invalid"),
   (["--config.data.batch_size=0"], "config.data.batch_size=0 is invalid"),
+  (
+    ["--config.data.tfds_name=c4/en"],
+    "config.data.tfds_name='c4/en' is invalid: it must be a tfds name with its version pinned, "
+    "such as 'c4/en:3.0.1'",
+  ),
   (["--config.log_every_steps=0"], "config.log_every_steps=0 is invalid"),
   (["--config.eval.every_steps=0"], "config.eval.every_steps=0 is invalid"),
   (["--config.ckpt.every_steps=0"], "config.ckpt.every_steps=0 is invalid"),
@@ -140,15 +145,15 @@ BAD_INPUTS = [
 ]
 
 
-def _run_main(argv: list[str], monkeypatch, capsys) -> tuple[int, list[str]]:
-  """`python -m dipaco_jax.main ARGV` in this process: (exit status, stderr lines)."""
-  argv = ["dipaco_jax.main", *argv]
+def _run_main(argv: list[str], monkeypatch, capsys, entry=main) -> tuple[int, list[str]]:
+  """`python -m dipaco_jax.main ARGV` (or another entry) in this process: (status, stderr lines)."""
+  argv = [entry.__name__, *argv]
   monkeypatch.setattr(sys, "argv", argv)  # config_flags reads the overrides from sys.argv.
   flags.FLAGS.unparse_flags()
   for name in [n for n in flags.FLAGS if n.startswith("config.")]:  # The last run's overrides.
     delattr(flags.FLAGS, name)
   with pytest.raises(SystemExit) as e:
-    cli.guard(main.main)(cli.parse_flags(argv))
+    cli.guard(entry.main)(cli.parse_flags(argv))
   return e.value.code, [l for l in capsys.readouterr().err.splitlines() if l.strip()]
 
 
@@ -162,6 +167,24 @@ def test_a_bad_flag_is_one_line_and_leaves_no_workdir(args, want, tmp_path, monk
   assert want in lines[0], lines[0]
   assert not workdir.exists()
   assert not os.path.exists(os.path.join(helpers.ROOT, "None"))
+
+
+def test_route_refuses_a_process_id_outside_the_job(monkeypatch, capsys, tmp_path):
+  from dipaco_jax import route  # pylint: disable=g-import-not-at-top
+
+  monkeypatch.chdir(helpers.ROOT)
+  argv = [
+    f"--config={TINY}",
+    f"--workdir={tmp_path / 'run'}",
+    "--num_processes=2",
+    "--process_id=2",
+  ]
+  code, lines = _run_main(argv, monkeypatch, capsys, entry=route)
+  assert code == 1 and len(lines) == 1, lines
+  assert (
+    "--process_id=2 --num_processes=2: need num_processes >= 1 and 0 <= process_id <" in lines[0]
+  )
+  assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize(

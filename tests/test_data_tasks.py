@@ -73,15 +73,29 @@ def test_unknown_task_split_and_wrong_vocab_are_clear_errors(tfds_dir, tmp_path)
   bad.write_text("nope")
   with pytest.raises(ValueError, match="is not a SentencePiece model"):
     data.iter_documents("dipaco_embedded", "train", data_dir=tfds_dir, vocab_path=str(bad))
-  with pytest.raises(FileNotFoundError, match="c4/en:3.1.0 is not prepared"):
+  with pytest.raises(FileNotFoundError, match="c4/en:3.0.1 is not prepared"):
     data.iter_documents(
       "c4_en", "train", data_dir=str(tmp_path), vocab_path=vocab.DEFAULT_VOCAB_PATH
     )
+  with pytest.raises(ValueError, match="data.tfds_name='c4/en': must be a tfds name with its"):
+    data.iter_documents("c4_en", "train", tfds_name="c4/en", vocab_path=vocab.DEFAULT_VOCAB_PATH)
 
 
-def write_fake_c4(root: str, sizes: dict[str, int]) -> None:
-  """A tiny tfds dir laid out like c4/en:3.1.0 (text, url, timestamp)."""
-  out = os.path.join(root, "c4", "en", "3.1.0")
+def test_the_c4_version_is_the_configured_one_and_a_missing_one_names_those_there(tmp_path):
+  write_fake_c4(str(tmp_path), {"train": 100, "validation": 5}, version="3.1.0")
+  kw = dict(data_dir=str(tmp_path), vocab_path=vocab.DEFAULT_VOCAB_PATH)
+  docs = list(data.iter_documents("c4_en", "validation", tfds_name="c4/en:3.1.0", **kw))
+  assert len(docs) == 5
+  with pytest.raises(FileNotFoundError) as e:
+    data.iter_documents("c4_en", "validation", **kw)  # the default, 3.0.1
+  msg = str(e.value)
+  assert msg.startswith(f"c4/en:3.0.1 is not prepared under data_dir='{tmp_path}'"), msg
+  assert "it holds c4/en version(s) 3.1.0" in msg and "config.data.tfds_name" in msg, msg
+
+
+def write_fake_c4(root: str, sizes: dict[str, int], version: str = "3.0.1") -> None:
+  """A tiny tfds dir laid out like c4/en (text, url, timestamp)."""
+  out = os.path.join(root, "c4", "en", version)
   os.makedirs(out)
   features = tfds.features.FeaturesDict(
     {k: tfds.features.Text() for k in ("text", "url", "timestamp")}
@@ -166,3 +180,25 @@ def test_prepare_shards_writes_once_reuses_and_refuses_mismatch(tmp_path):
     data.prepare_shards(
       cfg, 3, str(tmp_path / "empty"), assign=data.with_description(lambda d: [0], "all-to-path-0")
     )
+
+
+def test_shards_written_by_two_processes_equal_one_process(tmp_path):
+  write_fake_c4(str(tmp_path / "tfds"), {"train": 301, "validation": 11})
+  cfg = data_cfg(str(tmp_path / "tfds"), task="c4_en", vocab_path=vocab.DEFAULT_VOCAB_PATH, top_k=2)
+  one = data.prepare_shards(cfg, 3, str(tmp_path / "one"))
+  two_dir = str(tmp_path / "two")
+  for i in (1, 0):  # Two processes' parts (here one after the other), then process 0 joins them.
+    data.write_shard_part(cfg, 3, two_dir, part=i, num_parts=2)
+  with pytest.raises(ValueError, match="no complete split"):
+    data.ShardSet(two_dir)
+  two = data.finish_shards(cfg, 3, two_dir, num_parts=2)
+  assert {k: v for k, v in two.meta.items() if k != "tfds_data_dir"} == {
+    k: v for k, v in one.meta.items() if k != "tfds_data_dir"
+  }
+  for split in ("train", "validation"):
+    np.testing.assert_array_equal(one.sizes(split), two.sizes(split))
+    for p in range(3):
+      a, b = one.documents(p, split), two.documents(p, split)
+      assert [d.doc_id for d in a] == [d.doc_id for d in b]  # same documents, same order
+      assert len(two.files(p, split)) == 2  # one file per process
+  assert two.num_docs("train").sum() == 2 * 298  # train[1%:] of 301, top-2

@@ -1,9 +1,11 @@
 """The trainer as 2 processes (2 fake CPU devices each, loopback coordinator).
 
 The 'path' axis spans the two processes (the stand-in for DCN between
-slices): workers 0-1 live on process 0, workers 2-3 on process 1. After two
+slices): workers 0-1 live on process 0, workers 2-3 on process 1. The two
+processes write the shards together (half the documents each). After two
 outer steps the parameters must equal those of the same run as one process
-with 4 devices, and a 2-process run must resume from its checkpoint.
+with 4 devices (its shards written by one process), and a 2-process run must
+resume from its checkpoint.
 """
 
 import os
@@ -116,7 +118,14 @@ def test_two_processes_match_one_and_resume(tmp_path):
     timeout=420,
   )
   assert one.returncode == 0, one.stdout[-2000:] + one.stderr[-3000:]
-  _run_two(tmp_path / "two", shards)
+  # The two processes write their own shards, half each (shard_plan.prepare_shards): the same
+  # shards, so the same training.
+  shards_2 = tmp_path / "shards_2"
+  _run_two(tmp_path / "two", shards_2)
+  assert sorted(p.name for p in (shards_2 / "train" / "parts").iterdir()) == [
+    "part-00000-of-00002.json",
+    "part-00001-of-00002.json",
+  ]
   step1, a = _state(tmp_path / "one")
   step2, b = _state(tmp_path / "two")
   assert step1 == step2 == 4
@@ -125,9 +134,9 @@ def test_two_processes_match_one_and_resume(tmp_path):
   assert max(diffs) <= ATOL
 
   # Resume in the 2-process layout: stop after step 3 (mid-phase), restart.
-  _run_two(tmp_path / "resumed", shards, ["--config.stop_at_step=3"])
+  _run_two(tmp_path / "resumed", shards_2, ["--config.stop_at_step=3"])
   assert _state(tmp_path / "resumed")[0] == 3
-  _run_two(tmp_path / "resumed", shards)
+  _run_two(tmp_path / "resumed", shards_2)
   step3, c = _state(tmp_path / "resumed")
   assert step3 == 4
   for x, y in zip(jax.tree.leaves(b), jax.tree.leaves(c)):

@@ -50,10 +50,14 @@ def test_routed_shards_stream_in_batches_overlap_in_train_never_in_validation(
   assign = routing.make_assignment(cfg, pr, ex)
   assign._batch_size = 8  # pylint: disable=protected-access
   seen = []
-  orig_fill = assign._fill  # pylint: disable=protected-access
-  assign._fill = lambda split: (orig_fill(split), seen.append(len(assign._cache)))  # pylint: disable=protected-access
+  orig_batch = assign.assign_batch
+  assign.assign_batch = lambda batch: (seen.append(len(batch)), orig_batch(batch))[1]
   shards = data_lib.prepare_shards(cfg.data, 4, str(tmp_path / "s"), assign=assign)
-  assert max(seen) <= 8  # One lookahead batch in memory, never the split.
+  assert max(seen) == 8 and sum(seen) == 60 + 30  # Batches of 8, never the split.
+  # Asked one document at a time (its own stream read a batch ahead), it answers the same.
+  one_by_one = routing.make_assignment(cfg, pr, ex)
+  batched = orig_batch(docs["train"])
+  assert [one_by_one(d) for d in docs["train"]] == batched
   want = pr.paths([d.doc_id for d in docs["train"]], x, top_k=2)
   got = {}
   for p in range(4):

@@ -5,6 +5,7 @@ import pytest
 
 from dipaco_jax import config_check
 from dipaco_jax import config_defaults
+from dipaco_jax import data as data_lib
 from dipaco_jax import routing
 from dipaco_jax import topology
 from dipaco_jax.routing import phases
@@ -86,3 +87,18 @@ def test_a_saved_router_of_another_grid_is_refused(micro, tmp_path):
   router_lib.fit_kmeans_router(x, (2, 3), restarts=1).save(routing.router_dir(str(tmp_path), 0))
   with pytest.raises(ValueError, match="router from another grid"):
     routing.phase0_router(cfg, str(tmp_path), topology.from_config(cfg), ex)
+
+
+@pytest.mark.slow  # ~15 s at load 2 (38 s at load 12): four passes over the embedded corpus.
+def test_route_run_as_two_processes_writes_what_one_process_writes(tmp_path):
+  cfg = helpers.micro_config(**{"data.subsample": 64})
+  one = phases.route_run(cfg, str(tmp_path / "one"))
+  two_dir = str(tmp_path / "two")
+  said = phases.route_run(cfg, two_dir, process_index=1, num_processes=2)
+  assert said.startswith("process 1 of 2: its part of ") and "process 0 joins" in said
+  assert phases.route_run(cfg, two_dir, process_index=0, num_processes=2) == one  # the report
+  a = data_lib.ShardSet(phases.shard_dir(cfg, str(tmp_path / "one"), 0))
+  b = data_lib.ShardSet(phases.shard_dir(cfg, two_dir, 0))
+  for split in ("train", "validation"):
+    for w in range(a.num_workers):
+      assert [d.doc_id for d in a.documents(w, split)] == [d.doc_id for d in b.documents(w, split)]

@@ -8,23 +8,36 @@ from dipaco_jax.data.assign import with_description
 from dipaco_jax.data.batcher import WorkerBatcher
 from dipaco_jax.data.batcher import synthetic_batch
 from dipaco_jax.data.document import Document
+from dipaco_jax.data.prepare import finish_shards
 from dipaco_jax.data.prepare import prepare_shards
+from dipaco_jax.data.prepare import wait_for_parts
+from dipaco_jax.data.prepare import write_shard_part
+from dipaco_jax.data.shard_writer import write_shards
 from dipaco_jax.data.shards import EmptyShardError
+from dipaco_jax.data.shards import IncompleteShardsError
 from dipaco_jax.data.shards import ShardSet
-from dipaco_jax.data.shards import write_shards
 
 TASKS = ("dipaco_embedded", "c4_en")  # The seqio tasks data/tasks.py registers.
+# The tfds dataset the c4_en task reads (config.data.tfds_name): the version of the public
+# prepared copy (gs://allennlp-tensorflow-datasets/c4/en/3.0.1, docs/data.md).
+C4_TFDS_NAME = "c4/en:3.0.1"
+# name[/config]:major.minor.patch, the version pinned (tfds would otherwise pick its newest).
+TFDS_NAME_PATTERN = r"^[a-z][a-z0-9_]*(/[A-Za-z0-9_.\-]+)?:\d+\.\d+\.\d+$"
 
 __all__ = [
   "Document",
   "EmptyShardError",
+  "IncompleteShardsError",
   "WorkerBatcher",
   "ShardSet",
   "TASKS",
+  "finish_shards",
   "iter_documents",
   "prepare_shards",
   "random_assignment",
+  "wait_for_parts",
   "with_description",
+  "write_shard_part",
   "write_shards",
 ]
 
@@ -36,10 +49,37 @@ def iter_documents(
   data_dir: str | None = None,
   vocab_path: str | None = None,
   subsample: int = 1,
+  tfds_name: str = C4_TFDS_NAME,
+  part: int = 0,
+  num_parts: int = 1,
 ):
-  """Streams tokenized documents of a seqio task split (imports TensorFlow on first use)."""
+  """Streams tokenized documents of a seqio task split (imports TensorFlow on first use).
+
+  part i of num_parts N: the documents of the split's i-th contiguous 1/N (tfds.even_splits).
+  """
   from dipaco_jax.data import tasks  # pylint: disable=g-import-not-at-top
 
   return tasks.iter_documents(
-    task, split, data_dir=data_dir, vocab_path=vocab_path, subsample=subsample
+    task,
+    split,
+    data_dir=data_dir,
+    vocab_path=vocab_path,
+    subsample=subsample,
+    tfds_name=tfds_name,
+    part=part,
+    num_parts=num_parts,
+  )
+
+
+def config_documents(data_cfg, split: str, *, part: int = 0, num_parts: int = 1):
+  """iter_documents of a run's config.data (task, tfds dir and name, vocabulary, subsample)."""
+  return iter_documents(
+    data_cfg.task,
+    split,
+    data_dir=data_cfg.tfds_data_dir,
+    vocab_path=data_cfg.vocab_path,
+    subsample=data_cfg.subsample,
+    tfds_name=data_cfg.tfds_name,
+    part=part,
+    num_parts=num_parts,
   )

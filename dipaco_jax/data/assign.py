@@ -45,6 +45,10 @@ def random_assignment(num_workers: int, *, seed: int, top_k: int = 1) -> Assignm
 
 def first_only(assign: Assignment) -> Assignment:
   """The same assignment restricted to its first choice (validation shards never overlap)."""
-  return with_description(
+  first = with_description(
     lambda doc: list(assign(doc))[:1], f"first_of({getattr(assign, 'description', '?')})"
   )
+  if hasattr(assign, "assign_batch"):  # Keeps routing in batches (shard_writer asks for batches).
+    first.assign_batch = lambda docs: [list(w)[:1] for w in assign.assign_batch(docs)]
+    first.batch_size = getattr(assign, "batch_size", 512)
+  return first

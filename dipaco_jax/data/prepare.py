@@ -1,17 +1,35 @@
-"""prepare_shards: write a run's train and validation shards once, reuse them, refuse a mismatch."""
+"""prepare_shards: write a run's train and validation shards once, reuse them, refuse a mismatch.
 
-import json
+One process: `prepare_shards`. N processes (a multi-host job, or an offline CPU job):
+every process calls `write_shard_part(..., part=i, num_parts=N)`, then process 0 calls
+`finish_shards(..., num_parts=N)` once every part is done (a barrier, or `wait_for_parts`).
+"""
+
+import hashlib
+import sys
+import time
 
 from etils import epath
 
 from dipaco_jax.data import assign as assign_lib
+from dipaco_jax.data import corpus
+from dipaco_jax.data import shard_writer
 from dipaco_jax.data import shards
 from dipaco_jax.data import vocab
 
 # Fields of the shard dir's meta.json that must match the run's config for the dir to be reused.
-MATCH_FIELDS = ("task", "num_workers", "assignment", "top_k", "seed", "vocab", "subsample")
-_MATCH_DEFAULTS = {"subsample": 1}  # Dirs written before a field existed hold its default.
+MATCH_FIELDS = (
+  "task",
+  "source",
+  "num_workers",
+  "assignment",
+  "top_k",
+  "seed",
+  "vocab",
+  "subsample",
+)
 PENDING = "pending.json"  # the config of a prepare_shards call that has not finished yet
+SPLITS = ("train", "validation")  # what a run's shard dir holds
 
 
 EMPTY_POLICIES = (*shards.EMPTY_POLICIES, "allow_validation")
@@ -26,6 +44,14 @@ def split_policy(policy: str, split: str) -> str:
   return policy
 
 
+def source_name(data_cfg) -> str:
+  """The documents' source: C4's tfds name and version, or the embedded corpus's manifest hash."""
+  if data_cfg.task == "c4_en":
+    return data_cfg.tfds_name
+  with open(corpus.MANIFEST_PATH, "rb") as f:
+    return f"{data_cfg.task}:{hashlib.sha256(f.read()).hexdigest()[:12]}"
+
+
 def shard_config(data_cfg, num_workers: int, assign: assign_lib.Assignment) -> dict:
   """What a shard dir is built from, as recorded in its meta.json."""
   description = getattr(assign, "description", None)
@@ -37,6 +63,7 @@ def shard_config(data_cfg, num_workers: int, assign: assign_lib.Assignment) -> d
   task = data_cfg.task
   return {
     "task": task,
+    "source": source_name(data_cfg),
     "num_workers": num_workers,
     "assignment": description,
     "top_k": data_cfg.top_k,
@@ -46,62 +73,140 @@ def shard_config(data_cfg, num_workers: int, assign: assign_lib.Assignment) -> d
   }
 
 
-def prepare_shards(data_cfg, num_workers: int, shard_dir: str, *, assign=None) -> shards.ShardSet:
-  """Returns the run's ShardSet, writing train + validation shards first if shard_dir is new."""
+def _split_assignments(assign) -> dict:
+  return {"train": assign, "validation": assign_lib.first_only(assign)}
+
+
+def _start(data_cfg, num_workers: int, shard_dir: str, assign):
+  """(assignment, wanted config, complete?) after refusing a dir written for another config."""
   if assign is None:
     assign = assign_lib.random_assignment(num_workers, seed=data_cfg.seed, top_k=data_cfg.top_k)
   want = shard_config(data_cfg, num_workers, assign)
   root = epath.Path(shard_dir)
   _check_match(root / shards.META, want, shard_dir)
   if (root / shards.META).exists():
-    return shards.ShardSet(shard_dir)
-  # An interrupted earlier call left PENDING: finished splits are kept if it had the same config.
+    return assign, want, True
+  # An interrupted earlier call left PENDING: finished parts are kept if it had the same config.
   _check_match(root / PENDING, want, shard_dir)
-  root.mkdir(parents=True, exist_ok=True)
-  (root / PENDING).write_text(json.dumps(want, indent=1) + "\n")
-  from dipaco_jax.data.tasks import iter_documents  # pylint: disable=g-import-not-at-top
+  return assign, want, False
 
-  sizes = {}
-  for split, split_assign in (("train", assign), ("validation", assign_lib.first_only(assign))):
+
+def write_shard_part(
+  data_cfg,
+  num_workers: int,
+  shard_dir: str,
+  *,
+  assign=None,
+  part: int = 0,
+  num_parts: int = 1,
+  chunk_bytes: int | None = None,
+) -> None:
+  """This process's part of the train and validation shards (kept if already done)."""
+  assign, want, complete = _start(data_cfg, num_workers, shard_dir, assign)
+  if complete:
+    return
+  root = epath.Path(shard_dir)
+  root.mkdir(parents=True, exist_ok=True)
+  if not (root / PENDING).exists():
+    shards.write_json(root / PENDING, want)  # Whole: other processes read it concurrently.
+  from dipaco_jax.data import tasks  # pylint: disable=g-import-not-at-top
+
+  for split, split_assign in _split_assignments(assign).items():
     if (root / split / shards.META).exists():
-      sizes[split] = shards.read_json(root / split / shards.META, shard_dir)["tokens"]
       continue
-    docs = iter_documents(
-      data_cfg.task,
-      split,
-      data_dir=data_cfg.tfds_data_dir,
-      vocab_path=data_cfg.vocab_path,
-      subsample=data_cfg.subsample,
-    )
-    sizes[split] = shards.write_shards(
+    kw = dict(data_dir=data_cfg.tfds_data_dir, tfds_name=data_cfg.tfds_name)
+    kw.update(part=part, num_parts=num_parts)
+    total = -(-tasks.part_size(data_cfg.task, split, **kw) // data_cfg.subsample)
+    shard_writer.write_part(
       shard_dir,
       split,
-      docs,
+      tasks.iter_documents(
+        data_cfg.task, split, vocab_path=data_cfg.vocab_path, subsample=data_cfg.subsample, **kw
+      ),
       split_assign,
       num_workers,
+      part=part,
+      num_parts=num_parts,
+      resume=True,  # PENDING matched: a finished part holds these very documents.
+      chunk_bytes=chunk_bytes,
+      total=total,
+    )
+
+
+def wait_for_parts(shard_dir: str, num_parts: int, *, poll_s: float = 30.0) -> None:
+  """Blocks until every part of the train and validation splits has its done-marker."""
+  root, last = epath.Path(shard_dir), None
+  while True:
+    if (root / shards.META).exists():
+      return
+    missing = {
+      s: shard_writer.missing_parts(shard_dir, s, num_parts)
+      for s in SPLITS
+      if not (root / s / shards.META).exists()
+    }
+    missing = {s: m for s, m in missing.items() if m}
+    if not missing:
+      return
+    if missing != last:  # Says which processes it waits for, each time that changes.
+      print(
+        f"waiting for {sum(map(len, missing.values()))} part(s) of {shard_dir}: "
+        + ", ".join(
+          f"{s} {', '.join(m[:4])}{' ...' if len(m) > 4 else ''}" for s, m in missing.items()
+        ),
+        file=sys.stderr,
+        flush=True,
+      )
+      last = missing
+    time.sleep(poll_s)
+
+
+def finish_shards(
+  data_cfg, num_workers: int, shard_dir: str, *, assign=None, num_parts: int = 1
+) -> shards.ShardSet:
+  """Joins the parts of every split into the shard dir's metadata (process 0); opens it."""
+  assign, want, complete = _start(data_cfg, num_workers, shard_dir, assign)
+  if complete:
+    return shards.ShardSet(shard_dir)
+  root = epath.Path(shard_dir)
+  sizes = {}
+  for split, split_assign in _split_assignments(assign).items():
+    if (root / split / shards.META).exists():
+      meta = shards.check_format(shards.read_json(root / split / shards.META, shard_dir), shard_dir)
+      sizes[split] = meta["tokens"]
+      continue
+    sizes[split] = shard_writer.finish_split(
+      shard_dir,
+      split,
+      num_parts,
+      num_workers=num_workers,
+      assignment=split_assign.description,
       empty_policy=split_policy(data_cfg.empty_shard_policy, split),
     ).tolist()
   meta = {
     "format": shards.FORMAT,
     **want,
-    "splits": ["train", "validation"],
+    "splits": list(SPLITS),
     "tokens": sizes,
     "tfds_data_dir": data_cfg.tfds_data_dir,
   }
-  (root / shards.META).write_text(json.dumps(meta, indent=1) + "\n")  # last: the dir is complete
+  shards.write_json(root / shards.META, meta)  # last: the dir is complete
   (root / PENDING).unlink()
   return shards.ShardSet(shard_dir)
+
+
+def prepare_shards(data_cfg, num_workers: int, shard_dir: str, *, assign=None) -> shards.ShardSet:
+  """Returns the run's ShardSet, writing train + validation shards first if shard_dir is new."""
+  write_shard_part(data_cfg, num_workers, shard_dir, assign=assign)
+  return finish_shards(data_cfg, num_workers, shard_dir, assign=assign)
 
 
 def _check_match(meta_path: epath.Path, want: dict, shard_dir: str) -> None:
   if not meta_path.exists():
     return
   have = shards.read_json(meta_path, shard_dir)
-  diff = {
-    k: (have.get(k, _MATCH_DEFAULTS.get(k)), want[k])
-    for k in MATCH_FIELDS
-    if have.get(k, _MATCH_DEFAULTS.get(k)) != want[k]
-  }
+  if meta_path.name == shards.META:
+    shards.check_format(have, shard_dir)
+  diff = {k: (have.get(k), want[k]) for k in MATCH_FIELDS if have.get(k) != want[k]}
   if diff:
     raise ValueError(
       f"Shard dir {shard_dir} was written for another config (field: (on disk, wanted)): "

@@ -1,19 +1,23 @@
-"""Per-worker shard storage: one ArrayRecord file per (split, worker), one record per document.
+"""Per-path shard storage, written in parallel: part files per (process, path), one record per doc.
 
 Layout of a shard dir (local or gs://):
-  <split>/worker_00000.array_record ... documents routed to each worker (random access by index)
-  <split>/meta.json                      tokens and docs per worker; written last = split complete
-  meta.json                              what prepare_shards built it from (task, assignment, vocab)
-ArrayRecord reads and writes local files only, so a gs:// shard dir is written through a local
-staging dir and copied up (meta last); reading copies one worker's file to a local cache first.
+  <split>/worker_00003/part-00001-of-00002-00000.array_record  path 3's documents from process 1
+                                                               of 2, chunk 0 (random access)
+  <split>/parts/part-00001-of-00002.json  process 1's done-marker: its files, docs and tokens per
+                                          path; written after all its files are closed and stored
+  <split>/meta.json  every path's files in read order (part, then chunk); written last from all
+                     done-markers = the split is complete
+  meta.json          what prepare_shards built the dir from (task, source, assignment, vocab)
+Each of N processes writes the documents of its contiguous 1/N of the split (`tfds.even_splits`),
+so reading a path's files in part order gives the same documents in the same order for every N.
+ArrayRecord writes local files only: a gs:// part is written in local chunks of at most
+`REMOTE_CHUNK_BYTES`, each copied up when closed; reading copies a path's files to a local cache.
 """
 
 import hashlib
 import json
 import os
-import shutil
 import struct
-import tempfile
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -23,11 +27,13 @@ from etils import epath
 from dipaco_jax import errors
 from dipaco_jax.data import corpus
 from dipaco_jax.data import vocab
-from dipaco_jax.data.assign import Assignment
 from dipaco_jax.data.document import Document
 
 META = "meta.json"
-FORMAT = 2  # 2: files and metadata count workers (worker_*.array_record, num_workers).
+PARTS_DIR = "parts"  # <split>/parts/part-*-of-*.json: the done-marker of each process's part
+# 3: a path's shard is a list of part files (one or more per writing process); 2: one file per path.
+FORMAT = 3
+REMOTE_CHUNK_BYTES = 32 << 20  # local disk per open path while writing to gs:// (≤ W x this)
 EMPTY_POLICIES = {
   "error": "raise, naming the empty workers, and leave the split incomplete (no meta.json)",
   "allow": "keep empty shards (size 0, so alpha 0); reading an empty worker's shard raises",
@@ -40,6 +46,14 @@ _HEADER = struct.Struct("<qBH")  # doc_id, bytes per token (2 or 4), domain leng
 
 class EmptyShardError(ValueError):
   """Some worker received no document."""
+
+
+class IncompleteShardsError(errors.UserError):
+  """Some process's part of a split has no done-marker (still running, or it crashed)."""
+
+
+class OldFormatError(errors.UserError):
+  """A shard dir written by an older dipaco_jax, in a layout this version does not read."""
 
 
 def damaged(path, shard_dir, reason: str) -> errors.DamagedFileError:
@@ -58,11 +72,40 @@ def read_json(path, shard_dir) -> dict:
     raise damaged(path, shard_dir, errors.json_problem(e)) from e
 
 
-def shard_file(worker: int) -> str:
-  return f"worker_{worker:05d}.array_record"
+def write_json(path, obj: dict) -> None:
+  """Writes a JSON file whole: a concurrent reader sees the old file or the new one, never half."""
+  text = json.dumps(obj, indent=1) + "\n"
+  if is_remote(path):  # A GCS object is replaced whole.
+    epath.Path(path).write_text(text)
+    return
+  tmp = f"{path}.tmp{os.getpid()}"
+  with open(tmp, "w", encoding="utf-8") as f:
+    f.write(text)
+  os.replace(tmp, path)
 
 
-def _is_remote(path: str) -> bool:
+def check_format(meta: dict, shard_dir) -> dict:
+  """The meta of a split or dir, refusing an older layout with the way out (nothing is deleted)."""
+  have = meta.get("format", 1)
+  if have != FORMAT:
+    raise OldFormatError(
+      f"shard dir {shard_dir} holds format-{have} shards (an older dipaco_jax: one file per "
+      f"path); this version reads format {FORMAT} (part files per writing process). Move it "
+      f"aside (mv {shard_dir} {shard_dir}.format{have}) and rerun to write it again; nothing in "
+      "it was changed."
+    )
+  return meta
+
+
+def part_name(part: int, num_parts: int) -> str:
+  return f"part-{part:05d}-of-{num_parts:05d}"
+
+
+def worker_dir(worker: int) -> str:
+  return f"worker_{worker:05d}"
+
+
+def is_remote(path) -> bool:
   return "://" in str(path)
 
 
@@ -87,103 +130,25 @@ def decode(record: bytes) -> Document:
   return Document(doc_id, tokens.astype(np.int32), record[_HEADER.size : start].decode("utf-8"))
 
 
-def _check_workers(workers: Sequence[int], doc: Document, num_workers: int) -> list[int]:
-  workers = [int(w) for w in workers]
-  if not workers:
-    raise ValueError(
-      f"The assignment returned no worker for document {doc.doc_id}; every document "
-      "needs at least one worker."
-    )
-  if len(set(workers)) != len(workers) or not all(0 <= w < num_workers for w in workers):
-    raise ValueError(
-      f"The assignment returned {workers} for document {doc.doc_id}; it must return "
-      f"distinct worker ids in [0, {num_workers})."
-    )
-  return workers
-
-
-def write_shards(
-  shard_dir: str,
-  split: str,
-  documents: Iterable[Document],
-  assign: Assignment,
-  num_workers: int,
-  *,
-  empty_policy: str = "error",
-) -> np.ndarray:
-  """Streams documents into per-worker shards of one split; returns tokens per worker [W]."""
-  if split not in corpus.SPLITS:
-    raise ValueError(f"Unknown split {split!r}; choose one of {corpus.SPLITS}.")
-  if empty_policy not in EMPTY_POLICIES:
-    raise ValueError(
-      f"Unknown empty_policy {empty_policy!r}; choose one of {list(EMPTY_POLICIES)}."
-    )
-  if num_workers < 1:
-    raise ValueError(f"num_workers must be >= 1; got {num_workers}.")
-  split_dir = epath.Path(shard_dir) / split
-  if (split_dir / META).exists():
-    raise FileExistsError(
-      f"{split_dir} already holds a complete shard split; shards are written "
-      "once. Use a new shard_dir, or delete this one to rewrite it."
-    )
-  remote = _is_remote(shard_dir)
-  staging = tempfile.mkdtemp(prefix="dipaco_shards_") if remote else str(split_dir)
-  os.makedirs(staging, exist_ok=True)
-  writers = [
-    array_record_module.ArrayRecordWriter(os.path.join(staging, shard_file(p)), "group_size:1")
-    for p in range(num_workers)
-  ]
-  tokens_W, docs_W = np.zeros(num_workers, np.int64), np.zeros(num_workers, np.int64)
-  try:
-    for doc in documents:
-      record = encode(doc)
-      for p in _check_workers(assign(doc), doc, num_workers):
-        writers[p].write(record)
-        tokens_W[p] += len(doc.tokens)
-        docs_W[p] += 1
-  finally:
-    for writer in writers:
-      writer.close()
-  empty = np.flatnonzero(docs_W == 0).tolist()
-  if empty and empty_policy == "error":
-    raise EmptyShardError(
-      f"{len(empty)} of {num_workers} workers got no {split} document: {empty[:20]}. Use fewer "
-      "workers, more data, another assignment, or empty_shard_policy='allow' to keep them empty."
-    )
-  if remote:
-    split_dir.mkdir(parents=True, exist_ok=True)
-    for p in range(num_workers):
-      epath.Path(staging, shard_file(p)).copy(split_dir / shard_file(p), overwrite=True)
-    shutil.rmtree(staging)
-  meta = {
-    "format": FORMAT,
-    "split": split,
-    "num_workers": num_workers,
-    "tokens": tokens_W.tolist(),
-    "docs": docs_W.tolist(),
-    "empty_policy": empty_policy,
-    "assignment": getattr(assign, "description", None),
-  }
-  (split_dir / META).write_text(json.dumps(meta, indent=1) + "\n")  # last: marks the split done
-  return tokens_W
-
-
 class ShardDocuments(Sequence):
-  """Random access to one worker's documents of one split (len, [i], read_many)."""
+  """Random access to one worker's documents of one split, over its part files in order."""
 
-  def __init__(self, filename: str, num_docs: int, shard_dir: str | None = None):
-    shard_dir = shard_dir or os.path.dirname(os.path.dirname(filename))
-    if not os.path.exists(filename):
-      raise damaged(filename, shard_dir, "missing")
-    self._reader = array_record_module.ArrayRecordReader(filename, "readahead_buffer_size:0")
-    if self._reader.num_records() != num_docs:
-      # A truncated ArrayRecord file loses its footer and reads as 0 records.
-      raise damaged(
-        filename,
-        shard_dir,
-        f"holds {self._reader.num_records()} documents, its meta.json says {num_docs}",
-      )
-    self._num_docs = num_docs
+  def __init__(self, files: Sequence[tuple[str, int]], shard_dir: str):
+    self._readers = []
+    for filename, num_docs in files:
+      if not os.path.exists(filename):
+        raise damaged(filename, shard_dir, "missing")
+      reader = array_record_module.ArrayRecordReader(filename, "readahead_buffer_size:0")
+      if reader.num_records() != num_docs:
+        # A truncated ArrayRecord file loses its footer and reads as 0 records.
+        raise damaged(
+          filename,
+          shard_dir,
+          f"holds {reader.num_records()} documents, its meta.json says {num_docs}",
+        )
+      self._readers.append(reader)
+    self._starts = np.cumsum([0] + [n for _, n in files])
+    self._num_docs = int(self._starts[-1])
 
   def __len__(self) -> int:
     return self._num_docs
@@ -193,11 +158,19 @@ class ShardDocuments(Sequence):
       return self.read_many(range(*index.indices(self._num_docs)))
     if not -self._num_docs <= index < self._num_docs:
       raise IndexError(f"document {index} of {self._num_docs}")
-    return decode(self._reader.read([int(index) % self._num_docs])[0])
+    return self.read_many([int(index) % self._num_docs])[0]
 
   def read_many(self, indices: Iterable[int]) -> list[Document]:
-    """Several documents in one read call (faster than one by one)."""
-    return [decode(r) for r in self._reader.read([int(i) for i in indices])]
+    """Several documents, one read call per file (faster than one by one)."""
+    indices = np.asarray(list(indices), np.int64).reshape(-1)
+    file_of = np.searchsorted(self._starts, indices, side="right") - 1
+    out = [None] * len(indices)
+    for f in np.unique(file_of):
+      (where,) = np.nonzero(file_of == f)
+      records = self._readers[f].read([int(i) for i in indices[where] - self._starts[f]])
+      for j, r in zip(where, records):
+        out[j] = decode(r)
+    return out
 
 
 class ShardSet:
@@ -211,14 +184,19 @@ class ShardSet:
         f"Shard dir {shard_dir} does not exist; write it with prepare_shards (or write_shards)."
       )
     self._splits = {
-      split: read_json(root / split / META, shard_dir)
+      split: check_format(read_json(root / split / META, shard_dir), shard_dir)
       for split in corpus.SPLITS
       if (root / split / META).exists()
     }
     if not self._splits:
+      begun = [s for s in corpus.SPLITS if (root / s / PARTS_DIR).exists()]
       raise ValueError(
-        f"Shard dir {shard_dir} holds no complete split (no <split>/{META}); an "
-        "interrupted write? Delete it and write it again."
+        f"Shard dir {shard_dir} holds no complete split (no <split>/{META}); an interrupted "
+        + (
+          f"write ({begun[0]} has parts): rerun the same command, the finished parts are kept."
+          if begun
+          else "write? Delete it and write it again."
+        )
       )
     num_workers = {m["num_workers"] for m in self._splits.values()}
     if len(num_workers) != 1:
@@ -245,18 +223,25 @@ class ShardSet:
   def num_docs(self, split: str) -> np.ndarray:
     return np.asarray(self._split_meta(split)["docs"], np.int64)
 
+  def files(self, worker: int, split: str) -> list[tuple[str, int]]:
+    """(file, documents) of one worker's shard in read order (paths in the shard dir)."""
+    split_dir = os.path.join(self.shard_dir, split)
+    return [
+      (os.path.join(split_dir, rel), n) for rel, n in self._split_meta(split)["files"][worker]
+    ]
+
   def documents(self, worker: int, split: str) -> ShardDocuments:
     """Random access to the documents of one worker's shard."""
-    num_docs = self.num_docs(split)
+    self._split_meta(split)
     if not 0 <= worker < self.num_workers:
       raise ValueError(
         f"Worker {worker} out of range: this shard set has {self.num_workers} workers."
       )
     if (worker, split) not in self._open:
-      filename = os.path.join(self.shard_dir, split, shard_file(worker))
-      if _is_remote(self.shard_dir):
-        filename = _local_copy(filename)
-      self._open[worker, split] = ShardDocuments(filename, int(num_docs[worker]), self.shard_dir)
+      files = self.files(worker, split)
+      if is_remote(self.shard_dir):
+        files = [(_local_copy(f), n) for f, n in files]
+      self._open[worker, split] = ShardDocuments(files, self.shard_dir)
     return self._open[worker, split]
 
 

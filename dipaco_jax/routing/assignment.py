@@ -110,10 +110,10 @@ class PathRouter:
 class RouterAssignment:
   """`assign(doc)` for prepare_shards that routes documents in batches of a lookahead.
 
-  write_shards asks for one document at a time, in the order of its own
-  `iter_documents` stream; this object reads the same split's stream a batch
-  ahead, routes the batch on device and answers from that batch, so memory
-  holds one batch and never the corpus.
+  shard_writer asks `assign_batch` for a batch of documents at a time (each
+  writing process its own part of the split). A caller asking for one document
+  at a time gets the same answers: this object then reads the same split's
+  stream a batch ahead and routes it, so memory holds one batch, never the corpus.
   """
 
   def __init__(
@@ -147,14 +147,22 @@ class RouterAssignment:
         self._head[split] = None
         break
       batch.append(doc)
-    ids = [d.doc_id for d in batch]
+    for d, w in zip(batch, self.assign_batch(batch)):
+      self._cache[d.doc_id] = w
+
+  @property
+  def batch_size(self) -> int:
+    return self._batch_size
+
+  def assign_batch(self, docs) -> list[list[int]]:
+    """Workers of each document of a batch (shard_writer's batched path: no stream needed)."""
     feats = (
-      self.extractor.prefix_features([d.tokens for d in batch])
+      self.extractor.prefix_features([d.tokens for d in docs])
       if self.path_router.needs_features
       else None
     )
-    for d, w in zip(ids, self.path_router.workers(ids, feats, self.top_k)):
-      self._cache[d] = [int(x) for x in w]
+    ids = [d.doc_id for d in docs]
+    return [[int(x) for x in w] for w in self.path_router.workers(ids, feats, self.top_k)]
 
   def __call__(self, doc) -> list[int]:
     if doc.doc_id not in self._cache:
@@ -178,13 +186,7 @@ class RouterAssignment:
 
 def document_stream(data_cfg) -> Callable[[str], Iterator]:
   """split -> the split's documents, read exactly as prepare_shards reads them."""
-  return lambda split: data_lib.iter_documents(
-    data_cfg.task,
-    split,
-    data_dir=data_cfg.tfds_data_dir,
-    vocab_path=data_cfg.vocab_path,
-    subsample=data_cfg.subsample,
-  )
+  return lambda split: data_lib.config_documents(data_cfg, split)
 
 
 def make_assignment(

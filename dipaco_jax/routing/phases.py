@@ -12,8 +12,12 @@ phase k's shards in `<workdir>/shards_phase_<k>/` (phase 0: data.shard_dir or
 """
 # pylint: disable=invalid-name
 
+import sys
+import time
+
 import jax
 import numpy as np
+from etils import epath
 
 from dipaco_jax import data as data_lib
 from dipaco_jax import files
@@ -218,22 +222,49 @@ def fit_discriminative_router(
   return router
 
 
+def _wait_for(path: epath.Path, what: str, poll_s: float = 10.0) -> None:
+  if not path.exists():
+    print(f"waiting for {what} ({path})", file=sys.stderr, flush=True)
+  while not path.exists():
+    time.sleep(poll_s)
+
+
 def score_len(config) -> int:
   """Tokens per router document each path scores (routing.score_len, else the eval length)."""
   return config.routing.score_len or scoring.eval_seq_len(config)
 
 
-def route_run(config, workdir: str) -> str:
-  """Fits (or loads) the phase-0 router, writes the shards, returns and saves its report."""
+def route_run(config, workdir: str, *, process_index: int = 0, num_processes: int = 1) -> str:
+  """Fits (or loads) the phase-0 router, writes the shards, returns and saves its report.
+
+  In an offline job of `num_processes` processes, each writes the shards of its 1/N of
+  the documents; process 0 fits the router first (the others wait for it), then joins
+  the parts once all are done and writes the report.
+  """
   topo = topo_lib.from_config(config)
   kind = config.routing.router
   extractor = features_lib.extractor_from_config(config) if kind != "random" else None
+  if process_index > 0 and kind != "random":
+    _wait_for(epath.Path(router_dir(workdir, 0)) / router_lib.META_FILE, "process 0's router")
   pr = phase0_router(config, workdir, topo, extractor)
-  shard_set = data_lib.prepare_shards(
+  directory = shard_dir(config, workdir, 0)
+  assign = assign_lib.make_assignment(config, pr, extractor)
+  data_lib.write_shard_part(
     config.data,
     topo.num_workers,
-    shard_dir(config, workdir, 0),
-    assign=assign_lib.make_assignment(config, pr, extractor),
+    directory,
+    assign=assign,
+    part=process_index,
+    num_parts=num_processes,
+  )
+  if process_index > 0:
+    return (
+      f"process {process_index} of {num_processes}: its part of {directory} is written; "
+      "process 0 joins the parts and writes the report."
+    )
+  data_lib.wait_for_parts(directory, num_processes)
+  shard_set = data_lib.finish_shards(
+    config.data, topo.num_workers, directory, assign=assign, num_parts=num_processes
   )
   lines = [
     f"# Phase-0 routing: {pr.description}",
