@@ -52,11 +52,17 @@ def process_index_and_count() -> tuple[int, int]:
     return jax.process_index(), jax.process_count()
   count = 1 if _NUM_PROCESSES.value is None else _NUM_PROCESSES.value
   index = 0 if _PROCESS_ID.value is None else _PROCESS_ID.value
-  if (
-    count < 1 or not 0 <= index < count or (_PROCESS_ID.value is not None and count == 1 and index)
-  ):
+  return index, count
+
+
+@flags.multi_flags_validator(["num_processes", "process_id"])
+def _check_process_ids(values: dict) -> bool:
+  """At flag parsing, before anything starts: 0 <= process_id < num_processes."""
+  count = 1 if values["num_processes"] is None else values["num_processes"]
+  index = 0 if values["process_id"] is None else values["process_id"]
+  if count < 1 or not 0 <= index < count:
     raise flags.ValidationError(
-      f"--process_id={_PROCESS_ID.value} --num_processes={_NUM_PROCESSES.value}: need "
+      f"--process_id={values['process_id']} --num_processes={values['num_processes']}: need "
       "num_processes >= 1 and 0 <= process_id < num_processes."
     )
-  return index, count
+  return True

@@ -11,6 +11,7 @@ import time
 
 from etils import epath
 
+from dipaco_jax import files
 from dipaco_jax.data import assign as assign_lib
 from dipaco_jax.data import corpus
 from dipaco_jax.data import shard_writer
@@ -108,7 +109,7 @@ def write_shard_part(
   root = epath.Path(shard_dir)
   root.mkdir(parents=True, exist_ok=True)
   if not (root / PENDING).exists():
-    shards.write_json(root / PENDING, want)  # Whole: other processes read it concurrently.
+    files.write_json(root / PENDING, want)  # Whole: other processes read it concurrently.
   from dipaco_jax.data import tasks  # pylint: disable=g-import-not-at-top
 
   for split, split_assign in _split_assignments(assign).items():
@@ -189,7 +190,7 @@ def finish_shards(
     "tokens": sizes,
     "tfds_data_dir": data_cfg.tfds_data_dir,
   }
-  shards.write_json(root / shards.META, meta)  # last: the dir is complete
+  files.write_json(root / shards.META, meta)  # last: the dir is complete
   (root / PENDING).unlink()
   return shards.ShardSet(shard_dir)
 

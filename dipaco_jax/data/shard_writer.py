@@ -20,6 +20,7 @@ import tqdm
 from array_record.python import array_record_module
 from etils import epath
 
+from dipaco_jax import files
 from dipaco_jax.data import corpus
 from dipaco_jax.data import shards
 from dipaco_jax.data.assign import Assignment
@@ -151,7 +152,7 @@ def write_part(
     if resume and marker.get("assignment") == description and marker["num_workers"] == num_workers:
       return marker
     marker_path.unlink()  # First: a crash while rewriting must not leave a stale marker.
-  remote = shards.is_remote(shard_dir)
+  remote = files.is_remote(shard_dir)
   if chunk_bytes is None and remote:
     chunk_bytes = shards.REMOTE_CHUNK_BYTES
   staging = tempfile.mkdtemp(prefix="dipaco_shards_") if remote else None
@@ -189,7 +190,7 @@ def write_part(
     "seconds": round(time.time() - start, 3),
   }
   (split_dir / PARTS_DIR).mkdir(parents=True, exist_ok=True)
-  shards.write_json(marker_path, marker)  # last: this part is done
+  files.write_json(marker_path, marker)  # last: this part is done
   return marker
 
 
@@ -267,7 +268,7 @@ def finish_split(
     "assignment": assignment,
     "files": [[f for m in markers for f in m["files"][w]] for w in range(num_workers)],
   }
-  shards.write_json(split_dir / META, meta)  # last: marks the split done
+  files.write_json(split_dir / META, meta)  # last: marks the split done
   return tokens_W
 
 

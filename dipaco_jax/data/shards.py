@@ -25,6 +25,7 @@ from array_record.python import array_record_module
 from etils import epath
 
 from dipaco_jax import errors
+from dipaco_jax import files
 from dipaco_jax.data import corpus
 from dipaco_jax.data import vocab
 from dipaco_jax.data.document import Document
@@ -72,18 +73,6 @@ def read_json(path, shard_dir) -> dict:
     raise damaged(path, shard_dir, errors.json_problem(e)) from e
 
 
-def write_json(path, obj: dict) -> None:
-  """Writes a JSON file whole: a concurrent reader sees the old file or the new one, never half."""
-  text = json.dumps(obj, indent=1) + "\n"
-  if is_remote(path):  # A GCS object is replaced whole.
-    epath.Path(path).write_text(text)
-    return
-  tmp = f"{path}.tmp{os.getpid()}"
-  with open(tmp, "w", encoding="utf-8") as f:
-    f.write(text)
-  os.replace(tmp, path)
-
-
 def check_format(meta: dict, shard_dir) -> dict:
   """The meta of a split or dir, refusing an older layout with the way out (nothing is deleted)."""
   have = meta.get("format", 1)
@@ -103,10 +92,6 @@ def part_name(part: int, num_parts: int) -> str:
 
 def worker_dir(worker: int) -> str:
   return f"worker_{worker:05d}"
-
-
-def is_remote(path) -> bool:
-  return "://" in str(path)
 
 
 def encode(doc: Document) -> bytes:
@@ -133,9 +118,9 @@ def decode(record: bytes) -> Document:
 class ShardDocuments(Sequence):
   """Random access to one worker's documents of one split, over its part files in order."""
 
-  def __init__(self, files: Sequence[tuple[str, int]], shard_dir: str):
+  def __init__(self, part_files: Sequence[tuple[str, int]], shard_dir: str):
     self._readers = []
-    for filename, num_docs in files:
+    for filename, num_docs in part_files:
       if not os.path.exists(filename):
         raise damaged(filename, shard_dir, "missing")
       reader = array_record_module.ArrayRecordReader(filename, "readahead_buffer_size:0")
@@ -147,7 +132,7 @@ class ShardDocuments(Sequence):
           f"holds {reader.num_records()} documents, its meta.json says {num_docs}",
         )
       self._readers.append(reader)
-    self._starts = np.cumsum([0] + [n for _, n in files])
+    self._starts = np.cumsum([0] + [n for _, n in part_files])
     self._num_docs = int(self._starts[-1])
 
   def __len__(self) -> int:
@@ -238,10 +223,10 @@ class ShardSet:
         f"Worker {worker} out of range: this shard set has {self.num_workers} workers."
       )
     if (worker, split) not in self._open:
-      files = self.files(worker, split)
-      if is_remote(self.shard_dir):
-        files = [(_local_copy(f), n) for f, n in files]
-      self._open[worker, split] = ShardDocuments(files, self.shard_dir)
+      part_files = self.files(worker, split)
+      if files.is_remote(self.shard_dir):
+        part_files = [(_local_copy(f), n) for f, n in part_files]
+      self._open[worker, split] = ShardDocuments(part_files, self.shard_dir)
     return self._open[worker, split]
 
 
