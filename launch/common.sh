@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Flags, validation and the command runner shared by every launch/*.sh script.
 #
 # Sourced, never run. One table (_FLAGS) drives parsing, defaults and --help, so a setting is
@@ -21,20 +22,28 @@ _FLAGS=(
   "queued|QUEUED|bool|0|use a queued resource even for a single slice"
   "spot|SPOT|bool|0|Spot TPUs (cheaper, preemptible at any time)"
   "preemptible|PREEMPTIBLE|bool|0|legacy preemptible TPU VM (TPU VMs only; prefer --spot)"
+  "service-account|SERVICE_ACCOUNT|str||create.sh: the TPU VMs' service account (default: the project's Compute Engine default); project.sh: the account to grant the bucket to"
+  "internal-ip|INTERNAL_IP|bool|0|TPU VMs without external IPs (create --internal-ips); ssh/scp reach them by internal IP, so run the scripts inside the VPC"
   "recreate|RECREATE|bool|0|create.sh: delete and re-create a failed or preempted resource"
   "wait|WAIT|bool|0|create.sh: poll until the resource is ready"
   "poll-seconds|POLL_SECONDS|str|60|seconds between state polls (create.sh --wait, watch.sh)"
   "max-polls|MAX_POLLS|str|0|stop polling after this many polls (0: never)"
   "max-failures|MAX_FAILURES|str|5|watch.sh: give up after this many failed polls in a row"
+  "stall-minutes|STALL_MINUTES|str|30|watch.sh: restart the trainer when the metrics got no record for this long (0: never)"
+  "metrics-file|METRICS_FILE|str|metrics*.jsonl|watch.sh: the run's metrics under --workdir (a wildcard: the newest write counts)"
   "dry-run|DRY_RUN|bool|0|print the exact commands and run none of them"
   "repo-url|REPO_URL|str||setup.sh: git clone this URL on the workers instead of copying"
   "branch|BRANCH|str|main|setup.sh: branch or tag to clone with --repo-url"
   "local-repo|LOCAL_REPO|str||setup.sh: local tree to copy (default: this checkout)"
   "remote-dir|REMOTE_DIR|str|dipaco_jax|code on each worker (relative: under its home)"
   "venv|VENV|str|dipaco_venv|virtualenv on each worker (relative: under its home)"
-  "pip-args|PIP_ARGS|str||extra arguments for pip install on the workers"
+  "pip-args|PIP_ARGS|str||extra arguments for the install on the workers (uv pip install)"
+  "python-version|PYTHON_VERSION|str|3.11|Python of the workers' venv, fetched by uv (constraints.txt is tested on it)"
+  "uv-version|UV_VERSION|str|0.13.9|uv release the workers fetch to make the venv and install"
   "config|CONFIG|str|configs/tiny.py|trainer config file, relative to the repo"
   "workdir|WORKDIR|str||gs:// run directory: checkpoints, metrics (train.sh, watch.sh)"
+  "bucket|BUCKET|str||project.sh: the gs:// bucket to make (default: --workdir's bucket)"
+  "location|LOCATION|str||project.sh: the bucket's location (default: --zone's region)"
   "data-dir|DATA_DIR|str||passed as --config.data.tfds_data_dir (e.g. gs://bucket/tfds)"
   "vocab-path|VOCAB_PATH|str||passed as --config.data.vocab_path (e.g. gs://bucket/spm.model)"
   "env|TRAIN_ENV|list||KEY=VALUE added to the trainer's environment (repeatable)"
@@ -146,14 +155,21 @@ parse_flags() {
 
 _is_count() { [[ $1 =~ ^[0-9]+$ ]]; }
 
-# Checks everything a gcloud call about the TPU resource needs; dies before any call.
-validate_resource() {
-  local gen size
+# Checks the project, zone and service account; dies before any call.
+validate_project() {
   [[ -n $PROJECT ]] || die "no project: pass --project=PROJECT_ID or set DIPACO_PROJECT"
   [[ $PROJECT =~ ^([a-z0-9.-]+:)?[a-z][a-z0-9-]{4,28}[a-z0-9]$ ]] ||
     die "--project=$PROJECT is not a GCP project id (6-30 lowercase letters, digits, hyphens)"
   [[ $ZONE =~ ^[a-z]+-[a-z]+[0-9]+-[a-z]$ ]] ||
     die "--zone=$ZONE is not a zone name like us-central2-b"
+  [[ -z $SERVICE_ACCOUNT || $SERVICE_ACCOUNT =~ ^[A-Za-z0-9._-]+@[A-Za-z0-9.-]+\.gserviceaccount\.com$ ]] ||
+    die "--service-account=$SERVICE_ACCOUNT is not a service account email (NAME@PROJECT.iam.gserviceaccount.com)"
+}
+
+# Checks everything a gcloud call about the TPU resource needs; dies before any call.
+validate_resource() {
+  local gen size
+  validate_project
   [[ $NAME =~ ^[a-z]([-a-z0-9]{0,48}[a-z0-9])?$ ]] ||
     die "--name=$NAME: use lowercase letters, digits and hyphens, starting with a letter"
   gen=${ACCELERATOR_TYPE%-*}
@@ -174,6 +190,9 @@ validate_resource() {
   _is_count "$POLL_SECONDS" || die "--poll-seconds=$POLL_SECONDS: need a whole number of seconds"
   _is_count "$MAX_POLLS" || die "--max-polls=$MAX_POLLS: need a whole number (0: poll forever)"
   _is_count "$MAX_FAILURES" || die "--max-failures=$MAX_FAILURES: need a whole number"
+  _is_count "$STALL_MINUTES" || die "--stall-minutes=$STALL_MINUTES: need a whole number (0: never)"
+  [[ $PYTHON_VERSION =~ ^3\.[0-9]+$ ]] || die "--python-version=$PYTHON_VERSION: need 3.N, e.g. 3.11"
+  [[ $UV_VERSION =~ ^[0-9]+\.[0-9]+\.[0-9]+$ ]] || die "--uv-version=$UV_VERSION: need a release like 0.13.9"
 }
 
 # Checks what starting the trainer needs.

@@ -6,7 +6,9 @@
 # Ready: set it up and start the run if it is new, or if it was not ready at the last poll (a
 # repaired or re-created slice has lost its processes: the survivors are restarted too, since a
 # synchronous run needs every worker). The same command resumes from the workdir's last
-# checkpoint. Ctrl-C stops the watching, not the run. Example:
+# checkpoint. While it is up: when the run's metrics (WORKDIR/metrics*.jsonl) got no new record
+# for --stall-minutes since the last start, restart the trainer on every worker (it died or hangs
+# on a healthy slice). Ctrl-C stops the watching, not the run. Example:
 #   launch/watch.sh --project=my-proj --zone=us-west4-a --accelerator-type=v5litepod-16 \
 #     --node-count=2 --spot --config=configs/dipaco_2x4.py --workdir=gs://my-bucket/runs/2x4 \
 #     -- --config.dipaco.init_from=gs://my-bucket/runs/dense_150m_24k
@@ -21,7 +23,8 @@ validate_resource
 validate_train
 
 # One poll in a subshell, so that a failed gcloud call (a network blip, an ssh to a worker that is
-# still booting) costs one poll instead of the watcher. Exit 0: ready and started; 3: not ready.
+# still booting) costs one poll instead of the watcher. Exit 0: ready (and started if needed);
+# 3: not ready; 4: ready, and the trainer was restarted for want of new metrics.
 poll_once() {
   (
     set -e
@@ -30,19 +33,27 @@ poll_once() {
     if ((start_needed)); then
       setup_workers
       train_workers
+    else
+      restart_if_stalled
+      ((!STALL_RESTARTED)) || exit 4
     fi
   )
 }
 
 start_needed=1  # the first ready look starts the run (a trainer that already runs is left alone)
 failures=0
+STARTED_AT=0  # when this watcher last started the trainer: the stall check counts from there
 for ((poll = 1; ; poll++)); do
   set +e
   poll_once
   rc=$?
   set -e
   case $rc in
-    0) start_needed=0 failures=0 ;;
+    0)
+      if ((start_needed)); then STARTED_AT=$(now_seconds); fi
+      start_needed=0 failures=0
+      ;;
+    4) STARTED_AT=$(now_seconds) failures=0 ;;
     3)
       start_needed=1 failures=0
       RESTART=1  # what survived the outage is out of step: replace it on every worker

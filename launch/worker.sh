@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # Worker side: runs on each TPU VM worker, sent there by setup.sh and train.sh over ssh.
 #
-#   worker.sh install [--remote-dir=D --venv=V --pip-args=A --restart]
+#   worker.sh install [--remote-dir=D --venv=V --python-version=P --uv-version=U --pip-args=A
+#                      --restart]
 #       run from a fresh tree D.new: swap it in as D (not while a trainer runs, unless
-#       --restart), create the venv V if missing, then pip install -e 'D[tpu]'.
+#       --restart); fetch uv U if missing; make the venv V with Python P (uv downloads it: the
+#       TPU images' python3 is 3.10) unless V already has P; then install the tested versions:
+#       uv pip install -c D/constraints.txt -e 'D[tpu]'.
 #   worker.sh start [--venv=V --log-file=F --env=K=V ... --restart] -- TRAINER FLAGS
 #       start `python -m dipaco_jax.main TRAINER FLAGS` with nohup, appending to F, unless one
 #       is already running (--restart stops it first).
@@ -49,8 +52,27 @@ stop_trainer() {
   kill -9 "$pid" 2>/dev/null || true
 }
 
+# The pinned uv (--uv-version), fetched with its official installer the first time.
+uv_path() {
+  local dir="$HOME/.dipaco_uv/$UV_VERSION"
+  if [[ ! -x $dir/uv ]]; then
+    note "installing uv $UV_VERSION into $dir on $(hostname)"
+    mkdir -p "$dir"
+    curl -LsSf "https://astral.sh/uv/$UV_VERSION/install.sh" | env UV_UNMANAGED_INSTALL="$dir" sh >&2
+    [[ -x $dir/uv ]] || die "the uv installer left no $dir/uv on $(hostname)"
+  fi
+  echo "$dir/uv"
+}
+
+# True when the venv exists and runs the wanted Python (a venv made by an older setup, with the
+# image's Python 3.10, is made again).
+venv_has_python() {
+  [[ -x $venv/bin/python && -f $venv/pyvenv.cfg ]] &&
+    grep -Eq "^version(_info)? *= *${PYTHON_VERSION//./\\.}(\\.|$)" "$venv/pyvenv.cfg"
+}
+
 install() {
-  local target pip_args=() pid
+  local target pip_args=() pid uv
   target=$(home_path "$REMOTE_DIR")
   if pid=$(trainer_pid); then
     if ((!RESTART)); then
@@ -64,17 +86,19 @@ install() {
     rm -rf "$target"
     mv "$this_tree" "$target"
   fi
-  if [[ -x $venv/bin/pip ]]; then
-    note "venv $venv exists: reusing it"
-  elif ! python3 -m venv --clear "$venv"; then
-    note "python3 -m venv failed: installing python3-venv"
-    sudo apt-get update -q
-    sudo apt-get install -y -q python3-venv
-    python3 -m venv --clear "$venv"
+  [[ -f $target/constraints.txt ]] ||
+    die "$target/constraints.txt is missing: the workers install the versions the tests ran with"
+  uv=$(uv_path)
+  if venv_has_python; then
+    note "venv $venv has Python $PYTHON_VERSION: reusing it"
+  else
+    note "making venv $venv with Python $PYTHON_VERSION"
+    rm -rf "$venv"
+    "$uv" venv -q --python "$PYTHON_VERSION" "$venv"
   fi
   [[ -n $PIP_ARGS ]] && read -r -a pip_args <<<"$PIP_ARGS"
-  "$venv/bin/pip" install -q --upgrade pip
-  "$venv/bin/pip" install -q ${pip_args[@]+"${pip_args[@]}"} -e "${target}[tpu]"
+  "$uv" pip install -q --python "$venv/bin/python" -c "$target/constraints.txt" \
+    ${pip_args[@]+"${pip_args[@]}"} -e "${target}[tpu]"
   note "installed $target into $venv on $(hostname)"
 }
 

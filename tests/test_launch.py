@@ -1,5 +1,6 @@
 """Tests for launch/*.sh: a fake gcloud on PATH records every call; no cloud, no JAX."""
 
+import datetime
 import json
 import os
 import pathlib
@@ -7,6 +8,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import tarfile
 import time
 
@@ -22,14 +24,18 @@ _TRAIN = ["--config=configs/dipaco_2x4.py", "--workdir=gs://b/run"]
 
 
 class Sandbox:
-  """A HOME, a fake gcloud first on PATH, its call log and state file, a tiny git repo."""
+  """A HOME, a fake gcloud and date first on PATH, gcloud's call log and state, a tiny git repo."""
 
   def __init__(self, tmp: pathlib.Path):
     self.tmp = tmp
     self.bin = tmp / "bin"
     self.bin.mkdir()
-    shutil.copy(_FAKE_GCLOUD, self.bin / "gcloud")
+    # The fake gcloud runs on this interpreter: `env python3` may be a slow pyenv shim.
+    fake = _FAKE_GCLOUD.read_text().split("\n", 1)[1]
+    (self.bin / "gcloud").write_text(f"#!{sys.executable}\n{fake}")
     (self.bin / "gcloud").chmod(0o755)
+    shutil.copy(_FAKE_GCLOUD.parent / "date", self.bin / "date")
+    self.clock = tmp / "clock"
     self.log = tmp / "calls.jsonl"
     self.state = tmp / "state.json"
     self.repo = tmp / "repo"
@@ -48,6 +54,8 @@ class Sandbox:
       TMPDIR=str(tmp),
       FAKE_GCLOUD_LOG=str(self.log),
       FAKE_GCLOUD_STATE=str(self.state),
+      FAKE_CLOCK=str(self.clock),
+      REAL_DATE=shutil.which("date"),
       DIPACO_LOCAL_REPO=str(self.repo),
       DIPACO_POLL_SECONDS="0",
     )
@@ -124,6 +132,26 @@ def _ssh(node, command, worker="all"):
     f"--worker={worker}",
     f"--command={command}",
   ]
+
+
+# --- shellcheck --------------------------------------------------------------------------------
+
+
+def test_scripts_pass_shellcheck():
+  # Each file on its own (following `source` takes 8x longer), so SC1091 (a sourced file not
+  # followed) goes; settings are assigned by name from one table (printf -v), which shellcheck
+  # cannot follow: SC2034 (assigned, unused) and SC2153 (used, never assigned) are false alarms.
+  shellcheck = pathlib.Path(sys.executable).parent / "shellcheck"
+  fakes = [_FAKE_GCLOUD.parent / tool for tool in ("uv", "curl", "date")]
+  proc = subprocess.run(
+    [shellcheck, "-S", "warning", "-e", "SC1091,SC2034,SC2153"]
+    + sorted(_LAUNCH.glob("*.sh"))
+    + fakes,
+    capture_output=True,
+    text=True,
+    check=False,
+  )
+  assert proc.returncode == 0, proc.stdout
 
 
 # --- create.sh -------------------------------------------------------------------------------
@@ -299,7 +327,7 @@ def test_help_lists_flags_and_accelerators(box):
 
 _INSTALL = (
   "bash dipaco_jax.new/launch/worker.sh install --remote-dir=dipaco_jax "
-  "--venv=dipaco_venv --log-file=dipaco_train.log"
+  "--venv=dipaco_venv --log-file=dipaco_train.log --python-version=3.11 --uv-version=0.13.9"
 )
 
 
@@ -326,11 +354,11 @@ def test_setup_copies_the_tree_to_every_node(box):
     *_WHERE,
     "--worker=all",
   ]
-  assert (
-    _gcloud(dry)
-    == real
-    == [*_MULTI_READY, scp("r-0"), scp("r-1"), _ssh("r-0", unpack), _ssh("r-1", unpack)]
-  )
+  # The slices are set up at once: each one's calls keep their order, the two interleave.
+  per_slice = [scp("r-0"), _ssh("r-0", unpack), scp("r-1"), _ssh("r-1", unpack)]
+  assert _gcloud(dry) == [*_MULTI_READY, *per_slice]
+  assert real[:3] == _MULTI_READY and sorted(real[3:]) == sorted(per_slice)
+  assert [c for c in real[3:] if _steps([c])[0].endswith(" r-0")] == per_slice[:2]
   with tarfile.open(tarball) as tar:
     assert sorted(tar.getnames()) == [".gitignore", "configs/dipaco_2x4.py", "untracked.txt"]
 
@@ -417,18 +445,36 @@ def test_delete_is_a_no_op_when_absent(box):
 
 
 def _steps(calls):
-  """Each call as 'verb name' (ssh: 'start'/'install', with '+restart' when it replaces)."""
+  """Each call as 'verb name' (ssh: start/install, +restart when it replaces; ls: metrics)."""
   out = []
   for c in calls:
+    if c[:3] == ["storage", "ls", "-l"]:
+      out.append(f"ls {c[3]}")
+      continue
     verb, name = c[3], c[4]
     if verb == "scp":
       name = c[5].split(":")[0]
     elif verb == "ssh":
-      command = c[-1]
+      command = next(a for a in c if a.startswith("--command="))
       verb = "start" if " start " in command else "install"
       verb += "+restart" if "--restart" in command else ""
     out.append(f"{verb} {name}")
   return out
+
+
+_LS_METRICS = "ls gs://b/run/metrics*.jsonl"
+
+
+def _in_any_order(steps):
+  """Steps with each run of setup calls (scp, install) sorted: slices are set up at once."""
+  out, run = [], []
+  for step in steps + ["end"]:
+    if step.startswith(("scp ", "install")):
+      run.append(step)
+    else:
+      out += sorted(run) + [step]
+      run = []
+  return out[:-1]
 
 
 def test_watch_recreates_a_preempted_multislice_and_restarts(box):
@@ -441,22 +487,22 @@ def test_watch_recreates_a_preempted_multislice_and_restarts(box):
   )
   box.ok("watch.sh", *_MULTI, "--spot", *_TRAIN, "--max-polls=3")
   ready = ["describe r", "describe r-0", "describe r-1"]
-  assert _steps(box.calls()) == [
+  assert _in_any_order(_steps(box.calls())) == [
     *ready,
-    "scp r-0",
-    "scp r-1",
     "install r-0",
     "install r-1",
+    "scp r-0",
+    "scp r-1",
     "start r-0",
     "start r-1",
     "describe r",
     "delete r",
     "create r",
     *ready,
-    "scp r-0",
-    "scp r-1",
     "install+restart r-0",
     "install+restart r-1",
+    "scp r-0",
+    "scp r-1",
     "start+restart r-0",
     "start+restart r-1",
   ]
@@ -490,6 +536,7 @@ def test_watch_waits_through_provisioning_and_repair(box):
     "install+restart r",
     "start+restart r",
     "describe r",
+    _LS_METRICS,  # up, started at the previous poll: the stall check looks at the metrics
   ]
 
 
@@ -524,6 +571,7 @@ def test_watch_survives_a_failed_call_and_retries(box):
     "install r",
     "start r",
     "describe r",
+    _LS_METRICS,
   ]
 
 
@@ -536,10 +584,18 @@ def test_watch_gives_up_after_repeated_failures(box):
 # --- worker.sh, run locally with a fake python ---------------------------------------------------
 
 
-def test_worker_install_and_start_are_idempotent(box):
-  shutil.copy(_FAKE_GCLOUD.parent / "python3", box.bin / "python3")
+def _new_tree(box):
+  """A fresh tree as setup.sh unpacks it on a worker: launch/ and constraints.txt."""
   new = box.tmp / "dipaco_jax.new"
   shutil.copytree(_LAUNCH, new / "launch")
+  shutil.copy(_ROOT / "constraints.txt", new / "constraints.txt")
+  return new
+
+
+def test_worker_install_and_start_are_idempotent(box):
+  shutil.copy(_FAKE_GCLOUD.parent / "curl", box.bin / "curl")
+  shutil.copy(_FAKE_GCLOUD.parent / "uv", box.bin / "uv")  # what the fake installer copies
+  new = _new_tree(box)
   worker = lambda tree, *args: (
     subprocess.run(
       ["bash", str(tree / "launch" / "worker.sh"), *args],
@@ -564,10 +620,11 @@ def test_worker_install_and_start_are_idempotent(box):
   out = worker(new, "install", "--remote-dir=dipaco_jax", "--venv=v")
   tree = box.tmp / "dipaco_jax"
   assert not new.exists() and (tree / "launch" / "worker.sh").exists()
-  assert (box.tmp / "pip.calls").read_text().splitlines() == [
-    "install -q --upgrade pip",
-    f"install -q -e {tree}[tpu]",
-  ]
+  venv = box.tmp / "v"
+  install = f"pip install -q --python {venv}/bin/python -c {tree}/constraints.txt -e {tree}[tpu]"
+  uv_calls = lambda: (box.tmp / "uv.calls").read_text().splitlines()
+  assert (box.tmp / "curl.calls").read_text() == "-LsSf https://astral.sh/uv/0.13.9/install.sh\n"
+  assert uv_calls() == [f"venv -q --python 3.11 {venv}", install]
   assert "installed" in out
   pids = []
   try:
@@ -577,7 +634,7 @@ def test_worker_install_and_start_are_idempotent(box):
     pids.append(int((box.tmp / "logs" / "t.pid").read_text()))
     wait_for_calls(1)  # until then the pid may still be the forked worker.sh
     assert "already runs" in worker(tree, *start, *trainer)
-    shutil.copytree(_LAUNCH, new / "launch")
+    _new_tree(box)
     assert "left as is" in worker(
       new, "install", "--remote-dir=dipaco_jax", "--venv=v", "--log-file=logs/t.log"
     )
@@ -589,9 +646,234 @@ def test_worker_install_and_start_are_idempotent(box):
     assert (box.tmp / "logs" / "t.log").read_text().count("=== ") == 2
     worker(tree, "stop", "--log-file=logs/t.log")
     assert "no trainer running" in worker(tree, "stop", "--log-file=logs/t.log")
+    # Installing again reuses uv and a venv that has the wanted Python; a venv with another one
+    # (made by an older setup with the image's 3.10) is made again.
+    _new_tree(box)
+    assert "reusing it" in worker(new, "install", "--remote-dir=dipaco_jax", "--venv=v")
+    assert uv_calls()[2:] == [install]
+    (venv / "pyvenv.cfg").write_text("home = /usr/bin\nversion = 3.10.12\n")
+    _new_tree(box)
+    assert "making venv" in worker(new, "install", "--remote-dir=dipaco_jax", "--venv=v")
+    assert uv_calls()[3:] == [f"venv -q --python 3.11 {venv}", install]
+    assert len((box.tmp / "curl.calls").read_text().splitlines()) == 1
   finally:
     for pid in pids:
       try:
         os.kill(pid, signal.SIGTERM)
       except ProcessLookupError:
         pass
+
+
+# --- step 0, service account, internal IPs, slices in parallel, the stall check ---------------
+
+_SA = "tpu@my-proj.iam.gserviceaccount.com"
+_ENABLE = [
+  "services",
+  "enable",
+  "tpu.googleapis.com",
+  "compute.googleapis.com",
+  "--project=my-proj",
+]
+
+
+def _bucket(verb, bucket, *flags):
+  return ["storage", "buckets", verb, bucket, "--project=my-proj", *flags]
+
+
+def _grant(bucket, account):
+  return _bucket(
+    "add-iam-policy-binding",
+    bucket,
+    f"--member=serviceAccount:{account}",
+    "--role=roles/storage.objectAdmin",
+  )
+
+
+def test_project_enables_apis_makes_the_bucket_and_grants_the_tpu_account(box):
+  args = ["--project=my-proj", "--zone=us-west4-a", "--workdir=gs://my-bucket/runs/x"]
+  describe = _bucket("describe", "gs://my-bucket", "--format=value(name)")
+  create = _bucket(
+    "create", "gs://my-bucket", "--location=us-west4", "--uniform-bucket-level-access"
+  )
+  number = ["projects", "describe", "my-proj", "--format=value(projectNumber)"]
+  dry = box.ok("project.sh", "--dry-run", *args)
+  assert box.calls() == []
+  default_account = "PROJECT_NUMBER-compute@developer.gserviceaccount.com"
+  assert _gcloud(_printed(dry.stdout)) == [
+    _ENABLE,
+    describe,
+    create,
+    number,
+    _grant("gs://my-bucket", default_account),
+  ]
+  real = box.ok("project.sh", *args)
+  default_account = "123456789012-compute@developer.gserviceaccount.com"  # the fake's number
+  assert box.calls() == [
+    _ENABLE,
+    describe,
+    create,
+    number,
+    _grant("gs://my-bucket", default_account),
+  ]
+  assert _gcloud(_printed(real.stdout, "+ ")) == box.calls()
+
+
+def test_project_reuses_a_bucket_and_grants_the_given_account(box):
+  box.set_states({"buckets/gs://team-b": ["team-b"]})
+  proc = box.ok("project.sh", "--project=my-proj", "--bucket=team-b/", f"--service-account={_SA}")
+  assert box.calls() == [
+    _ENABLE,
+    _bucket("describe", "gs://team-b", "--format=value(name)"),
+    _grant("gs://team-b", _SA),
+  ]
+  assert "gs://team-b exists: using it" in proc.stdout
+
+
+@pytest.mark.parametrize(
+  "args, message",
+  [
+    ([], "no bucket: pass --bucket=gs://NAME"),
+    (["--bucket=gs://My_Bucket"], "--bucket=gs://My_Bucket: a bucket name is"),
+    (["--bucket=b", "--service-account=me"], "--service-account=me is not a service account"),
+    (["--bucket=bb", "--zone=west"], "--zone=west is not a zone name"),
+  ],
+)
+def test_project_bad_argument_stops_before_gcloud(box, args, message):
+  proc = box.run("project.sh", "--project=my-proj", *args)
+  assert proc.returncode == 2 and message in proc.stderr
+  assert box.calls() == []
+
+
+def test_create_with_service_account_and_internal_ips(box):
+  flags = [f"--service-account={_SA}", "--internal-ip"]
+  box.ok("create.sh", *_BASE, "--accelerator-type=v4-8", *flags, "--spot")
+  assert box.calls()[-1][5:] == [
+    *_WHERE,
+    "--accelerator-type=v4-8",
+    "--version=tpu-ubuntu2204-base",
+    f"--service-account={_SA}",
+    "--internal-ips",
+    "--spot",
+  ]
+  box.ok("create.sh", *_MULTI, "--name=q", *flags)
+  assert box.calls()[-1][2:5] == ["queued-resources", "create", "q"]
+  assert box.calls()[-1][-4:] == [
+    "--node-count=2",
+    "--node-prefix=q",
+    f"--service-account={_SA}",
+    "--internal-ips",
+  ]
+
+
+def test_internal_ip_reaches_the_workers_by_internal_ip(box):
+  box.set_states({"tpu-vm/r": ["READY"]})
+  box.ok("setup.sh", *_BASE, "--internal-ip")
+  box.ok("logs.sh", *_BASE, "--internal-ip", "--no-follow")
+  scp, ssh, tail = [c for c in box.calls() if c[3] in ("scp", "ssh")]
+  assert scp[3:] == [
+    "scp",
+    f"{box.tmp}/r-code.tar.gz",
+    "r:dipaco_jax.tar.gz",
+    *_WHERE,
+    "--worker=all",
+    "--internal-ip",
+  ]
+  assert ssh[-1] == tail[-1] == "--internal-ip"
+  assert tail[:-1] == _ssh("r", "tail -n 100 dipaco_train.log", worker="0")
+
+
+def test_setup_runs_the_slices_at_once_and_names_the_ones_that_failed(box):
+  box.set_states(
+    {"queued-resources/r": ["ACTIVE"], "tpu-vm/r-0": ["READY"], "tpu-vm/r-1": ["READY"]}
+  )
+  # Each slice's ssh waits until the other's has begun: in turn, the first would wait alone.
+  proc = box.ok("setup.sh", *_MULTI, FAKE_GCLOUD_BARRIER="r-0,r-1")
+  logs = box.tmp / "r-setup"
+  assert f"setup on 2 slices in parallel; logs: {logs}/<slice>.log" in proc.stdout
+  for node in ("r-0", "r-1"):
+    assert f"tpu-vm ssh {node} " in (logs / f"{node}.log").read_text()
+  proc = box.run("setup.sh", *_MULTI, FAKE_GCLOUD_FAIL_NODE="r-1")
+  assert proc.returncode == 2
+  assert f"setup failed on 1 of 2 slices: r-1 (exit 1); see the logs in {logs}" in proc.stderr
+  assert "scp to r-1 failed" in proc.stdout  # its log, shown after the others
+  assert "--- setup of r-0 (exit 0;" in proc.stdout
+  assert _steps(box.calls())[-3:] in (
+    ["scp r-0", "scp r-1", "install r-0"],
+    ["scp r-1", "scp r-0", "install r-0"],
+  )
+
+
+_T0 = 1_700_000_000  # the fake clock at the watcher's first reading; each reading adds 10 min
+
+
+def _iso(seconds):
+  return datetime.datetime.fromtimestamp(seconds, datetime.timezone.utc).strftime(
+    "%Y-%m-%dT%H:%M:%SZ"
+  )
+
+
+@pytest.mark.parametrize(
+  "metrics, stall_minutes, restarted",
+  [
+    ([_iso(_T0 - 3600)], 30, True),  # older than the start: 30 min after the start, restart
+    ([], 30, True),  # no metrics yet: likewise
+    ([_iso(_T0 - 60), _iso(_T0 + 1200)], 30, False),  # the newest record is 20 min later
+    ([], 0, False),  # the check is off
+  ],
+)
+def test_watch_restarts_a_trainer_whose_metrics_stalled(box, metrics, stall_minutes, restarted):
+  box.clock.write_text(str(_T0))
+  states = {"tpu-vm/r": ["READY"]}
+  if metrics:
+    states["objects/gs://b/run/metrics*.jsonl"] = metrics
+  box.set_states(states)
+  proc = box.ok(
+    "watch.sh",
+    *_BASE,
+    *_TRAIN,
+    "--repo-url=https://example.com/d.git",
+    "--max-polls=5",
+    f"--stall-minutes={stall_minutes}",
+    FAKE_CLOCK_STEP="600",
+  )
+  # Clock readings: poll 1 starts (start = T0); polls 2, 3, 4 look at T0 + 10, 20, 30 min. With
+  # nothing newer than the start, poll 4 sees 30 min >= 30: restart (start = T0 + 40 min), and
+  # poll 5 (T0 + 50 min) sees 10 min. A record at T0 + 20 min is 10 min old at poll 4, 20 at 5.
+  look = ["describe r", _LS_METRICS] if stall_minutes else ["describe r"]
+  restart = ["start+restart r"] if restarted else []
+  assert _steps(box.calls()) == [
+    "describe r",
+    "install r",
+    "start r",
+    *look,
+    *look,
+    *look,
+    *restart,
+    *look,
+  ]
+  stalled = "no new metrics record in gs://b/run/metrics*.jsonl for 30 minutes"
+  assert (stalled in proc.stdout) == restarted
+
+
+def test_watch_counts_a_failed_metrics_listing_as_a_failed_poll(box):
+  box.clock.write_text(str(_T0))
+  box.set_states({"tpu-vm/r": ["READY"], "objects/gs://b/run/metrics*.jsonl": ["DENIED"]})
+  proc = box.ok(
+    "watch.sh",
+    *_BASE,
+    *_TRAIN,
+    "--repo-url=https://example.com/d.git",
+    "--max-polls=5",
+    FAKE_CLOCK_STEP="600",
+  )
+  # No news is not taken for a stall: polls 2-5 fail (4 < --max-failures=5), nothing restarts.
+  assert (
+    _steps(box.calls())
+    == ["describe r", "install r", "start r"]
+    + [
+      "describe r",
+      _LS_METRICS,
+    ]
+    * 4
+  )
+  assert "poll 5 failed (exit 2); 4 in a row" in proc.stdout and "403" in proc.stderr
