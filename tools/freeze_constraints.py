@@ -96,7 +96,9 @@ def main() -> None:
     with open(args.out) as f:
       old = f.read()
     if old != text:
-      diff = difflib.unified_diff(old.splitlines(), text.splitlines(), args.out, "installed", 0)
+      diff = difflib.unified_diff(
+        old.splitlines(), text.splitlines(), args.out, "installed", n=0, lineterm=""
+      )
       sys.exit("\n".join(diff) + f"\n{args.out} is stale: rerun python tools/freeze_constraints.py")
     print(f"{args.out} matches this environment")
     return
