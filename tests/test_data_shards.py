@@ -8,6 +8,7 @@ import pytest
 
 from dipaco_jax import data
 from dipaco_jax import errors
+from dipaco_jax import files
 from dipaco_jax.data import assign as assign_lib
 from dipaco_jax.data import shard_writer
 from dipaco_jax.data import shards
@@ -136,7 +137,7 @@ def test_a_truncated_shard_file_gives_one_line_naming_it(tmp_path, name):
 
 def test_remote_shard_dir_goes_through_staging_and_local_cache(tmp_path, monkeypatch):
   # ArrayRecord opens local files only; a gs:// dir is written via staging and read via a cache.
-  monkeypatch.setattr(shards, "is_remote", lambda path: True)
+  monkeypatch.setattr(files, "is_remote", lambda path: True)
   monkeypatch.setattr(shards, "CACHE_DIR", str(tmp_path / "cache"))
   monkeypatch.setattr(shards, "REMOTE_CHUNK_BYTES", 2000)  # ~10 documents per file
   staged = []  # files on local disk each time a chunk is closed
