@@ -37,7 +37,7 @@ from dipaco_jax import config_defaults
 from dipaco_jax import distributed
 from dipaco_jax import errors
 
-flags.adopt_module_key_flags(distributed)  # --coordinator, --num_processes, --process_id.
+flags.adopt_module_key_flags(distributed)  # --coordinator_address, --num_processes, --process_id.
 _VERBOSE = flags.DEFINE_bool(
   "verbose_errors",
   False,

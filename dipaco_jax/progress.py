@@ -16,7 +16,6 @@ import sys
 import time
 from typing import Any, Iterable
 
-import jax
 import tqdm
 
 LOG_INTERVAL_S = 10.0  # Not a TTY: seconds between lines.
@@ -39,10 +38,16 @@ class _Lines:
     self.stream.flush()
 
 
+def _process_index() -> int:
+  """jax.process_index() once JAX is in use; 0 for a process without it (shard writing)."""
+  jax = sys.modules.get("jax")
+  return jax.process_index() if jax is not None else 0
+
+
 def _mode() -> str:
   """'off', 'tty' (redrawn bar) or 'lines' (a line per LOG_INTERVAL_S)."""
   env = os.environ.get("DIPACO_PROGRESS", "")
-  if env == "0" or jax.process_index() > 0:
+  if env == "0" or _process_index() > 0:
     return "off"
   if env == "1" or sys.stderr.isatty():
     return "tty"
@@ -63,7 +68,7 @@ def bar(iterable: Iterable | None = None, **kw: Any) -> tqdm.tqdm:
 
 def note(message: str) -> None:
   """One line on stderr of process 0 (an estimate before a long step), between bar redraws."""
-  if jax.process_index() == 0:
+  if _process_index() == 0:
     tqdm.tqdm.write(message, file=sys.stderr)
     sys.stderr.flush()
 

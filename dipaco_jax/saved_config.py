@@ -15,12 +15,13 @@ from etils import epath
 from dipaco_jax import config_check
 from dipaco_jax import config_defaults
 from dipaco_jax import errors
+from dipaco_jax import files
 
-FILE = "config.json"
+FILE = files.CONFIG_FILE
 
 
 def path(workdir: str) -> epath.Path:
-  return epath.Path(workdir) / FILE
+  return files.path(workdir) / FILE
 
 
 def _fill(node: ml_collections.ConfigDict, saved: dict, where: str, prefix: str = "") -> None:
@@ -55,7 +56,7 @@ def load(workdir: str) -> ml_collections.ConfigDict:
       f"writes {FILE} when it starts)."
     )
   try:
-    saved = json.loads(p.read_text())
+    saved = json.loads(files.read_text(p))
   except ValueError as e:
     raise errors.DamagedFileError(
       f"{p} is damaged ({errors.json_problem(e)}); pass the run's --config=configs/NAME.py."

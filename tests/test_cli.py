@@ -299,7 +299,11 @@ def test_a_bad_saved_config_is_one_line(text, args, want, tmp_path, monkeypatch,
 def test_every_entry_point_lists_its_flags_in_help():
   """absl's --help shows the main module's key flags: cli's are adopted by each entry."""
   shared = {"config", "workdir", "verbose_errors", "library_log_level"}
-  shared |= {"coordinator", "num_processes", "process_id"}  # distributed.py's, adopted by cli.
+  shared |= {
+    "coordinator_address",
+    "num_processes",
+    "process_id",
+  }  # distributed.py's, adopted by cli.
   want = {
     "main": shared,
     "route": shared,
