@@ -284,6 +284,7 @@ def make_config(name: str, s: Sizes, out: str, sqrt_paths: str, seed: int = 0):
     "eval.every_steps": s.inner_steps,
     "eval.batches": 2,
     "eval.rerouting_windows": s.windows,
+    "eval.rerouters": ("linear", "transformer"),  # docs/results.md compares both.
     "eval.reroute_steps": s.reroute_steps,
     # k-means on a small validation split can leave a path without validation documents:
     # it trains, its own-shard loss reads NaN and early stopping keeps its latest params.

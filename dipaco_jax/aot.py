@@ -35,6 +35,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # No local backend but the host's
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
 
+from dipaco_jax import config_check  # pylint: disable=wrong-import-position
 from dipaco_jax import data as data_lib  # pylint: disable=wrong-import-position
 from dipaco_jax import experiment as exp_lib  # pylint: disable=wrong-import-position
 from dipaco_jax import files  # pylint: disable=wrong-import-position
@@ -548,6 +549,16 @@ def main(argv):
   sys.exit(0 if ok(result) else 1)
 
 
+def _parse_flags(argv: list[str]) -> list[str]:
+  """absl's parsing, after a misspelt --config.a.b or a missing config file is one line."""
+  try:
+    config_check.check_config_args(argv)
+  except config_check.ConfigError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+  return app.parse_flags_with_usage(argv)
+
+
 if __name__ == "__main__":
   _define_flags()
-  app.run(main)
+  app.run(main, flags_parser=_parse_flags)

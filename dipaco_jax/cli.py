@@ -5,10 +5,19 @@
 Libraries log at WARNING and above (`--library_log_level`; orbax alone printed
 ~100 INFO lines per tiny run); the project's own lines follow absl's --verbosity.
 
+Which config a command runs with (route, evaluate and serve: `saved_config=True`):
+  1. --config=configs/NAME.py given: that file, whatever the workdir holds;
+  2. else <workdir>/config.json, the config the trainer saved (saved_config.py);
+  3. else a one-line error asking for --config. main always needs --config.
+--config.a.b=v overrides apply on top of either, so a run's overrides are given
+once, to the trainer, and route/evaluate/serve take only the ones they change.
+
 A user error (`is_user_error`: a wrong config field or flag, a grid or mesh that
 cannot work, a missing or damaged input file, an empty shard, a diverged run)
 prints one line to stderr and exits with status 1; --verbose_errors shows
 its traceback. Any other exception is a bug and keeps its traceback.
+Each entry module calls `flags.adopt_module_key_flags(cli)` so that its --help
+lists --config, --workdir and --verbose_errors beside its own flags.
 """
 
 import logging
@@ -28,6 +37,7 @@ from dipaco_jax import config_defaults
 from dipaco_jax import distributed
 from dipaco_jax import errors
 
+flags.adopt_module_key_flags(distributed)  # --coordinator_address, --num_processes, --process_id.
 _VERBOSE = flags.DEFINE_bool(
   "verbose_errors",
   False,
@@ -37,16 +47,17 @@ _VERBOSE = flags.DEFINE_bool(
 _CONFIG = config_flags.DEFINE_config_file(
   "config",
   None,
-  "Config file (configs/*.py); override fields with --config.section.field=value.",
+  "Config file (configs/*.py); override fields with --config.section.field=value. "
+  "route, evaluate and serve default to the run's saved <workdir>/config.json.",
   lock_config=True,
 )
 _WORKDIR = flags.DEFINE_string(
   "workdir",
   None,
   "The run's directory (local or gs://): checkpoints, metrics, shards, "
-  "router. An existing run there is resumed.",
+  "router, config.json. An existing run there is resumed.",
 )
-flags.mark_flags_as_required(["config", "workdir"])
+flags.mark_flag_as_required("workdir")
 _LIBRARY_LOG_LEVEL = flags.DEFINE_enum(
   "library_log_level",
   "warning",
@@ -59,9 +70,9 @@ _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 # TF_CPP_MIN_LOG_LEVEL for each --library_log_level (TensorFlow's C++ logs, read at its import).
 _CPP_LEVEL = {"debug": "0", "info": "0", "warning": "1", "error": "2"}
 
-_CONFIG_FLAG = re.compile(r"^--?(?:no)?config\.([^=]+)")
 _CONFIG_FILE = re.compile(r"^--?config(?:=(.*))?$")
-_FLAG_ERROR = re.compile(r"^flag --config\.([\w.]+)=(.*?): (.*)$")
+_WORKDIR_ARG = re.compile(r"^--?workdir(?:=(.*))?$")
+_HELP = re.compile(r"^--?(?:help|helpshort|helpfull|helpxml)$")
 
 
 def is_user_error(e: BaseException) -> bool:
@@ -96,45 +107,50 @@ def fail(e: BaseException, verbose: bool) -> NoReturn:
   sys.exit(1)
 
 
-def _check_config_args(argv: list[str]) -> None:
-  """Refuses a missing config file or an unknown --config.a.b before absl parses them."""
+def _flag_value(argv: list[str], pattern: re.Pattern) -> str | None:
+  """The value of the last --name=V or --name V before `--` (None when absent)."""
+  value = None
   for i, arg in enumerate(argv[1:], 1):
     if arg == "--":
       break
-    if m := _CONFIG_FILE.match(arg):
-      path = m.group(1) if m.group(1) is not None else (argv[i + 1] if i + 1 < len(argv) else "")
-      path = path.split(":", 1)[0]
-      if not os.path.isfile(path):
-        raise config_defaults.ConfigError(
-          f"--config={path}: no such config file; give one of configs/*.py."
-        )
-    elif m := _CONFIG_FLAG.match(arg):
-      if m.group(1) not in config_check.field_names():
-        raise config_defaults.ConfigError(
-          config_check.unknown_name_message(m.group(1), prefix="--config.")
-        )
+    if m := pattern.match(arg):
+      value = m.group(1) if m.group(1) is not None else (argv[i + 1] if i + 1 < len(argv) else "")
+  return value
 
 
-def _flag_error(e: flags.Error) -> BaseException:
-  """absl's `flag --config.a.b=V: reason`, with what the field must be."""
-  m = _FLAG_ERROR.match(str(e).splitlines()[0])
-  if m is None or m.group(1) not in config_check.field_names():
-    return e
-  key, value, reason = m.groups()
-  return config_defaults.ConfigError(
-    f"--config.{key}={value} cannot be read ({reason}): {config_check.requirement(key)}"
-  )
+def _with_config(argv: list[str], saved_config: bool) -> list[str]:
+  """argv with the config it runs with (see the module docstring's precedence)."""
+  if any(_HELP.match(a) for a in argv[1:]) or _flag_value(argv, _CONFIG_FILE) is not None:
+    return argv
+  workdir = _flag_value(argv, _WORKDIR_ARG)
+  if not saved_config:
+    raise config_defaults.ConfigError(
+      "--config is required: give the run's config file, e.g. --config=configs/tiny.py."
+    )
+  if workdir is None:
+    return argv  # absl names the missing --workdir.
+  from dipaco_jax import saved_config as saved  # pylint: disable=g-import-not-at-top
+
+  saved.load(workdir)  # Its errors here, in one line, before config_flags wraps them.
+  # First, as config_flags refuses overrides before the --config they apply to.
+  return [argv[0], f"--config={saved.__file__}:{workdir}", *argv[1:]]
 
 
-def parse_flags(argv: list[str]) -> list[str]:
-  """absl's flags_parser: a wrong flag or config field is one line and exit status 1."""
+def parse_flags(argv: list[str], saved_config: bool = False) -> list[str]:
+  """absl's flags_parser: a wrong flag or config field is one line and exit status 1.
+
+  With `saved_config`, a command without --config reads <workdir>/config.json.
+  """
   verbose = "--verbose_errors" in argv
   try:
-    _check_config_args(argv)
+    argv = _with_config(argv, saved_config)
+    config_check.check_config_args(argv)
+    if argv is not sys.argv:
+      sys.argv[:] = argv  # config_flags reads its overrides from sys.argv.
     return flags.FLAGS(argv)
   except flags.Error as e:
-    fail(_flag_error(e), verbose)
-  except config_defaults.ConfigError as e:
+    fail(config_check.flag_error(e), verbose)
+  except (config_defaults.ConfigError, errors.UserError) as e:
     fail(e, verbose)
 
 
@@ -173,9 +189,12 @@ def guard(main: Callable[[list[str]], Any]) -> Callable[[list[str]], Any]:
   return guarded
 
 
-def run(main: Callable[[list[str]], Any]) -> None:
-  """app.run(main) with the one-line user errors of parse_flags and guard."""
-  app.run(guard(main), flags_parser=parse_flags)
+def run(main: Callable[[list[str]], Any], *, saved_config: bool = False) -> None:
+  """app.run(main) with the one-line user errors of parse_flags and guard.
+
+  `saved_config`: without --config, read the run's <workdir>/config.json.
+  """
+  app.run(guard(main), flags_parser=lambda argv: parse_flags(argv, saved_config))
 
 
 def start(argv: list[str]) -> tuple[Any, str]:

@@ -13,6 +13,7 @@ choices (model.POSITIONS, outer.SQRT_MODES, ...) define them.
 import difflib
 import functools
 import math
+import os
 import re
 from typing import Any, Callable
 
@@ -282,7 +283,11 @@ def _rules() -> dict[str, Rule]:
     "eval.seq_len": _integer(0, what=" (0 = data.seq_len)"),
     "eval.max_docs": _integer(0, what=" (0 = all)"),
     "eval.rerouting_windows": _tuple(count, "a tuple of integers >= 1"),
-    "eval.rerouters": _tuple(_choice(rerouting.KINDS), f"a tuple of any of {rerouters}"),
+    "eval.rerouters": _tuple(
+      _choice(rerouting.KINDS),
+      f"a tuple of any of {rerouters}, written as a Python tuple: "
+      "--config.eval.rerouters=\"('linear','transformer')\"",
+    ),
     "eval.reroute_label_window": _integer(0, what=" (0 = to the end)"),
     "eval.reroute_stride": count,
     "eval.reroute_steps": count,
@@ -318,6 +323,37 @@ def requirement(key: str) -> str:
 
 def field_message(key: str, value) -> str:
   return f"config.{key}={value!r} is invalid: {requirement(key)}"
+
+
+# Command lines (the CLIs and aot), before absl parses them.
+
+_CONFIG_FLAG = re.compile(r"^--?(?:no)?config\.([^=]+)")
+_CONFIG_FILE = re.compile(r"^--?config(?:=(.*))?$")
+_FLAG_ERROR = re.compile(r"^flag --config\.([\w.]+)=(.*?): (.*)$")
+
+
+def check_config_args(argv: list[str]) -> None:
+  """Refuses a missing config file or an unknown --config.a.b before absl parses them."""
+  for i, arg in enumerate(argv[1:], 1):
+    if arg == "--":
+      break
+    if m := _CONFIG_FILE.match(arg):
+      path = m.group(1) if m.group(1) is not None else (argv[i + 1] if i + 1 < len(argv) else "")
+      path = path.split(":", 1)[0]
+      if not os.path.isfile(path):
+        raise ConfigError(f"--config={path}: no such config file; give one of configs/*.py.")
+    elif m := _CONFIG_FLAG.match(arg):
+      if m.group(1) not in field_names():
+        raise ConfigError(unknown_name_message(m.group(1), prefix="--config."))
+
+
+def flag_error(e: Exception) -> Exception:
+  """absl's `flag --config.a.b=V: reason` as a ConfigError saying what the field must be."""
+  m = _FLAG_ERROR.match(str(e).splitlines()[0]) if str(e) else None
+  if m is None or m.group(1) not in field_names():
+    return e
+  key, value, reason = m.groups()
+  return ConfigError(f"--config.{key}={value} cannot be read ({reason}): {requirement(key)}")
 
 
 # The pass.

@@ -23,6 +23,7 @@ from dipaco_jax import checkpoint as ckpt_lib
 from dipaco_jax import data as data_lib
 from dipaco_jax import experiment as exp_lib
 from dipaco_jax import files
+from dipaco_jax import progress
 from dipaco_jax import routing
 from dipaco_jax.routing import report as report_lib
 from dipaco_jax.routing import rerouting
@@ -70,21 +71,9 @@ def load_run(config, workdir: str, step: int | None = None) -> Run:
 
 def config_from_workdir(workdir: str):
   """The config a run was trained with (<workdir>/config.json, written by the trainer)."""
-  import ml_collections  # pylint: disable=g-import-not-at-top
+  from dipaco_jax import saved_config  # pylint: disable=g-import-not-at-top
 
-  path = files.path(workdir) / files.CONFIG_FILE
-  if not path.exists():
-    raise FileNotFoundError(
-      f"no {path}: pass the run's --config instead (the trainer writes config.json when it starts)."
-    )
-  tuples = lambda x: (
-    {k: tuples(v) for k, v in x.items()}
-    if isinstance(x, dict)
-    else tuple(tuples(v) for v in x)
-    if isinstance(x, list)
-    else x
-  )
-  return ml_collections.ConfigDict(tuples(files.read_json(path)))
+  return saved_config.load(workdir)
 
 
 def validation_sequences(run: Run, max_docs: int = 0) -> dict[str, np.ndarray]:
@@ -145,11 +134,11 @@ def fit_rerouters(run: Run, scorer: routing.PathScorer, extractor, *, kinds) -> 
     if cfg.router_max_docs and len(docs) >= cfg.router_max_docs:
       break
   tokens, lengths = routing.pad_rows(docs, T)
-  s_NxTxP = scorer.score_all_paths(list(docs))
+  s_NxTxP = scorer.score_all_paths(list(docs), desc="re-router labels: every path scores")
   labels = rerouting.window_labels(s_NxTxP, lengths, ev.reroute_label_window)
   if "linear" in todo:
     r = rerouting.fit_linear(
-      extractor.running_means(tokens),
+      extractor.running_means(tokens, desc="linear re-router features"),
       labels,
       lengths,
       prefix_len=L,
@@ -247,6 +236,7 @@ def evaluate(
   )
   first_all, tokens_total, agree = [], 0, 0
   transformer = rerouting.TransformerRerouter(run.exp.model_cfg, P)  # One jit for all blocks.
+  bar = progress.bar(total=len(seqs["doc_ids"]), desc=f"evaluate ({params})", unit="seq")
   for s in range(0, len(seqs["doc_ids"]), block):
     b = {k: v[s : s + block] for k, v in seqs.items()}
     n, lens = len(b["doc_ids"]), b["lengths"]
@@ -294,6 +284,8 @@ def evaluate(
         nll["oracle/once"] -= s_TxU.sum(0).max()  # All P paths were scored.
         for w_ in windows:
           nll[f"oracle/W={w_}"] -= sum(s_TxU[c : c + w_].sum(0).max() for c in range(0, k, w_))
+    bar.update(n)
+  bar.close()
   if tokens_total == 0:
     raise ValueError(
       f"no validation sequence is longer than the {L}-token prefix; lower "

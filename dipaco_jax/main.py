@@ -3,9 +3,12 @@
 Kept tiny on purpose: everything it calls is importable from tests and colab.
 """
 
+from absl import flags
 from absl import logging
 
 from dipaco_jax import cli
+
+flags.adopt_module_key_flags(cli)  # --help lists --config, --workdir, --verbose_errors.
 
 
 def main(argv):

@@ -9,10 +9,17 @@ others' parts, joins them and writes the report. A crashed process is rerun alon
 
   for i in 0 1 2 3; do python -m dipaco_jax.route --config=... --workdir=gs://BUCKET/run \
       --num_processes=4 --process_id=$i & done; wait
+
+Without --config it reads the run's saved <workdir>/config.json (a run that has
+trained); before training, give --config (cli.py).
 """
+
+from absl import flags
 
 from dipaco_jax import cli
 from dipaco_jax import distributed
+
+flags.adopt_module_key_flags(cli)  # --help lists --config, --workdir, --verbose_errors.
 
 
 def main(argv):
@@ -26,4 +33,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  cli.run(main)
+  cli.run(main, saved_config=True)

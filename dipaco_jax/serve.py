@@ -1,17 +1,23 @@
 """Route a text to one path, load only that path from the checkpoint, generate or score.
 
-python -m dipaco_jax.serve --config=configs/tiny.py --workdir=DIR --text="..."
+python -m dipaco_jax.serve --workdir=DIR --text="..."
+
+The config is the run's saved <workdir>/config.json unless --config is given;
+--config.a.b=v overrides apply on top (cli.py).
 
 Repeat --text for several inputs: each is routed by its own first tokens, and
 texts on one path are decoded together (--batch_size at a time, KV cache).
 """
 
+from absl import app
 from absl import flags
 
 from dipaco_jax import cli
 
+flags.adopt_module_key_flags(cli)  # --help lists --config, --workdir, --verbose_errors.
+# Checked in main, not by absl: importing this module leaves other commands' parsing alone.
 _TEXT = flags.DEFINE_multi_string(
-  "text", None, "The input text (repeat for several: a JSON list of results).", required=True
+  "text", None, "The input text, required (repeat for several: a JSON list of results)."
 )
 _MODE = flags.DEFINE_enum(
   "mode",
@@ -30,6 +36,8 @@ _BATCH = flags.DEFINE_integer("batch_size", 8, "Texts of one path decoded togeth
 
 
 def main(argv):
+  if _TEXT.value is None:
+    raise app.UsageError("--text is required: the text to route, then continue or score.")
   config, workdir = cli.start(argv)
   from dipaco_jax import serving  # pylint: disable=g-import-not-at-top
 
@@ -50,4 +58,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  cli.run(main)
+  cli.run(main, saved_config=True)

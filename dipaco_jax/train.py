@@ -11,7 +11,6 @@ from typing import Any
 
 import jax
 import numpy as np
-import tqdm
 from absl import logging
 from etils import epath
 
@@ -25,6 +24,7 @@ from dipaco_jax import feed as feed_lib
 from dipaco_jax import files
 from dipaco_jax import inner as inner_lib
 from dipaco_jax import metrics as metrics_lib
+from dipaco_jax import progress
 from dipaco_jax import shard_plan
 from dipaco_jax import sharding
 
@@ -125,9 +125,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   log_every = config.log_every_steps
   eval_every = config.eval.every_steps
   ckpt_every = config.ckpt.every_steps
-  bar = tqdm.tqdm(
-    total=total, initial=step, disable=jax.process_index() > 0, desc="inner steps", unit="step"
-  )
+  bar = progress.bar(total=total, initial=step, desc="inner steps", unit="step")
   record: dict[str, Any] = {}
   result: dict[str, Any] = {}
   stop = total if config.stop_at_step < 0 else min(config.stop_at_step, total)

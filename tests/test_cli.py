@@ -6,6 +6,7 @@ the slow tests run the real commands as subprocesses.
 """
 
 import glob
+import importlib
 import logging
 import os
 import re
@@ -15,10 +16,12 @@ import sys
 import orbax.checkpoint
 import pytest
 from absl import flags
+from etils import epath
 from ml_collections import config_flags
 
 from dipaco_jax import cli
 from dipaco_jax import config_check
+from dipaco_jax import config_defaults
 from dipaco_jax import errors
 from dipaco_jax import main
 from dipaco_jax import metrics
@@ -145,13 +148,17 @@ BAD_INPUTS = [
 ]
 
 
-def _run_main(argv: list[str], monkeypatch, capsys, entry=main) -> tuple[int, list[str]]:
-  """`python -m dipaco_jax.main ARGV` (or another entry) in this process: (status, stderr lines)."""
-  argv = [entry.__name__, *argv]
+def _reset_flags(argv: list[str], monkeypatch) -> None:
   monkeypatch.setattr(sys, "argv", argv)  # config_flags reads the overrides from sys.argv.
   flags.FLAGS.unparse_flags()
   for name in [n for n in flags.FLAGS if n.startswith("config.")]:  # The last run's overrides.
     delattr(flags.FLAGS, name)
+
+
+def _run_main(argv: list[str], monkeypatch, capsys, entry=main) -> tuple[int, list[str]]:
+  """`python -m dipaco_jax.main ARGV` (or another entry) in this process: (status, stderr lines)."""
+  argv = [entry.__name__, *argv]
+  _reset_flags(argv, monkeypatch)
   with pytest.raises(SystemExit) as e:
     cli.guard(entry.main)(cli.parse_flags(argv))
   return e.value.code, [l for l in capsys.readouterr().err.splitlines() if l.strip()]
@@ -215,6 +222,99 @@ def test_user_errors_are_named_in_one_place():
   assert cli.is_user_error(metrics.DivergenceError("x"))  # The guard's other stops.
   assert not cli.is_user_error(KeyError("x"))  # A bug: its traceback is kept.
   assert cli.one_line(ValueError("first\n  detail\nlast")) == "ValueError: first ... last"
+
+
+def _parse_cli(argv: list[str], monkeypatch, capsys, saved_config: bool = True):
+  """The config route/evaluate/serve (saved_config) or main run with, or (status, stderr lines)."""
+  argv = ["dipaco_jax.evaluate", *argv]
+  _reset_flags(argv, monkeypatch)
+  try:
+    cli.parse_flags(argv, saved_config)
+  except SystemExit as e:
+    return e.code, [l for l in capsys.readouterr().err.splitlines() if l.strip()]
+  return cli._CONFIG.value  # pylint: disable=protected-access
+
+
+@pytest.fixture(name="saved_run")
+def _saved_run(tmp_path, monkeypatch):
+  """A workdir whose config.json the trainer's writer saved: tiny with two overrides."""
+  monkeypatch.chdir(helpers.ROOT)
+  from dipaco_jax import train  # pylint: disable=g-import-not-at-top
+
+  config = config_defaults.load(TINY, **{"data.batch_size": 4, "eval.max_docs": 7})
+  train.write_config(epath.Path(tmp_path), config)
+  return tmp_path, config
+
+
+def test_the_saved_config_is_the_default_and_overrides_apply_on_top(saved_run, monkeypatch, capsys):
+  workdir, saved = saved_run
+  got = _parse_cli([f"--workdir={workdir}"], monkeypatch, capsys)
+  assert got.to_dict() == saved.to_dict()
+  got = _parse_cli([f"--workdir={workdir}", "--config.eval.max_docs=3"], monkeypatch, capsys)
+  assert (got.eval.max_docs, got.data.batch_size) == (3, 4)
+  got = _parse_cli([f"--config={TINY}", f"--workdir={workdir}"], monkeypatch, capsys)
+  assert (got.eval.max_docs, got.data.batch_size) == (0, 8)  # An explicit file wins.
+  code, lines = _parse_cli([f"--workdir={workdir}"], monkeypatch, capsys, saved_config=False)
+  assert (code, lines) == (
+    1,
+    [
+      "ConfigError: --config is required: give the run's config file, "
+      "e.g. --config=configs/tiny.py."
+    ],
+  )
+
+
+@pytest.mark.parametrize(
+  "text,args,want",
+  [
+    (None, [], "ConfigError: no --config given and no {w}/config.json: pass the run's --config="),
+    (
+      '{"eval": {"rerouterz": ["linear"]}}',
+      [],
+      "ConfigError: {w}/config.json: config.eval.rerouterz is not a config field: did you mean "
+      "config.eval.rerouters?",
+    ),
+    ("{", [], "DamagedFileError: {w}/config.json is damaged (invalid JSON at byte 1"),
+    (
+      '{"data": {"batch_size": "eight"}}',
+      [],
+      "ConfigError: {w}/config.json: config.data.batch_size='eight' has the wrong type",
+    ),
+    (
+      "{}",
+      ["--config.eval.rerouterz=linear"],
+      "ConfigError: --config.eval.rerouterz is not a config field: did you mean "
+      "--config.eval.rerouters?",
+    ),
+  ],
+  ids=["no config.json", "misspelt in the file", "damaged", "wrong type", "misspelt override"],
+)
+def test_a_bad_saved_config_is_one_line(text, args, want, tmp_path, monkeypatch, capsys):
+  if text is not None:
+    (tmp_path / "config.json").write_text(text)
+  code, lines = _parse_cli([f"--workdir={tmp_path}", *args], monkeypatch, capsys)
+  assert code == 1 and len(lines) == 1 and lines[0].startswith(want.format(w=tmp_path)), lines
+
+
+def test_every_entry_point_lists_its_flags_in_help():
+  """absl's --help shows the main module's key flags: cli's are adopted by each entry."""
+  shared = {"config", "workdir", "verbose_errors", "library_log_level"}
+  shared |= {
+    "coordinator_address",
+    "num_processes",
+    "process_id",
+  }  # distributed.py's, adopted by cli.
+  want = {
+    "main": shared,
+    "route": shared,
+    "evaluate": shared | {"step"},
+    "serve": shared
+    | {"text", "mode", "source", "path", "max_new_tokens", "temperature", "top_k", "batch_size"},
+  }
+  for name, names in want.items():
+    importlib.import_module(f"dipaco_jax.{name}")  # Defines its flags.
+    got = {f.name for f in flags.FLAGS.get_key_flags_for_module(f"dipaco_jax.{name}")}
+    assert got == names, name
 
 
 # Every --config.a.b[=v] the docs and launch scripts write, against the config the text names.
@@ -285,7 +385,7 @@ def _parse(config: str, pairs, monkeypatch):
   monkeypatch.setattr(sys, "argv", argv)  # config_flags reads the overrides from sys.argv.
   fv = flags.FlagValues()
   holder = config_flags.DEFINE_config_file("config", flag_values=fv, lock_config=True)
-  cli._check_config_args(argv)  # pylint: disable=protected-access
+  config_check.check_config_args(argv)
   fv(argv)
   return holder.value
 
@@ -337,6 +437,39 @@ def test_every_command_prints_one_line(module, extra, tmp_path):
     "--config.outer.momentum (default 0.9)."
   ]
   assert not workdir.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+  "module,extra", [("route", []), ("evaluate", []), ("serve", ["--text=hi"])]
+)
+def test_route_evaluate_serve_read_the_saved_config(module, extra, saved_run):
+  workdir, _ = saved_run
+  r = _command(module, f"--workdir={workdir}", "--config.outer.momentum=1.5", *extra)
+  # The saved config was read (else: --config is required) and the override checked on top.
+  assert r.returncode == 1
+  assert r.stderr.strip().splitlines() == [
+    "ConfigError: config.outer.momentum=1.5 is invalid: it must be a number >= 0 and < 1; set "
+    "--config.outer.momentum (default 0.9)."
+  ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+  "module,want",
+  [
+    ("main", ["--config", "--workdir", "--verbose_errors"]),
+    ("route", ["--config", "--workdir", "--verbose_errors"]),
+    ("evaluate", ["--config", "--workdir", "--step"]),
+    ("serve", ["--config", "--workdir", "--text", "--mode", "--max_new_tokens"]),
+    ("aot", ["--config", "--topology", "--slices", "--out"]),
+    ("data", ["--stats", "--task", "--tfds_data_dir", "--vocab_path"]),
+  ],
+)
+def test_every_command_help_lists_its_flags(module, want):
+  r = _command(module, "--help")  # absl's --help exits 1, argparse's 0: the text is the test.
+  missing = [f for f in want if not re.search(rf"--(\[no\])?{f[2:]}\b", r.stdout)]
+  assert not missing, r.stdout
 
 
 @pytest.mark.slow

@@ -123,6 +123,7 @@ def test_dense_model_has_a_trivial_router_and_the_same_report_keys(tmp_path):
       "data.batch_size": 4,  # One path: 4 devices on 'data'.
       "routing.prefix_len": L,
       "eval.seq_len": T,
+      "eval.rerouters": ("linear", "transformer"),
     }
   )
   exp = experiment.Experiment(cfg)

@@ -10,17 +10,16 @@ on a rerun; finished parts are kept.
 import os
 import re
 import shutil
-import sys
 import tempfile
 import time
 from typing import Iterable, Sequence
 
 import numpy as np
-import tqdm
 from array_record.python import array_record_module
 from etils import epath
 
 from dipaco_jax import files
+from dipaco_jax import progress
 from dipaco_jax.data import corpus
 from dipaco_jax.data import shards
 from dipaco_jax.data.assign import Assignment
@@ -106,10 +105,7 @@ class _PathWriter:
 
 
 def _progress(documents, total, desc: str):
-  tty = sys.stderr.isatty()
-  return tqdm.tqdm(
-    documents, total=total, desc=desc, unit="doc", mininterval=0.5 if tty else 30, file=sys.stderr
-  )
+  return progress.bar(documents, total=total, desc=desc, unit="doc")
 
 
 def write_part(

@@ -21,6 +21,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from dipaco_jax import data as data_lib
+from dipaco_jax import progress
 from dipaco_jax import topology as topo_lib
 from dipaco_jax.data import corpus
 from dipaco_jax.routing import features as features_lib
@@ -200,15 +201,20 @@ def make_assignment(
   )
 
 
-def collect(extractor: features_lib.FeatureExtractor | None, documents) -> dict[str, np.ndarray]:
-  """Doc ids, domains and (if an extractor is given) features of a small split, in memory."""
+def collect(
+  extractor: features_lib.FeatureExtractor | None, documents, desc: str | None = None
+) -> dict[str, np.ndarray]:
+  """Doc ids, domains and (if an extractor is given) features of a small split, in memory.
+
+  With `desc`, a progress bar of that name counts the documents.
+  """
   ids, domains, feats = [], [], []
   if extractor is None:
-    for d in documents:
+    for d in documents if desc is None else progress.bar(documents, desc=desc, unit="doc"):
       ids.append(d.doc_id)
       domains.append(d.domain)
   else:
-    for docs, f in extractor.stream(documents):
+    for docs, f in extractor.stream(documents, desc=desc):
       ids += [d.doc_id for d in docs]
       domains += [d.domain for d in docs]
       feats.append(f)

@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 from dipaco_jax import checkpoint as ckpt_lib
 from dipaco_jax import experiment as exp_lib
 from dipaco_jax import model as model_lib
+from dipaco_jax import progress
 from dipaco_jax.types import PyTree
 
 
@@ -104,19 +105,24 @@ class FeatureExtractor:
       h.update(np.ascontiguousarray(x).tobytes())
     return h.hexdigest()[:16]
 
-  def running_means(self, tokens_NxT: np.ndarray) -> np.ndarray:
-    """[N, T+1, D]: entry b is the mean hidden state over targets t_0..t_{b-1} (b >= 1)."""
+  def running_means(self, tokens_NxT: np.ndarray, desc: str | None = None) -> np.ndarray:
+    """[N, T+1, D]: entry b is the mean hidden state over targets t_0..t_{b-1} (b >= 1).
+
+    With `desc`, a progress bar of that name counts the sequences.
+    """
     tokens_NxT = np.asarray(tokens_NxT, np.int32)
     n, t = tokens_NxT.shape
     # Inputs [BOS, t_0..t_{T-1}]: position b reads t_{b-1}, so T+1 positions cover all targets.
     inputs = np.concatenate([np.zeros((n, 1), np.int32), tokens_NxT], 1)
     outs = []
-    for start in range(0, n, self.batch_size):
-      rows = inputs[start : start + self.batch_size]
-      m = rows.shape[0]
-      if m < self.batch_size:  # Pad the last batch: one compile per length.
-        rows = np.concatenate([rows, np.zeros((self.batch_size - m, t + 1), np.int32)])
-      outs.append(np.asarray(self._running(self.params, jax.device_put(rows, self._rows)))[:m])
+    with progress.bar(total=n, desc=desc, unit="seq", disable=desc is None) as pbar:
+      for start in range(0, n, self.batch_size):
+        rows = inputs[start : start + self.batch_size]
+        m = rows.shape[0]
+        if m < self.batch_size:  # Pad the last batch: one compile per length.
+          rows = np.concatenate([rows, np.zeros((self.batch_size - m, t + 1), np.int32)])
+        outs.append(np.asarray(self._running(self.params, jax.device_put(rows, self._rows)))[:m])
+        pbar.update(m)
     return np.concatenate(outs) if outs else np.zeros((0, t + 1, self.dim), np.float32)
 
   def prefix_features(self, token_seqs: Sequence[np.ndarray]) -> np.ndarray:
@@ -132,11 +138,16 @@ class FeatureExtractor:
     return means[np.arange(len(lens_N)), lens_N]
 
   def stream(
-    self, documents: Iterable, batch_size: int | None = None
+    self, documents: Iterable, batch_size: int | None = None, desc: str | None = None
   ) -> Iterator[tuple[list, np.ndarray]]:
-    """(documents, features [n, D]) batch by batch: a corpus never sits in memory."""
+    """(documents, features [n, D]) batch by batch: a corpus never sits in memory.
+
+    With `desc`, a progress bar of that name counts the documents read.
+    """
     bs = batch_size or self.batch_size * 8
     batch = []
+    if desc is not None:
+      documents = progress.bar(documents, desc=desc, unit="doc")
     for doc in documents:
       batch.append(doc)
       if len(batch) == bs:

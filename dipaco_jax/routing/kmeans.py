@@ -1,6 +1,6 @@
 """k-means and product k-means on router features (paper §2.4.1 and §7.3).
 
-Fitting runs on the router split (in memory, one jitted program per call);
+Fitting runs on the router split (in memory, one jitted program per restart);
 assignment streams any number of rows through one jitted batch function.
 
 Empty clusters: after each Lloyd update, a cluster that received no point is
@@ -14,6 +14,8 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from dipaco_jax import progress
 
 DEFAULT_BATCH_SIZE = 8192  # Rows per assignment batch: bounds memory to batch x K floats.
 
@@ -121,35 +123,45 @@ def _inertia(x_NxD: jax.Array, c_KxD: jax.Array) -> jax.Array:
   return jnp.sum(jnp.min(sq_dists(x_NxD, c_KxD), axis=1))
 
 
-@functools.partial(jax.jit, static_argnames=("k", "restarts", "iters"))
-def _fit(key, x_NxD, tol, *, k: int, restarts: int, iters: int):
-  """Best of `restarts` k-means++ + Lloyd runs; returns (centroids, inertia)."""
+@functools.partial(jax.jit, static_argnames=("k", "iters"))
+def _one_run(key, x_NxD, tol, *, k: int, iters: int):
+  """One k-means++ + Lloyd run; returns (centroids, inertia)."""
   # Stop when the summed squared centroid shift falls under tol x mean feature variance.
   tol_abs = tol * jnp.mean(jnp.var(x_NxD, axis=0))
+  c_KxD = _kmeanspp(key, x_NxD, k)
 
-  def one_run(key):
-    c_KxD = _kmeanspp(key, x_NxD, k)
+  def cond(state):
+    i, _, shift = state
+    return (i < iters) & (shift > tol_abs)
 
-    def cond(state):
-      i, _, shift = state
-      return (i < iters) & (shift > tol_abs)
+  def body(state):
+    i, c_KxD, _ = state
+    new_KxD = _lloyd_step(x_NxD, c_KxD)
+    return i + 1, new_KxD, jnp.sum((new_KxD - c_KxD) ** 2)
 
-    def body(state):
-      i, c_KxD, _ = state
-      new_KxD = _lloyd_step(x_NxD, c_KxD)
-      return i + 1, new_KxD, jnp.sum((new_KxD - c_KxD) ** 2)
+  _, c_KxD, _ = jax.lax.while_loop(cond, body, (jnp.int32(0), c_KxD, jnp.float32(jnp.inf)))
+  return c_KxD, _inertia(x_NxD, c_KxD)
 
-    _, c_KxD, _ = jax.lax.while_loop(cond, body, (jnp.int32(0), c_KxD, jnp.float32(jnp.inf)))
-    return c_KxD, _inertia(x_NxD, c_KxD)
 
-  # lax.map runs restarts one after another: memory stays at one N x K matrix.
-  c_RxKxD, inertia_R = jax.lax.map(one_run, jax.random.split(key, restarts))
-  best = jnp.argmin(inertia_R)
-  return c_RxKxD[best], inertia_R[best]
+def _fit(key, x_NxD, tol, *, k: int, restarts: int, iters: int, bar=None):
+  """Best of `restarts` runs (the first on ties); returns (centroids, inertia).
+
+  Restarts run one after another (memory stays at one N x K matrix), one
+  jitted program each, so `bar` (a progress bar) advances once per restart.
+  """
+  best = None
+  for key_r in jax.random.split(key, restarts):
+    c_KxD, inertia_r = _one_run(key_r, x_NxD, tol, k=k, iters=iters)
+    inertia_r = float(inertia_r)  # Blocks: one restart in flight at a time.
+    if best is None or inertia_r < best[1]:
+      best = (c_KxD, inertia_r)
+    if bar is not None:
+      bar.update(1)
+  return best
 
 
 def _fit_key(
-  key: jax.Array, x_NxD, k: int, restarts: int, iters: int, tol: float
+  key: jax.Array, x_NxD, k: int, restarts: int, iters: int, tol: float, bar=None
 ) -> tuple[np.ndarray, float]:
   check_features(x_NxD)
   check_finite(x_NxD)
@@ -164,7 +176,13 @@ def _fit_key(
   # Centering first keeps ||x||^2 - 2x.c + ||c||^2 accurate in float32.
   mean_D = x_NxD.mean(axis=0)
   c_KxD, inertia = _fit(
-    key, jnp.asarray(x_NxD - mean_D), jnp.float32(tol), k=k, restarts=restarts, iters=iters
+    key,
+    jnp.asarray(x_NxD - mean_D),
+    jnp.float32(tol),
+    k=k,
+    restarts=restarts,
+    iters=iters,
+    bar=bar,
   )
   return np.asarray(c_KxD) + mean_D, float(inertia)
 
@@ -173,7 +191,8 @@ def fit_kmeans(
   x_NxD, k: int, *, restarts: int = 4, iters: int = 100, tol: float = 1e-4, seed: int = 0
 ) -> np.ndarray:
   """k-means++ + Lloyd, best inertia over restarts; deterministic in seed -> [K, D]."""
-  return _fit_key(jax.random.PRNGKey(seed), x_NxD, k, restarts, iters, tol)[0]
+  with progress.bar(total=restarts, desc=f"k-means ({k} clusters)", unit="restart") as bar:
+    return _fit_key(jax.random.PRNGKey(seed), x_NxD, k, restarts, iters, tol, bar)[0]
 
 
 def inertia(x_NxD, c_KxD) -> float:
@@ -222,9 +241,12 @@ def fit_product_kmeans(
   check_features(x_NxD)
   key = jax.random.PRNGKey(seed)
   out = []
-  for l, ((lo, hi), k) in enumerate(zip(split_dims(x_NxD.shape[1], len(grid)), grid)):
-    sub = jax.random.fold_in(key, l)  # Independent, reproducible stream per level.
-    out.append(_fit_key(sub, np.asarray(x_NxD)[:, lo:hi], int(k), restarts, iters, tol)[0])
+  desc = f"product k-means ({'x'.join(str(k) for k in grid)} clusters)"
+  with progress.bar(total=restarts * len(grid), desc=desc, unit="restart") as bar:
+    for l, ((lo, hi), k) in enumerate(zip(split_dims(x_NxD.shape[1], len(grid)), grid)):
+      sub = jax.random.fold_in(key, l)  # Independent, reproducible stream per level.
+      x_l = np.asarray(x_NxD)[:, lo:hi]
+      out.append(_fit_key(sub, x_l, int(k), restarts, iters, tol, bar)[0])
   return out
 
 

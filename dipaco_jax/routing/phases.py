@@ -21,6 +21,7 @@ from etils import epath
 
 from dipaco_jax import data as data_lib
 from dipaco_jax import files
+from dipaco_jax import progress
 from dipaco_jax import topology as topo_lib
 from dipaco_jax.config_defaults import ConfigError
 from dipaco_jax.routing import assignment as assign_lib
@@ -121,7 +122,9 @@ def phase0_router(
         f"{extractor.fingerprint}; use a new --workdir (nothing was changed)."
       )
   else:
-    split = assign_lib.collect(extractor, assign_lib.document_stream(config.data)("router"))
+    split = assign_lib.collect(
+      extractor, assign_lib.document_stream(config.data)("router"), desc="router split features"
+    )
     router = fit_phase0(config, topo, split["features"])
     router.info["features"] = extractor.fingerprint
     if jax.process_index() == 0:  # Every process fits the same router; one writes it.
@@ -194,17 +197,26 @@ def fit_discriminative_router(
     batch.clear()
 
   n = 0
-  for doc in assign_lib.document_stream(config.data)("router"):
-    if limit and n >= limit:
-      break
-    if len(doc.tokens) <= L:  # Nothing after the prefix: no label.
-      continue
-    batch.append(doc)
-    n += 1
-    if len(batch) == block:
+  bar = progress.bar(
+    total=limit or None,
+    desc="discriminative router: every path scores the router split",
+    unit="doc",
+  )
+  with bar:
+    for doc in assign_lib.document_stream(config.data)("router"):
+      if limit and n >= limit:
+        break
+      if len(doc.tokens) <= L:  # Nothing after the prefix: no label.
+        continue
+      batch.append(doc)
+      n += 1
+      if len(batch) == block:
+        flush()
+        bar.update(block)
+    if batch:
+      m = len(batch)
       flush()
-  if batch:
-    flush()
+      bar.update(m)
   if not feats:
     raise ValueError(
       f"the router split has no document longer than the {L}-token prefix; nothing to label."
@@ -277,7 +289,9 @@ def route_run(config, workdir: str, *, process_index: int = 0, num_processes: in
     rep = report_lib.quality(
       pr,
       assign_lib.collect(
-        extractor if pr.needs_features else None, assign_lib.document_stream(config.data)(split)
+        extractor if pr.needs_features else None,
+        assign_lib.document_stream(config.data)(split),
+        desc=f"{split} split report",
       ),
     )
     lines += [

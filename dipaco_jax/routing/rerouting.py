@@ -23,6 +23,7 @@ import optax
 
 from dipaco_jax import files
 from dipaco_jax import model as model_lib
+from dipaco_jax import progress
 from dipaco_jax.routing import router as router_lib
 from dipaco_jax.types import PyTree
 
@@ -150,10 +151,23 @@ class TransformerRerouter:
 
     rng = np.random.default_rng(seed)
     bs = min(batch_size, len(inputs))
-    for _ in range(steps):
-      idx = rng.choice(len(inputs), bs, replace=False)
-      params, opt, loss = step(params, opt, inputs[idx], labels[idx], mask[idx])
-      loss.block_until_ready()  # Keeps dispatch close (NOTES.md).
+    progress.note(
+      f"transformer re-router: fine-tuning θ̄ for {steps} steps of {bs} sequences; the "
+      "estimate follows the first steps (config.eval.rerouters=('linear',) skips it)."
+    )
+    timer = progress.Timer(skip=1, n=3)  # Step 1 compiles.
+    with progress.bar(total=steps, desc="transformer re-router", unit="step") as pbar:
+      for _ in range(steps):
+        idx = rng.choice(len(inputs), bs, replace=False)
+        params, opt, loss = step(params, opt, inputs[idx], labels[idx], mask[idx])
+        loss.block_until_ready()  # Keeps dispatch close (NOTES.md).
+        pbar.update(1)
+        if (per_step := timer.tick()) is not None:
+          progress.note(
+            f"transformer re-router: {per_step:.2f} s/step, about "
+            f"{progress.eta(per_step * (steps - timer.steps))} for the other "
+            f"{steps - timer.steps} steps."
+          )
     return params
 
   def logits(self, params: PyTree, tokens_NxT: np.ndarray, batch_size: int = 64) -> np.ndarray:

@@ -19,6 +19,7 @@ import optax
 from dipaco_jax import experiment as exp_lib
 from dipaco_jax import feed as feed_lib
 from dipaco_jax import paths as paths_lib
+from dipaco_jax import progress
 from dipaco_jax.types import PyTree
 
 
@@ -62,8 +63,13 @@ class PathScorer:
   def _put(self, x_WxBxT: np.ndarray) -> jax.Array:
     return jax.make_array_from_callback(x_WxBxT.shape, self._sharding, lambda i: x_WxBxT[i])
 
-  def score(self, tokens: Sequence[np.ndarray], paths: Sequence[int]) -> list[np.ndarray]:
-    """log p of each target token of unit i under path paths[i] -> list of [len_i] arrays."""
+  def score(
+    self, tokens: Sequence[np.ndarray], paths: Sequence[int], desc: str | None = None
+  ) -> list[np.ndarray]:
+    """log p of each target token of unit i under path paths[i] -> list of [len_i] arrays.
+
+    With `desc`, a progress bar of that name counts the scored units.
+    """
     if len(tokens) != len(paths):
       raise ValueError(f"{len(tokens)} token arrays but {len(paths)} paths: one path per unit.")
     W, B, T = self.topo.num_workers, self.batch_size, self.seq_len
@@ -80,6 +86,7 @@ class PathScorer:
       queues[int(ws[sent[p] % len(ws)])].append(i)
       sent[p] += 1
     out: list[np.ndarray | None] = [None] * len(tokens)
+    bar = progress.bar(total=len(tokens), desc=desc, unit="unit", disable=desc is None)
     while any(queues):
       targets = np.zeros((W, B, T), np.int32)
       taken = []
@@ -95,13 +102,15 @@ class PathScorer:
       )
       for w, b, i in taken:
         out[i] = logp[w, b, : len(tokens[i])]
+      bar.update(len(taken))
+    bar.close()
     return out  # type: ignore[return-value]
 
-  def score_all_paths(self, tokens: Sequence[np.ndarray]) -> np.ndarray:
+  def score_all_paths(self, tokens: Sequence[np.ndarray], desc: str | None = None) -> np.ndarray:
     """Per-token log p under every path: [N, T, P] (zero past each sequence's end)."""
     P, T = self.topo.num_paths, self.seq_len
     units = [t for t in tokens for _ in range(P)]
-    flat = self.score(units, [p for _ in tokens for p in range(P)])
+    flat = self.score(units, [p for _ in tokens for p in range(P)], desc=desc)
     out = np.zeros((len(tokens), T, P), np.float32)
     for k, lp in enumerate(flat):
       out[k // P, : len(lp), k % P] = lp
