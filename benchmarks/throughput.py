@@ -73,6 +73,12 @@ def parse_args(argv):
     default="1",
     help="pin to this many host CPUs (0: no pinning); a comma list runs one child per count",
   )
+  p.add_argument(
+    "--hugepages",
+    default="on",
+    choices=("on", "off"),
+    help="huge-page malloc as the CLIs run (dipaco_jax/hugepages.py), or glibc's default",
+  )
   p.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model shapes")
   p.add_argument(
     "--layouts", default="", help="device counts for the P-path step (default: P,1; e.g. 4,2,1)"
@@ -128,6 +134,12 @@ def pin_cpus(n: int) -> None:
 
 if __name__ == "__main__":
   ARGS = parse_args(sys.argv[1:])
+  from dipaco_jax import hugepages
+
+  if ARGS.hugepages == "on":
+    hugepages.maybe_reexec()
+  elif hugepages.TUNABLE in os.environ.get("GLIBC_TUNABLES", ""):
+    sys.exit(f"--hugepages=off but GLIBC_TUNABLES={os.environ['GLIBC_TUNABLES']}: unset it.")
   if len(ARGS.cpu_list) == 1:
     _fake_cpu_devices(ARGS.paths)
     pin_cpus(ARGS.cpus)
@@ -447,6 +459,7 @@ def main_per_cpu_count(args, argv: list[str]) -> dict:
         f"--steps={args.steps}",
         f"--reps={args.reps}",
         f"--preset={args.preset}",
+        f"--hugepages={args.hugepages}",
         f"--layouts={','.join(map(str, args.layouts))}",
         *(["--quick"] if args.quick else []),
       ]
@@ -485,6 +498,8 @@ def main(args) -> dict:
     "pinned_cpus": sorted(os.sched_getaffinity(0)) if args.cpus else None,
     "preset": args.preset,
     "layouts": args.layouts,
+    "hugepages": args.hugepages,
+    "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
     "loadavg_start": load_start,
     "loadavg_end": os.getloadavg(),
     "paths": args.paths,

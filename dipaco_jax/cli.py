@@ -36,6 +36,7 @@ from dipaco_jax import config_check
 from dipaco_jax import config_defaults
 from dipaco_jax import distributed
 from dipaco_jax import errors
+from dipaco_jax import hugepages
 
 flags.adopt_module_key_flags(distributed)  # --coordinator_address, --num_processes, --process_id.
 _VERBOSE = flags.DEFINE_bool(
@@ -194,6 +195,7 @@ def run(main: Callable[[list[str]], Any], *, saved_config: bool = False) -> None
 
   `saved_config`: without --config, read the run's <workdir>/config.json.
   """
+  hugepages.maybe_reexec()  # Before any backend starts; returns at once in the restarted process.
   app.run(guard(main), flags_parser=lambda argv: parse_flags(argv, saved_config))
 
 
