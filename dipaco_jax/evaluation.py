@@ -103,6 +103,24 @@ def rerouter_dir(workdir: str, step: int) -> str:
   return files.join(workdir, routing.ROUTER_DIR, f"rerouters_step{step}")
 
 
+def rerouters_to_fit(run: Run, kinds) -> list[str]:
+  """The re-routers among `kinds` not saved for the run's step, which fit_rerouters would fit.
+
+  `python -m dipaco_jax.evaluate` saves them under rerouter_dir; a dense run needs none.
+  """
+  for kind in kinds:
+    if kind not in rerouting.KINDS:
+      raise ValueError(f"unknown re-router {kind!r}: choose from {rerouting.KINDS}.")
+  if run.exp.topo.num_paths == 1:
+    return []
+  directory = rerouter_dir(run.workdir, run.step)
+  saved = {
+    "linear": routing.Router.exists,
+    "transformer": lambda sub: (files.path(sub) / rerouting.PARAMS_FILE).exists(),
+  }
+  return [k for k in kinds if not saved[k](files.join(directory, k))]
+
+
 def fit_rerouters(run: Run, scorer: routing.PathScorer, extractor, *, kinds) -> dict[str, Any]:
   """Fits (or loads) a step's test-time routers on the router split, labelled by `scorer`.
 
@@ -111,19 +129,16 @@ def fit_rerouters(run: Run, scorer: routing.PathScorer, extractor, *, kinds) -> 
   """
   cfg, ev, topo = run.config.routing, run.config.eval, run.exp.topo
   directory = rerouter_dir(run.workdir, run.step)
-  out, todo = {}, []
-  for kind in kinds:
-    if kind not in rerouting.KINDS:
-      raise ValueError(f"unknown re-router {kind!r}: choose from {rerouting.KINDS}.")
-    sub = files.join(directory, kind)
-    if kind == "linear" and routing.Router.exists(sub):
-      out[kind] = routing.Router.load(sub, grid=routing.router_grid(topo))
-    elif kind == "transformer" and rerouting.load_transformer(sub) is not None:
-      out[kind] = rerouting.load_transformer(sub)
-    else:
-      todo.append(kind)
+  todo = rerouters_to_fit(run, kinds)
   if topo.num_paths == 1:  # Dense / DiLoCo: every router picks path 0.
     return dict.fromkeys(kinds)
+  out = {}
+  for kind in (k for k in kinds if k not in todo):
+    sub = files.join(directory, kind)
+    if kind == "linear":
+      out[kind] = routing.Router.load(sub, grid=routing.router_grid(topo))
+    else:
+      out[kind] = rerouting.load_transformer(sub)
   if not todo:
     return out
   L, T = extractor.prefix_len, scorer.seq_len

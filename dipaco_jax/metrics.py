@@ -190,6 +190,31 @@ def read_records(workdir: str | os.PathLike) -> list[dict]:
   return [r for i, p in enumerate(parts) for r in _records(p, i == len(parts) - 1)[0]]
 
 
+def curves(records: list[Mapping[str, Any]]) -> dict[str, Any]:
+  """A run's training curves from its records (read_records), as arrays by step.
+
+  `train_loss`, `val_loss`: (steps [N], values [N, W]), one column per worker;
+  `val_perplexity_routed`: (steps [N], values [N]); `outer_delta_norm`:
+  {level: (steps [N], norms [N, K])}. Each holds the records that have the key;
+  a key no record has is absent.
+  """
+  out: dict[str, Any] = {}
+  for key in ("train_loss", "val_loss", "val_perplexity_routed"):
+    rows = [(r["step"], r[key]) for r in records if key in r]
+    if rows:
+      out[key] = (np.array([s for s, _ in rows], np.int64), np.array([v for _, v in rows], float))
+  levels: dict[str, list] = {}
+  for r in records:
+    for level, norms in r.get("outer_delta_norm", {}).items():
+      levels.setdefault(level, []).append((r["step"], norms))
+  if levels:
+    out["outer_delta_norm"] = {
+      level: (np.array([s for s, _ in rows], np.int64), np.array([n for _, n in rows], float))
+      for level, rows in levels.items()
+    }
+  return out
+
+
 def _drop_after(workdir: str | os.PathLike, resume_step: int) -> None:
   """Removes the records past `resume_step` (and a torn last one) from storage, once."""
   parts = summaries.existing_parts(lambda i: jsonl_part(workdir, i))

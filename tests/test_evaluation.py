@@ -97,6 +97,17 @@ def test_routed_eval_excludes_exactly_the_prefix_and_long_windows_equal_once(run
   assert "| once |" in evaluation.to_markdown(rep)
 
 
+def test_rerouters_to_fit_are_those_not_saved_for_the_step(run, tmp_path):
+  r, _ = run  # Its linear re-router is saved for step 0.
+  assert evaluation.rerouters_to_fit(r, ("linear", "transformer")) == ["transformer"]
+  other = evaluation.Run(r.config, str(tmp_path), r.exp, r.state, 0, 0, r.shard_set)
+  assert evaluation.rerouters_to_fit(other, ("linear",)) == ["linear"]
+  later = evaluation.Run(r.config, r.workdir, r.exp, r.state, 7, 0, r.shard_set)
+  assert evaluation.rerouters_to_fit(later, ("linear",)) == ["linear"]  # Saved per step.
+  with pytest.raises(ValueError, match="unknown re-router 'lin'"):
+    evaluation.rerouters_to_fit(r, ("lin",))
+
+
 def test_evaluation_bad_inputs(run):
   r, _ = run
   with pytest.raises(ValueError, match="W must be an integer > 0"):

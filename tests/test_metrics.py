@@ -176,6 +176,26 @@ def test_logger_appends_jsonl_and_writes_events_tensorboard_reads(tmp_path, monk
   assert plugins["_hparams_/session_start_info"] == "hparams"
 
 
+def test_curves_gather_each_key_by_step_from_the_records_on_disk(tmp_path):
+  log = metrics.MetricsLogger(tmp_path, worker_labels=LABELS)
+  log.write(5, {"train_loss": [1.0, 3.0, 2.0, 6.0]})  # A log step: no outer step, no eval.
+  log.write(10, {**RECORD, "val_loss": [2.0, np.nan, 3.0, 1.0], "val_perplexity_routed": 7.5})
+  log.write(20, {"train_loss": [0.5, 1.0, 1.5, 2.0], "outer_delta_norm": {"level_1": [1.0, 2.0]}})
+  log.close()
+  c = metrics.curves(metrics.read_records(tmp_path))
+  assert sorted(c) == ["outer_delta_norm", "train_loss", "val_loss", "val_perplexity_routed"]
+  np.testing.assert_array_equal(c["train_loss"][0], [5, 10, 20])
+  np.testing.assert_array_equal(c["train_loss"][1][:, 3], [6.0, 6.0, 2.0])  # Path 0-1-1.
+  np.testing.assert_array_equal(c["val_loss"][0], [10])
+  np.testing.assert_array_equal(c["val_loss"][1], [[2.0, np.nan, 3.0, 1.0]])  # NaN kept.
+  np.testing.assert_array_equal(c["val_perplexity_routed"][1], [7.5])
+  steps, norms = c["outer_delta_norm"]["level_1"]
+  np.testing.assert_array_equal(steps, [10, 20])
+  np.testing.assert_array_equal(norms, [[0.25, 0.75], [1.0, 2.0]])
+  np.testing.assert_array_equal(c["outer_delta_norm"]["level_0"][0], [10])
+  assert metrics.curves([{"step": 1, "tokens_per_s": 3.0}]) == {}
+
+
 def _jsonl(steps) -> str:
   """The lines MetricsLogger writes for records {"loss": step} at `steps`."""
   return "".join(json.dumps({"loss": float(s), "step": s}) + "\n" for s in steps)
