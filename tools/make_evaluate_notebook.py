@@ -1,24 +1,81 @@
-"""Writes notebooks/evaluate.ipynb (run it after editing the cells below)."""
+"""Writes notebooks/evaluate.ipynb from the cells below; --execute also runs it on a trained run.
 
+  python tools/make_evaluate_notebook.py                          # cells only (no outputs)
+  python tools/make_evaluate_notebook.py --execute --workdir=DIR  # with DIR's outputs (committed)
+
+The committed notebook carries the outputs of the tiny run (configs/tiny.py, then
+`python -m dipaco_jax.evaluate --workdir=DIR`); tests/test_notebook.py runs it in CI.
+Edit the cells here, never the .ipynb.
+"""
+
+import argparse
 import os
+import sys
+import time
 
 import nbformat
 from nbformat import v4
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NOTEBOOK = os.path.join(ROOT, "notebooks", "evaluate.ipynb")
+
+# The project's repository: the notebook's Colab badge and its install cell. A fork sets its own.
+REPO_URL = "https://github.com/ORG/dipaco_jax"
+_GITHUB = "https://github.com/"
+COLAB_URL = (
+  "https://colab.research.google.com/github/"
+  + REPO_URL.removeprefix(_GITHUB)
+  + "/blob/main/notebooks/evaluate.ipynb"
+)
+BADGE = f"[![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)]({COLAB_URL})"
 
 CELLS = [
   (
     "md",
-    """# Evaluate a dipaco_jax run
+    f"""# Evaluate a dipaco_jax run
 
-Loads a run's latest checkpoint, routes the validation set by each sequence's prefix, and shows
-routed perplexity (prefix excluded), per-path losses, perplexity when re-routing every W tokens,
-shard sizes, and how the learned shards line up with the document domains.
+{BADGE}
 
-**Colab**: `!git clone <this repo> && cd dipaco_jax && pip install -q -e .`, train a run
-(`!python -m dipaco_jax.main --config=configs/tiny.py --workdir=/content/run`), then set `WORKDIR`
-below. Same numbers as `python -m dipaco_jax.evaluate` (see `docs/routing.md`).""",
+Loads a run's latest checkpoint with the config it was trained with (`WORKDIR/config.json`), plots
+its training curves (per-path loss, outer delta norms per module, routed validation perplexity),
+routes the validation set by each sequence's prefix, and shows routed perplexity (prefix excluded),
+per-path losses, perplexity when re-routing every W tokens, shard sizes, and how the learned shards
+line up with the document domains. Same numbers as `python -m dipaco_jax.evaluate` (see
+`docs/routing.md`), whose saved re-routers it loads.
+
+**Colab**: run the cells in order. The first installs dipaco_jax from `REPO_URL`
+(set `REPO_URL` if you use a fork; the badge above opens this notebook from `{REPO_URL}`).
+Set `WORKDIR` to the run's `--workdir`: a `gs://bucket/run` (the notebook asks you to sign in
+to Google Cloud) or a folder in this runtime. No run yet? Train the tiny one here (about 15
+minutes on a CPU runtime; the clone is only for the config file):
+
+    !git clone -q {REPO_URL} /content/src
+    !python -m dipaco_jax.main --config=/content/src/configs/tiny.py --workdir=/content/tiny
+    !python -m dipaco_jax.evaluate --workdir=/content/tiny
+
+The outputs below are the tiny run's (`configs/tiny.py`, 500 inner steps on a 2-core CPU).""",
+  ),
+  (
+    "code",
+    f"""# Installs dipaco_jax when it is not importable: a fresh Colab runtime. CI and a local
+# Jupyter with the package installed skip it (nothing is downloaded).
+# dipaco_jax needs Python >= 3.11 (setup.py's python_requires; Colab's runtime has 3.12 in 2025):
+# on an older runtime pip stops with "requires a different Python" - pick a newer runtime.
+import subprocess
+import sys
+
+REPO_URL = "{REPO_URL}"  # Set REPO_URL if you use a fork.
+try:
+  import dipaco_jax  # noqa: F401
+except ImportError:
+  if sys.version_info < (3, 11):
+    raise RuntimeError(
+      f"dipaco_jax needs Python >= 3.11; this runtime has {{sys.version.split()[0]}}."
+    ) from None
+  print(f"installing dipaco_jax from {{REPO_URL}} (a few minutes)")
+  subprocess.run([sys.executable, "-m", "pip", "install", "-q", f"git+{{REPO_URL}}"], check=True)
+  import dipaco_jax  # noqa: F401
+print("dipaco_jax is importable")""",
   ),
   (
     "code",
@@ -26,22 +83,37 @@ below. Same numbers as `python -m dipaco_jax.evaluate` (see `docs/routing.md`)."
 import json
 import os
 
-WORKDIR = os.environ.get("DIPACO_NB_WORKDIR", "/tmp/dipaco_tiny")  # A dipaco_jax run directory.
+WORKDIR = os.environ.get("DIPACO_NB_WORKDIR", "/tmp/dipaco_tiny")  # A run's --workdir (or gs://).
 MAX_DOCS = int(os.environ.get("DIPACO_NB_MAX_DOCS", "0"))  # Validation docs (0 = all).
 # e.g. {"routing.prefix_len": 32}
 OVERRIDES = json.loads(os.environ.get("DIPACO_NB_OVERRIDES", "{}"))""",
   ),
   (
     "code",
-    """import jax
+    """# A gs:// run: Colab signs in to Google Cloud (the account needs read access to the bucket).
+if "google.colab" in sys.modules and WORKDIR.startswith("gs://"):
+  from google.colab import auth
+
+  auth.authenticate_user()""",
+  ),
+  (
+    "code",
+    """import time
+
+import jax
 import matplotlib.pyplot as plt
 import numpy as np
 from IPython.display import Markdown, display
 
-from dipaco_jax import config_check, early_stopping, evaluation
+from dipaco_jax import config_check, early_stopping, evaluation, files, metrics
 from dipaco_jax.routing import report as router_report
 
-config = evaluation.config_from_workdir(WORKDIR)
+plt.rcParams["figure.dpi"] = 72  # Small PNGs (the committed notebook carries them).
+if not (files.path(WORKDIR) / "config.json").exists():
+  raise FileNotFoundError(
+    f"{WORKDIR}/config.json not found: set WORKDIR to a run's --workdir (training writes it)."
+  )
+config = evaluation.config_from_workdir(WORKDIR)  # The run's own config, no source checkout.
 for key, value in OVERRIDES.items():
   config_check.check_name(key)  # A misspelt field is an error, as on the command line.
   *parents, leaf = key.split(".")
@@ -54,12 +126,53 @@ if config.mesh.cpu_devices and "device_count" not in os.environ.get("XLA_FLAGS",
   jax.config.update("jax_num_cpu_devices", config.mesh.cpu_devices)
 run = evaluation.load_run(config, WORKDIR)
 topo = run.exp.topo
-print(topo.describe(), f"| step {run.step} | routing phase {run.phase}")""",
+print(WORKDIR, "|", topo.describe(), f"| step {run.step} | routing phase {run.phase}")""",
+  ),
+  ("md", "## Training curves (from the run's `metrics.jsonl`)"),
+  (
+    "code",
+    """records = metrics.read_records(WORKDIR)
+curves = metrics.curves(records)
+fig, ax = plt.subplots(1, 3, figsize=(13, 3.4))
+if "train_loss" in curves:
+  steps, loss_NxW = curves["train_loss"]
+  for w, label in enumerate(topo.worker_labels()):
+    ax[0].plot(steps, loss_NxW[:, w], lw=1, label=f"path {label}")
+  ax[0].legend(fontsize=7)
+ax[0].set(xlabel="inner step", ylabel="loss", title="train loss per path")
+names = topo.module_labels()
+for level, (steps, norm_NxK) in curves.get("outer_delta_norm", {}).items():
+  for k in range(norm_NxK.shape[1]):
+    name = names[level][k] if level in names else f"module_{k}"
+    ax[1].plot(steps, norm_NxK[:, k], "o-", ms=3, lw=1, label=f"{level}/{name}")
+if "outer_delta_norm" in curves:
+  ax[1].set_yscale("log")
+  ax[1].legend(fontsize=7)
+ax[1].set(xlabel="inner step", ylabel="norm", title="outer delta norm per module")
+if "val_perplexity_routed" in curves:
+  steps, ppl = curves["val_perplexity_routed"]
+  ax[2].plot(steps, ppl, "o-", ms=3, c="k")
+  ax[2].set_yscale("log")
+ax[2].set(xlabel="inner step", ylabel="perplexity", title="routed validation perplexity")
+plt.tight_layout()
+plt.show()
+print(f"{len(records)} records in metrics.jsonl; curves of:", ", ".join(curves))""",
   ),
   ("md", "## Routed perplexity (once per sequence, every W tokens, oracles)"),
   (
     "code",
-    """rep = evaluation.evaluate(run, max_docs=MAX_DOCS or None)
+    """# `python -m dipaco_jax.evaluate` saves the re-routers it fits (per checkpoint step).
+todo = evaluation.rerouters_to_fit(run, config.eval.rerouters)
+where = evaluation.rerouter_dir(WORKDIR, run.step)
+if todo:
+  print(f"no saved {', '.join(todo)} re-router for step {run.step}: fitting it now, saved to "
+        f"{where} (the linear one takes under a minute for the tiny run on a 2-core CPU, the "
+        "transformer one minutes; the bars below show the ETA)")
+elif config.eval.rerouters and topo.num_paths > 1:
+  print(f"loading the saved re-routers ({', '.join(config.eval.rerouters)}) from {where}")
+start = time.perf_counter()
+rep = evaluation.evaluate(run, max_docs=MAX_DOCS or None)
+print(f"evaluated {rep['num_sequences']} sequences in {time.perf_counter() - start:.0f} s")
 display(Markdown(evaluation.to_markdown(rep)))""",
   ),
   (
@@ -139,14 +252,59 @@ else:
 ]
 
 
-def main():
+def build() -> nbformat.NotebookNode:
+  """The notebook's cells, without outputs."""
   nb = v4.new_notebook()
   nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+  nb.metadata["colab"] = {"provenance": []}  # Colab opens it as a notebook of its own.
   for kind, src in CELLS:
     nb.cells.append(v4.new_markdown_cell(src) if kind == "md" else v4.new_code_cell(src))
-  nb.cells[1].metadata["tags"] = ["parameters"]
-  os.makedirs(os.path.join(ROOT, "notebooks"), exist_ok=True)
-  nbformat.write(nb, os.path.join(ROOT, "notebooks", "evaluate.ipynb"))
+  for cell in nb.cells:
+    if cell.source.startswith("# Parameters"):
+      cell.metadata["tags"] = ["parameters"]
+  for i, cell in enumerate(nb.cells):  # Stable ids: regenerating changes nothing.
+    cell.id = f"cell-{i}"
+  return nb
+
+
+def execute(nb: nbformat.NotebookNode, workdir: str, timeout_s: int) -> None:
+  """Runs `nb` in a Jupyter kernel on the run in `workdir` (as CI does); stderr is dropped.
+
+  The kept outputs are stdout, markdown and PNG figures; stderr (progress lines, library
+  warnings) differs from machine to machine and is not committed.
+  """
+  import nbclient  # pylint: disable=g-import-not-at-top
+
+  os.environ["DIPACO_NB_WORKDIR"] = workdir
+  start = time.perf_counter()
+  nbclient.NotebookClient(
+    nb,
+    timeout=timeout_s,
+    kernel_name="python3",
+    resources={"metadata": {"path": os.path.dirname(NOTEBOOK)}},
+  ).execute()
+  for cell in nb.cells:
+    if cell.cell_type == "code":
+      cell.outputs = [o for o in cell.outputs if o.get("name") != "stderr"]
+      cell.metadata.pop("execution", None)  # Timestamps: noise in a diff.
+  print(f"executed in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--execute", action="store_true", help="Run it and keep the outputs.")
+  parser.add_argument("--workdir", help="The trained (and evaluated) run --execute reads.")
+  parser.add_argument("--timeout_s", type=int, default=900, help="Per cell, with --execute.")
+  parser.add_argument("--out", default=NOTEBOOK, help="Where to write the notebook.")
+  args = parser.parse_args()
+  if args.execute and not args.workdir:
+    parser.error("--execute needs --workdir=DIR, a trained run (configs/tiny.py) to run it on.")
+  nb = build()
+  if args.execute:
+    execute(nb, args.workdir, args.timeout_s)
+  os.makedirs(os.path.dirname(args.out), exist_ok=True)
+  nbformat.write(nb, args.out)
+  print(f"wrote {args.out} ({os.path.getsize(args.out) / 1e3:.0f} kB)", file=sys.stderr)
 
 
 if __name__ == "__main__":
