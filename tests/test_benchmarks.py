@@ -107,3 +107,33 @@ def test_shard_writing_two_os_processes(tmp_path):
   rate = r["c4_estimate"]["tokens_per_s_per_process"]
   for pool in r["c4_estimate"]["pools"]:
     assert pool["hours"] == round(156e9 / (rate * pool["processes"]) / 3600, 2)
+
+
+def test_mfu_on_the_cpu(tmp_path):
+  out = tmp_path / "mfu.json"
+  proc = subprocess.run(
+    [
+      sys.executable,
+      os.path.join(ROOT, "benchmarks", "mfu.py"),
+      "--config=configs/tiny.py",
+      "--batch=2",
+      "--steps=2",
+      "--reps=1",
+      "--set",
+      "model.num_layers=2",
+      "--peak_tflops=1.0",
+      f"--out={out}",
+    ],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=240,
+    check=False,
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  r = json.loads(out.read_text())
+  # One dense path of the tiny shapes with 2 blocks; MFU is model FLOP/s over the given 1 TFLOP/s.
+  assert r["seq_len"] == 128 and r["batch"] == 2
+  assert r["tokens_per_s"] == pytest.approx(2 * 128 / r["step_s"])
+  assert r["mfu"] == pytest.approx(r["model_flops_per_token"] * r["tokens_per_s"] / 1e12)
+  assert 0 < r["mfu"] < 1
