@@ -610,7 +610,9 @@ def main(argv=None):
   unknown = sorted(set(models) - set(MODELS) - set(INVESTIGATIONS))
   if unknown:
     ap.error(f"unknown models {unknown}; choose from {[*MODELS, *INVESTIGATIONS]}")
+  from dipaco_jax import hugepages
 
+  hugepages.maybe_reexec()  # As the CLIs: huge-page malloc for XLA:CPU (docs/performance.md).
   import jax
 
   jax.config.update("jax_num_cpu_devices", CPU_DEVICES)
