@@ -30,6 +30,7 @@ import pytest
 from etils import epath
 
 from dipaco_jax import checkpoint
+from dipaco_jax import config_defaults
 from dipaco_jax import early_stopping
 from dipaco_jax import evaluation
 from dipaco_jax import experiment
@@ -190,7 +191,7 @@ def test_config_json_written_by_the_trainer_is_read_back(bucket):
   train.check_config_matches(epath.Path(workdir), cfg)  # Same config: resumes.
   with pytest.raises(Exception, match="different config sections"):
     train.check_config_matches(epath.Path(workdir), helpers.micro_config(**{"model.d_model": 64}))
-  with pytest.raises(FileNotFoundError, match="config.json"):
+  with pytest.raises(config_defaults.ConfigError, match="no --config given and no .*/other/config"):
     evaluation.config_from_workdir(f"{bucket}/other")
 
 
@@ -279,8 +280,13 @@ def test_a_whole_run_on_a_gs_workdir(bucket, tmp_path, monkeypatch):
     "run/router/rerouters_step4/linear/router.json",
     "run/eval/step_4.json",
     "run/eval/step_4.md",
-    "run/shards/train/worker_00003.array_record",
+    "run/shards/meta.json",
+    "run/shards/train/meta.json",
+    "run/shards/train/parts/part-00000-of-00001.json",
     "run/checkpoints/4/data/metadata",
   ):
     assert want in got, (want, sorted(got))
+  # Every path's shard: its part's chunk files, streamed up (shard format 3).
+  for w in range(4):
+    assert any(o.startswith(f"run/shards/train/worker_{w:05d}/part-") for o in got), w
   assert files.read_text(f"{workdir}/eval/step_4.md") == text
