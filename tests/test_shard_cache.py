@@ -24,12 +24,14 @@ def run_config(tfds_dir: str, cache: str, **data):
 
 def test_cache_root_settings(monkeypatch, tmp_path):
   monkeypatch.setenv("DIPACO_CACHE_DIR", str(tmp_path / "c"))
-  assert os.fspath(shard_cache.cache_root("auto")) == str(tmp_path / "c" / "shards")
+  assert os.fspath(shard_cache.cache_root("auto")) == str(tmp_path / "c" / "shard_sets")
   monkeypatch.delenv("DIPACO_CACHE_DIR")
   monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
-  assert os.fspath(shard_cache.cache_root("auto")) == str(tmp_path / "x" / "dipaco_jax" / "shards")
+  assert os.fspath(shard_cache.cache_root("auto")) == str(
+    tmp_path / "x" / "dipaco_jax" / "shard_sets"
+  )
   assert shard_cache.cache_root("off") is None
-  assert os.fspath(shard_cache.cache_root("gs://b/cache")) == "gs://b/cache/shards"
+  assert os.fspath(shard_cache.cache_root("gs://b/cache")) == "gs://b/cache/shard_sets"
 
 
 def test_a_second_workdir_copies_the_shards_without_reading_the_data(tmp_path, monkeypatch):
@@ -39,9 +41,9 @@ def test_a_second_workdir_copies_the_shards_without_reading_the_data(tmp_path, m
   c = run_config(tfds_dir, cache)
   first = str(tmp_path / "a" / "shards")
   shard_plan.prepare_shards(c, 3, first)
-  (entry,) = os.listdir(os.path.join(cache, "shards"))
+  (entry,) = os.listdir(os.path.join(cache, "shard_sets"))
   assert entry == shard_cache.fingerprint(c.data, 3)
-  assert helpers.tree_bytes(os.path.join(cache, "shards", entry)) == helpers.tree_bytes(first)
+  assert helpers.tree_bytes(os.path.join(cache, "shard_sets", entry)) == helpers.tree_bytes(first)
 
   def no_reading(*args, **kwargs):
     raise AssertionError("the documents were read again")
@@ -73,6 +75,6 @@ def test_a_run_with_its_own_shards_or_the_cache_off_is_left_alone(tmp_path):
   # "off": neither read nor written.
   off = run_config(tfds_dir, "off")
   shard_plan.prepare_shards(off, 2, str(tmp_path / "d"))
-  assert len(os.listdir(os.path.join(cache, "shards"))) == 1
+  assert len(os.listdir(os.path.join(cache, "shard_sets"))) == 1
   assert not shard_cache.fetch("off", off.data, 2, str(tmp_path / "e"))
   assert not (tmp_path / "e").exists()

@@ -3,7 +3,7 @@
 A shard dir's content is fixed by `prepare.shard_config` (task, source and its
 version or hash, workers, assignment with its router's array hash, top-k, seed,
 subsample, tokenizer fingerprint). The cache keeps one complete copy per
-fingerprint under `<cache>/shards/<sha256 of it>`; a run whose shard dir is
+fingerprint under `<cache>/shard_sets/<sha256 of it>`; a run whose shard dir is
 empty copies a matching entry in instead of tokenizing and routing again, and a
 run that writes a new shard dir adds it. The run's workdir stays
 self-contained (evaluate, serve and the notebook read it as before).
@@ -44,7 +44,7 @@ def cache_root(setting: str) -> epath.Path | None:
     )
   else:
     base = setting
-  return epath.Path(base) / "shards"
+  return epath.Path(base) / "shard_sets"  # shards.CACHE_DIR (remote reads) is ./shards.
 
 
 def fingerprint(data_cfg, num_workers: int, assign=None) -> str:
