@@ -253,6 +253,10 @@ def _rules() -> dict[str, Rule]:
     "data.subsample": count,
     "data.top_k": count,
     "data.shard_dir": _path("<workdir>/shards"),
+    "data.shard_cache": (
+      lambda v: isinstance(v, str) and _names_a_folder(v),
+      "'auto' (the user's cache dir), 'off', or a cache folder (local or gs://)",
+    ),
     "data.empty_shard_policy": _choice(prepare.EMPTY_POLICIES),
     "mesh.path": _integer(1, unset=-1),
     "mesh.data": _integer(1, unset=-1),

@@ -98,6 +98,9 @@ def base() -> ml_collections.ConfigDict:
   c.data.subsample = 1  # Keep one document in N of every split (doc-id hash; quick runs). 1 = all.
   c.data.top_k = 1  # Shards per training document (paper 16x16: 2); eval never overlaps.
   c.data.shard_dir = ml_collections.config_dict.placeholder(str)  # None = <workdir>/shards.
+  # Shards reused across workdirs by fingerprint (data/shard_cache.py): "auto" = the user's
+  # cache dir ($DIPACO_CACHE_DIR or ~/.cache/dipaco_jax), "off", or a folder (local or gs://).
+  c.data.shard_cache = "auto"
   # Empty shard: "error" | "allow_validation" (own-shard val loss NaN, no early stop) | "allow".
   c.data.empty_shard_policy = "error"
 

@@ -19,12 +19,20 @@ from jax.experimental import multihost_utils
 from dipaco_jax import data as data_lib
 from dipaco_jax import feed as feed_lib
 from dipaco_jax import routing
+from dipaco_jax.data import shard_cache
 from dipaco_jax.types import PyTree
 
 
 def prepare_shards(config, num_workers: int, shard_dir: str, assign=None) -> data_lib.ShardSet:
-  """Every process writes 1/process_count of the shards (once); process 0 joins the parts."""
+  """Every process writes 1/process_count of the shards (once); process 0 joins the parts.
+
+  A one-process run first looks in the shard cache (data/shard_cache.py) and adds
+  what it wrote to it.
+  """
   part, num_parts = jax.process_index(), jax.process_count()
+  cache = config.data.shard_cache if num_parts == 1 else shard_cache.OFF
+  if shard_cache.fetch(cache, config.data, num_workers, shard_dir, assign):
+    logging.info("shards of %s copied from the shard cache", shard_dir)
   data_lib.write_shard_part(
     config.data, num_workers, shard_dir, assign=assign, part=part, num_parts=num_parts
   )
@@ -32,7 +40,10 @@ def prepare_shards(config, num_workers: int, shard_dir: str, assign=None) -> dat
   if part == 0:
     data_lib.finish_shards(config.data, num_workers, shard_dir, assign=assign, num_parts=num_parts)
   multihost_utils.sync_global_devices(f"dipaco_shards_ready:{shard_dir}")
-  return data_lib.prepare_shards(config.data, num_workers, shard_dir, assign=assign)
+  shard_set = data_lib.prepare_shards(config.data, num_workers, shard_dir, assign=assign)
+  if shard_cache.store(cache, config.data, num_workers, shard_dir, assign):
+    logging.info("shards of %s added to the shard cache", shard_dir)
+  return shard_set
 
 
 class ShardPlan:

@@ -24,6 +24,12 @@ from dipaco_jax.routing import features
 import helpers
 
 
+@pytest.fixture(autouse=True)
+def _own_shard_cache(tmp_path_factory, monkeypatch):
+  """Each test (and its subprocesses) gets an empty shard cache: no test reuses another's shards."""
+  monkeypatch.setenv("DIPACO_CACHE_DIR", str(tmp_path_factory.mktemp("dipaco_cache")))
+
+
 @pytest.fixture(scope="session")
 def micro_extractor():
   """θ̄'s 5-token prefix features on micro_config's model, built once for every test file."""

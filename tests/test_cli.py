@@ -108,6 +108,10 @@ BAD_INPUTS = [
     "config.data.shard_dir='None' is invalid: it must be a path, or unset for <workdir>/shards",
   ),
   (["--config.data.vocab_path="], "config.data.vocab_path='' is invalid"),
+  (
+    ["--config.data.shard_cache="],
+    "config.data.shard_cache='' is invalid: it must be 'auto' (the user's cache dir), 'off'",
+  ),
   (["--config.dipaco.init_from=None"], "config.dipaco.init_from='None' is invalid"),
   # Relations.
   (["--config.model.vocab_size=9000"], "config.model.vocab_size=9000 but the tokenizer"),

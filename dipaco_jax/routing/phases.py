@@ -24,6 +24,7 @@ from dipaco_jax import files
 from dipaco_jax import progress
 from dipaco_jax import topology as topo_lib
 from dipaco_jax.config_defaults import ConfigError
+from dipaco_jax.data import shard_cache
 from dipaco_jax.routing import assignment as assign_lib
 from dipaco_jax.routing import features as features_lib
 from dipaco_jax.routing import report as report_lib
@@ -261,6 +262,9 @@ def route_run(config, workdir: str, *, process_index: int = 0, num_processes: in
   pr = phase0_router(config, workdir, topo, extractor)
   directory = shard_dir(config, workdir, 0)
   assign = assign_lib.make_assignment(config, pr, extractor)
+  # One process: the shard cache as in training (data/shard_cache.py); a job of N shares none.
+  cache = config.data.shard_cache if num_processes == 1 else shard_cache.OFF
+  shard_cache.fetch(cache, config.data, topo.num_workers, directory, assign)
   data_lib.write_shard_part(
     config.data,
     topo.num_workers,
@@ -278,6 +282,7 @@ def route_run(config, workdir: str, *, process_index: int = 0, num_processes: in
   shard_set = data_lib.finish_shards(
     config.data, topo.num_workers, directory, assign=assign, num_parts=num_processes
   )
+  shard_cache.store(cache, config.data, topo.num_workers, directory, assign)
   lines = [
     f"# Phase-0 routing: {pr.description}",
     "",
