@@ -22,28 +22,29 @@ KEYS = (
 pytestmark = pytest.mark.slow
 
 
-def test_throughput_quick(tmp_path):
-  out = tmp_path / "throughput.json"
-  # A child process: the script sets its own fake-device count before jax.
+def run_benchmark(script: str, out, *args: str, timeout: int = 240) -> tuple[str, dict]:
+  """benchmarks/SCRIPT ARGS --out OUT in a child process: (its stdout, the JSON it wrote).
+
+  A child process, as users run them: a benchmark sets its own fake-device count before jax.
+  """
   proc = subprocess.run(
-    [
-      sys.executable,
-      os.path.join(ROOT, "benchmarks", "throughput.py"),
-      "--quick",
-      "--paths",
-      "4",
-      "--out",
-      str(out),
-    ],
+    [sys.executable, os.path.join(ROOT, "benchmarks", script), *args, f"--out={out}"],
     cwd=ROOT,
     capture_output=True,
     text=True,
-    timeout=240,
+    timeout=timeout,
     check=False,
   )
   assert proc.returncode == 0, proc.stderr[-3000:]
-  assert "dipaco_vs_plain_tokens_ratio" in proc.stdout
-  (r,) = json.loads(out.read_text())["results"]
+  return proc.stdout, json.loads(out.read_text())
+
+
+def test_throughput_quick(tmp_path):
+  stdout, report = run_benchmark(
+    "throughput.py", tmp_path / "throughput.json", "--quick", "--paths", "4"
+  )
+  assert "dipaco_vs_plain_tokens_ratio" in stdout
+  (r,) = report["results"]
   for k in KEYS:
     assert k in r, k
   for k in KEYS[:3]:
@@ -58,17 +59,7 @@ def test_throughput_quick(tmp_path):
 
 
 def test_serving_quick(tmp_path):
-  out = tmp_path / "serving.json"
-  proc = subprocess.run(
-    [sys.executable, os.path.join(ROOT, "benchmarks", "serving.py"), "--quick", "--out", str(out)],
-    cwd=ROOT,
-    capture_output=True,
-    text=True,
-    timeout=240,
-    check=False,
-  )
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  r = json.loads(out.read_text())
+  _, r = run_benchmark("serving.py", tmp_path / "serving.json", "--quick")
   assert r["greedy_tokens_agree"] is True
   assert [x["batch"] for x in r["results"]] == [1, 8]
   for x in r["results"]:
@@ -78,26 +69,15 @@ def test_serving_quick(tmp_path):
 
 def test_shard_writing_two_os_processes(tmp_path):
   """The documented offline job as 2 OS processes (route --num_processes=2 --process_id=i)."""
-  out = tmp_path / "shard_writing.json"
-  proc = subprocess.run(
-    [
-      sys.executable,
-      os.path.join(ROOT, "benchmarks", "shard_writing.py"),
-      "--processes",
-      "2",
-      "--subsample",
-      "50",
-      "--out",
-      str(out),
-    ],
-    cwd=ROOT,
-    capture_output=True,
-    text=True,
+  _, r = run_benchmark(
+    "shard_writing.py",
+    tmp_path / "shard_writing.json",
+    "--processes",
+    "2",
+    "--subsample",
+    "50",
     timeout=600,
-    check=False,
   )
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  r = json.loads(out.read_text())
   (run,) = r["runs"]
   assert [p["process"] for p in run["per_process"]] == [0, 1]
   # Subsample 50 of 20,315 train + 606 validation documents: about 418, split between the two.
@@ -110,28 +90,17 @@ def test_shard_writing_two_os_processes(tmp_path):
 
 
 def test_mfu_on_the_cpu(tmp_path):
-  out = tmp_path / "mfu.json"
-  proc = subprocess.run(
-    [
-      sys.executable,
-      os.path.join(ROOT, "benchmarks", "mfu.py"),
-      "--config=configs/tiny.py",
-      "--batch=2",
-      "--steps=2",
-      "--reps=1",
-      "--set",
-      "model.num_layers=2",
-      "--peak_tflops=1.0",
-      f"--out={out}",
-    ],
-    cwd=ROOT,
-    capture_output=True,
-    text=True,
-    timeout=240,
-    check=False,
+  _, r = run_benchmark(
+    "mfu.py",
+    tmp_path / "mfu.json",
+    "--config=configs/tiny.py",
+    "--batch=2",
+    "--steps=2",
+    "--reps=1",
+    "--set",
+    "model.num_layers=2",
+    "--peak_tflops=1.0",
   )
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  r = json.loads(out.read_text())
   # One dense path of the tiny shapes with 2 blocks; MFU is model FLOP/s over the given 1 TFLOP/s.
   assert r["seq_len"] == 128 and r["batch"] == 2
   assert r["tokens_per_s"] == pytest.approx(2 * 128 / r["step_s"])
