@@ -648,13 +648,19 @@ def test_worker_install_and_start_are_idempotent(box):
     assert pids[0] != pids[1]
     assert wait_for_calls(2) == ["1 x -m dipaco_jax.main --workdir=gs://b"] * 2
     assert (box.tmp / "logs" / "t.log").read_text().count("=== ") == 2
+    # The elastic driver on the Ray head is one process: no jax.distributed.
+    worker(tree, *start, "--restart", "--no-distributed", *trainer)
+    pids.append(int((box.tmp / "logs" / "t.pid").read_text()))
+    assert wait_for_calls(3)[2] == "0 x -m dipaco_jax.main --workdir=gs://b"
     worker(tree, "stop", "--log-file=logs/t.log")
     assert "no trainer running" in worker(tree, "stop", "--log-file=logs/t.log")
     # Installing again reuses uv and a venv that has the wanted Python; a venv with another one
     # (made by an older setup with the image's 3.10) is made again.
     _new_tree(box)
-    assert "reusing it" in worker(new, "install", "--remote-dir=dipaco_jax", "--venv=v")
-    assert uv_calls()[2:] == [install]
+    assert "reusing it" in worker(
+      new, "install", "--remote-dir=dipaco_jax", "--venv=v", "--extras=tpu,elastic"
+    )
+    assert uv_calls()[2:] == [install.replace("[tpu]", "[tpu,elastic]")]
     (venv / "pyvenv.cfg").write_text("home = /usr/bin\nversion = 3.10.12\n")
     _new_tree(box)
     assert "making venv" in worker(new, "install", "--remote-dir=dipaco_jax", "--venv=v")
