@@ -79,6 +79,9 @@ state_class() {
   esac
 }
 
+# CREATE_EXTRA: more flags for `tpu-vm create` (the Ray pool's startup script and tag).
+CREATE_EXTRA=()
+
 create_resource() {
   local extra=()
   [[ -n $SERVICE_ACCOUNT ]] && extra+=("--service-account=$SERVICE_ACCOUNT")
@@ -96,7 +99,7 @@ create_resource() {
       "--runtime-version=$RUNTIME_VERSION" "${extra[@]}"
   else
     tpus tpu-vm create "$NAME" "--accelerator-type=$ACCELERATOR_TYPE" \
-      "--version=$RUNTIME_VERSION" ${extra[@]+"${extra[@]}"}
+      "--version=$RUNTIME_VERSION" ${extra[@]+"${extra[@]}"} ${CREATE_EXTRA[@]+"${CREATE_EXTRA[@]}"}
   fi
 }
 
@@ -311,8 +314,9 @@ metrics_seconds() {
 # (STARTED_AT, seconds since 1970) is newer than STALL_MINUTES: a trainer that died or hangs on a
 # healthy slice. Sets STALL_RESTARTED to 1 after a restart. Call it as a plain command, not as a
 # condition, so that a failed listing or ssh fails the poll (set -e) instead of passing for news.
+# $1, $2: the function that restarts and what it restarts (ray_watch.sh: the driver on the head).
 restart_if_stalled() {
-  local last now newest
+  local restart=${1:-train_workers} what=${2:-the trainer on every worker} last now newest
   STALL_RESTARTED=0
   ((STALL_MINUTES > 0)) || return 0
   newest=$(metrics_seconds)
@@ -321,8 +325,8 @@ restart_if_stalled() {
   now=$(now_seconds)
   ((now - last >= STALL_MINUTES * 60)) || return 0
   note "no new metrics record in ${WORKDIR%/}/$METRICS_FILE for $(((now - last) / 60)) minutes" \
-    "(--stall-minutes=$STALL_MINUTES): restarting the trainer on every worker"
+    "(--stall-minutes=$STALL_MINUTES): restarting $what"
   RESTART=1
-  train_workers
+  "$restart"
   STALL_RESTARTED=1
 }

@@ -53,6 +53,19 @@ _FLAGS=(
   "worker|WORKER|str|0|logs.sh: worker index within a slice, or all"
   "lines|TAIL_LINES|str|100|logs.sh: lines of log to show"
   "follow|FOLLOW|bool|1|logs.sh: keep following the log (--no-follow prints and exits)"
+  "extras|EXTRAS|str|tpu|worker.sh install: the package extras (pip install -e 'DIR[EXTRAS]')"
+  "distributed|DISTRIBUTED|bool|1|worker.sh start: set DIPACO_DISTRIBUTED=1 (jax.distributed on TPU VMs; ray_train.sh turns it off)"
+  "pool-size|POOL_SIZE|str|2|ray_*.sh: spot TPU VMs in the Ray pool, named NAME-0 .. NAME-<N-1>"
+  "head-name|HEAD_NAME|str||ray_*.sh: the Ray head, a CPU VM (default: NAME-head)"
+  "head-machine-type|HEAD_MACHINE_TYPE|str|e2-standard-8|ray_head.sh: machine type of the head"
+  "head-image-family|HEAD_IMAGE_FAMILY|str|debian-12|ray_head.sh: image family of the head"
+  "head-image-project|HEAD_IMAGE_PROJECT|str|debian-cloud|ray_head.sh: project of that image family"
+  "head-disk-size|HEAD_DISK_SIZE|str|50GB|ray_head.sh: boot disk of the head (venv, logs)"
+  "head-address|HEAD_ADDRESS|str||ray_workers.sh, ray_watch.sh: host (IP or DNS name) the pool joins (default: the head VM's internal IP)"
+  "ray-port|RAY_PORT|str|6379|ray_*.sh: the head's Ray port (GCS)"
+  "network|NETWORK|str|default|ray_*.sh: VPC network of the head, the pool and the firewall rule"
+  "node-dir|NODE_DIR|str|/opt/dipaco|ray_*.sh: code, venv and logs on each Ray node (absolute)"
+  "code-url|CODE_URL|str||ray_*.sh: gs:// object of the code the Ray nodes install at boot (default: WORKDIR/code/dipaco_jax.tar.gz)"
 )
 
 # Known slice sizes (the number after the dash) and default software version per generation.

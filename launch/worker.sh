@@ -2,14 +2,15 @@
 # Worker side: runs on each TPU VM worker, sent there by setup.sh and train.sh over ssh.
 #
 #   worker.sh install [--remote-dir=D --venv=V --python-version=P --uv-version=U --pip-args=A
-#                      --restart]
+#                      --extras=E --restart]
 #       run from a fresh tree D.new: swap it in as D (not while a trainer runs, unless
 #       --restart); fetch uv U if missing; make the venv V with Python P (uv downloads it: the
 #       TPU images' python3 is 3.10) unless V already has P; then install the tested versions:
-#       uv pip install -c D/constraints.txt -e 'D[tpu]'.
-#   worker.sh start [--venv=V --log-file=F --env=K=V ... --restart] -- TRAINER FLAGS
+#       uv pip install -c D/constraints.txt -e 'D[E]' (E: --extras, default tpu).
+#   worker.sh start [--venv=V --log-file=F --env=K=V ... --no-distributed --restart] -- TRAINER FLAGS
 #       start `python -m dipaco_jax.main TRAINER FLAGS` with nohup, appending to F, unless one
-#       is already running (--restart stops it first).
+#       is already running (--restart stops it first); with DIPACO_DISTRIBUTED=1 unless
+#       --no-distributed (the elastic driver on the Ray head is one process).
 #   worker.sh stop [--log-file=F]
 #       stop the trainer that start began.
 # Relative paths are under the worker's home. The pid sits next to the log (F without .log + .pid).
@@ -73,6 +74,7 @@ venv_has_python() {
 
 install() {
   local target pip_args=() pid uv
+  [[ $EXTRAS =~ ^[a-z][a-z0-9_,-]*$ ]] || die "--extras=$EXTRAS: need extras like tpu or tpu,elastic"
   target=$(home_path "$REMOTE_DIR")
   if pid=$(trainer_pid); then
     if ((!RESTART)); then
@@ -98,7 +100,7 @@ install() {
   fi
   [[ -n $PIP_ARGS ]] && read -r -a pip_args <<<"$PIP_ARGS"
   "$uv" pip install -q --python "$venv/bin/python" -c "$target/constraints.txt" \
-    ${pip_args[@]+"${pip_args[@]}"} -e "${target}[tpu]"
+    ${pip_args[@]+"${pip_args[@]}"} -e "${target}[$EXTRAS]"
   note "installed $target into $venv on $(hostname)"
 }
 
@@ -118,7 +120,7 @@ start() {
     "$(shell_join ${TRAINER_ARGS[@]+"${TRAINER_ARGS[@]}"})" >>"$log"
   # The trainer calls jax.distributed.initialize() when DIPACO_DISTRIBUTED=1; on TPU VMs it finds
   # the coordinator, process count and id by itself.
-  nohup env DIPACO_DISTRIBUTED=1 ${TRAIN_ENV_LIST[@]+"${TRAIN_ENV_LIST[@]}"} \
+  nohup env DIPACO_DISTRIBUTED="$DISTRIBUTED" ${TRAIN_ENV_LIST[@]+"${TRAIN_ENV_LIST[@]}"} \
     "$venv/bin/python" -m dipaco_jax.main ${TRAINER_ARGS[@]+"${TRAINER_ARGS[@]}"} \
     >>"$log" 2>&1 </dev/null 3>&- &
   echo $! >"$pidfile"

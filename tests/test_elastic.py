@@ -200,6 +200,27 @@ def test_workdir_of_the_other_mode_is_refused(tmp_path):
     train.train_and_evaluate(_config(**{"dipaco.mode": "spmd"}), str(tmp_path / "el"))
 
 
+def test_actor_options_match_the_launch_scripts():
+  # launch/ray_actions.sh starts TPU VM nodes with --resources='{"TPU": chips}' and the driver
+  # with worker_resources='{"TPU": 1}': one worker actor per chip, 1 CPU each.
+  from dipaco_jax.elastic import driver  # pylint: disable=g-import-not-at-top
+
+  assert driver._worker_options('{"TPU": 1}') == {
+    "max_restarts": -1,
+    "max_concurrency": 2,
+    "num_cpus": 1,
+    "resources": {"TPU": 1},
+  }
+  assert driver._worker_options('{"CPU": 4, "GPU": 1}')["num_cpus"] == 4
+  assert driver._worker_options("")["resources"] is None
+  # The coordinator and executors stay on the driver's node (the head, not a spot TPU VM).
+  pytest.importorskip("ray")
+  context = type("Context", (), {"get_node_id": lambda self: "ab" * 28})()
+  fake_ray = type("Ray", (), {"get_runtime_context": staticmethod(lambda: context)})
+  strategy = driver._control_options(fake_ray)["scheduling_strategy"]
+  assert (strategy.node_id, strategy.soft) == ("ab" * 28, False)
+
+
 # ---- End to end on a local Ray cluster. ----
 
 

@@ -172,6 +172,37 @@ def _connect(config, num_cpus: int) -> bool:
   return True
 
 
+def _worker_options(worker_resources: str) -> dict:
+  """Ray options of a worker actor: config.elastic.worker_resources ("" = 1 CPU).
+
+  A "TPU" count makes Ray give the actor that many chips of a node that
+  advertises them (launch/ray_actions.sh starts TPU VM nodes with --resources='{"TPU": chips}')
+  and set TPU_VISIBLE_CHIPS for it.
+  """
+  resources = json.loads(worker_resources) if worker_resources else {}
+  return {
+    "max_restarts": -1,
+    "max_concurrency": 2,
+    "num_cpus": resources.pop("CPU", 1),
+    "resources": resources or None,
+  }
+
+
+def _control_options(ray) -> dict:
+  """Ray options that keep the coordinator and executors on the driver's node.
+
+  They ask for no resources, so Ray could place them on any node, spot TPU VMs
+  included; on the driver's node (the head, launch/README.md) a preempted worker
+  VM takes only worker actors with it, and a restart lands there again.
+  """
+  from ray.util import scheduling_strategies  # pylint: disable=g-import-not-at-top
+
+  node = ray.get_runtime_context().get_node_id()
+  return {
+    "scheduling_strategy": scheduling_strategies.NodeAffinitySchedulingStrategy(node, soft=False)
+  }
+
+
 class _Chaos:
   """Fault injection: SIGKILLs of actor processes while they work (tests, benchmarks).
 
@@ -250,21 +281,18 @@ def run(config, workdir: str) -> dict:
       e.num_workers,
       e.num_executors,
     )
-    resources = json.loads(e.worker_resources) if e.worker_resources else {}
-    worker_opts = dict(
-      max_restarts=-1,
-      max_concurrency=2,
-      num_cpus=resources.pop("CPU", 1),
-      resources=resources or None,
-    )
+    worker_opts = _worker_options(e.worker_resources)
+    control = _control_options(ray)
     coord = (
-      ray.remote(coord_lib.Coordinator).options(max_restarts=-1, num_cpus=0).remote(config, workdir)
+      ray.remote(coord_lib.Coordinator)
+      .options(max_restarts=-1, num_cpus=0, **control)
+      .remote(config, workdir)
     )
     actors.append(coord)
     owned = exec_lib.assign_groups([s.name for s in grid.groups], e.num_executors)
     executors = [
       ray.remote(exec_lib.OuterExecutor)
-      .options(max_restarts=-1, max_concurrency=2, num_cpus=0)
+      .options(max_restarts=-1, max_concurrency=2, num_cpus=0, **control)
       .remote(config, workdir, j, owned[j], alpha_W.tolist())
       for j in range(e.num_executors)
     ]
