@@ -26,6 +26,11 @@ _CORE = [
 # libtpu 0.0.42.*; ~680 MB unpacked).
 _LIBTPU = "jax[tpu]"
 
+# CUDA GPUs: jax's own `cuda12` extra pins jax-cuda12-plugin (and jaxlib) to the installed jax's
+# version (jax 0.10.2: plugin 0.10.2) and pulls the NVIDIA libraries. No test host has a GPU, so
+# constraints.txt leaves it out (tools/freeze_constraints.py, UNPINNED_EXTRAS).
+_CUDA = "jax[cuda12]"
+
 setuptools.setup(
   name="dipaco_jax",
   version="0.1.0",
@@ -52,5 +57,6 @@ setuptools.setup(
     "elastic": ["ray==2.*"],  # dipaco.mode="elastic" (docs/elastic.md)
     "tpu": ["jax[tpu]"],
     "aot": [_LIBTPU],
+    "cuda": [_CUDA],  # pip install -c constraints.txt -e '.[cuda]' (docs/tpu.md, GPU)
   },
 )

@@ -176,6 +176,7 @@ def _rules() -> dict[str, Rule]:
   from dipaco_jax import experiment
   from dipaco_jax import model
   from dipaco_jax import outer
+  from dipaco_jax import train
   from dipaco_jax.data import prepare
   from dipaco_jax.elastic import errors as elastic_errors
   from dipaco_jax.routing import discriminative
@@ -189,6 +190,7 @@ def _rules() -> dict[str, Rule]:
     "seed": count0,
     "log_every_steps": count,
     "stop_at_step": _integer(1, unset=-1),
+    "dispatch_ahead": _choice(train.DISPATCH_AHEAD),
     "model.vocab_size": count,
     "model.pad_vocab": _bool(),
     "model.d_model": count,

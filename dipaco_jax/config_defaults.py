@@ -21,6 +21,9 @@ def base() -> ml_collections.ConfigDict:
   c.log_every_steps = 10  # Inner steps between metrics.jsonl records.
   # Checkpoint and exit after this inner step (time-boxed jobs); -1 = run to the end.
   c.stop_at_step = -1
+  # "on": the loop reads step t's metrics (NaN guard, logs) while step t+1 runs; "off": after
+  # each step; "auto": on for TPU/GPU, off on CPU (docs/performance.md).
+  c.dispatch_ahead = "auto"
 
   c.model = ml_collections.ConfigDict()
   c.model.vocab_size = 32_000  # Must match the tokenizer (8192 shipped; 32k T5 for C4).

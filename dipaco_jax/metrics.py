@@ -62,7 +62,8 @@ STUCK_MARGIN = 0.01  # Nats: a loss this close to ln V counts as "at" it.
 class DivergenceGuard:
   """Stops a diverged run at the step it shows, before that state is saved.
 
-  Three rules, checked after every inner step (per worker):
+  Three rules, checked on every inner step's metrics (per worker; one step late when the loop
+  dispatches ahead, train.dispatch_ahead, but always before the state is saved):
     * a non-finite training loss;
     * a group's parameter norm (embed, block_i, head) above
       `guard.max_param_norm_ratio` times its norm when this process started

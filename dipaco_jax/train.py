@@ -57,6 +57,21 @@ def write_config(workdir: epath.Path, config) -> None:
     files.write_json(path, json.loads(config.to_json_best_effort()))
 
 
+# config.dispatch_ahead: "auto" (on for TPU and GPU, off on CPU), "on", "off".
+DISPATCH_AHEAD = ("auto", "on", "off")
+
+
+def dispatch_ahead(config, backend: str | None = None) -> bool:
+  """Whether the loop reads step t's metrics after dispatching step t+1 (docs/performance.md).
+
+  On an accelerator that keeps the device busy while the host reads, logs and guards. On CPU
+  the host is the device, so "auto" leaves it off; "on" still waits on every step, one late.
+  """
+  if config.dispatch_ahead == "auto":
+    return (backend or jax.default_backend()) in ("tpu", "gpu")
+  return config.dispatch_ahead == "on"
+
+
 def _initial_theta(config):
   src = config.dipaco.init_from
   return ckpt_lib.restore_worker_params(src) if src else None
@@ -125,43 +140,74 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   log_every = config.log_every_steps
   eval_every = config.eval.every_steps
   ckpt_every = config.ckpt.every_steps
+  ahead = dispatch_ahead(config)
+  logging.info("dispatch ahead: %s (config.dispatch_ahead=%r)", ahead, config.dispatch_ahead)
   bar = progress.bar(total=total, initial=step, desc="inner steps", unit="step")
+
+  def logged(at: int) -> bool:
+    return at % log_every == 0 or at % H == 0 or at == total
+
+  def read(dispatched) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A dispatched step's metrics on the host, past the guard, and its metrics record."""
+    at, m, outer_norm = dispatched
+    # Blocking on each step's small metrics (now or one step late) keeps the CPU collectives
+    # healthy (NOTES.md) and lets the divergence guard stop before a bad state is saved.
+    m = feed_lib.host(m)
+    guard.check(at, m["loss"], m["param_norm"])
+    out: dict[str, Any] = {}
+    if outer_norm is not None:
+      out["outer_delta_norm"] = feed_lib.host(outer_norm)
+    if logged(at):  # Its tokens_per_s and step_s join it outside meter.timed().
+      out.update(
+        phase=(at - 1) // H,
+        train_loss=m["loss"],
+        grad_norm=m["grad_norm"],
+        param_norm=m["param_norm"],
+      )
+      bar.set_postfix(loss=f"{float(np.mean(m['loss'])):.3f}")
+    return m, out
+
+  # (step, metrics, outer delta norms) on device: dispatched, not yet read (dispatch ahead only).
+  pending = None
   record: dict[str, Any] = {}
   result: dict[str, Any] = {}
   stop = total if config.stop_at_step < 0 else min(config.stop_at_step, total)
   try:  # On any stop, the last checkpoint's save (async) still completes.
     while step < stop:
+      previous = None  # (step, record) of the step read while this one was queued.
       with meter.timed():  # step_s: the steps alone (tokens_per_s counts everything).
         batch = exp.put_batch(plan.train_it.next_batch())
         params, inner_opt, m = exp.inner_step(state.params, state.inner_opt, batch)
         state = state.replace(params=params, inner_opt=inner_opt, step=state.step + 1)
         step += 1
-        # Blocking on each step's small metrics keeps the CPU collectives healthy
-        # (NOTES.md) and lets the divergence guard stop before a bad state is saved.
-        m = feed_lib.host(m)
-        guard.check(step, m["loss"], m["param_norm"])
+        outer_norm = None
         if step % H == 0 and exp.outer_enabled:
           store, outer_opt, params, om = exp.outer_step(
             state.store, state.outer_opt, state.params, plan.alpha_W
           )
           state = state.replace(store=store, outer_opt=outer_opt, params=params)
-          record["outer_delta_norm"] = feed_lib.host(om["delta_norm"])
+          outer_norm = om["delta_norm"]
         elif step % H == 0:
           state = state.replace(store=exp.sync_store(state.params))
-      if step % H == 0 and plan.reshards_after(step):
+        if pending is not None:  # Ahead: the previous step's metrics while this step runs.
+          previous = (pending[0], read(pending)[1])
+        pending = (step, m, outer_norm)
+        reshard = step % H == 0 and plan.reshards_after(step)
+        # Whatever reads or saves this step's state (evaluation, re-shard, checkpoint, the end)
+        # waits for its metrics first, so the guard has seen every step up to a saved state.
+        if not ahead or reshard or step == stop or step % eval_every == 0 or step % ckpt_every == 0:
+          m, record = read(pending)
+          pending = None
+      if previous is not None:
+        at, rec = previous
+        log.write(at, {**rec, **meter.rates(at)} if logged(at) else rec)
+      if pending is None and logged(step):
+        record.update(meter.rates(step))  # The write and save below fall in the next interval.
+      if reshard:
         plan.reshard(step, state.params)
         if config.routing.restart_schedule:  # Paper Fig. 10: the cosine starts over.
           state = state.replace(inner_opt=inner_lib.restart_schedule(state.inner_opt))
       bar.update(1)
-      if step % log_every == 0 or step % H == 0 or step == total:
-        record.update(
-          phase=(step - 1) // H,
-          train_loss=m["loss"],
-          grad_norm=m["grad_norm"],
-          param_norm=m["param_norm"],
-          **meter.rates(step),  # The write and save below fall in the next interval.
-        )
-        bar.set_postfix(loss=f"{float(np.mean(m['loss'])):.3f}")
       if step % eval_every == 0 or step == stop:
         loss_sum_W, tokens_W = exp.evaluate_sums(state.params, plan.eval_batches)
         val = exp.losses(loss_sum_W, tokens_W)

@@ -67,6 +67,11 @@ BAD_INPUTS = [
     "config.stop_at_step=0 is invalid: it must be an integer >= 1 or -1",
   ),
   (
+    ["--config.dispatch_ahead=true"],
+    "config.dispatch_ahead='true' is invalid: it must be one of 'auto', 'on', 'off'; "
+    "set --config.dispatch_ahead (default 'auto').",
+  ),
+  (
     ["--config.dipaco.modules_per_level=(1,0,2)"],
     "config.dipaco.modules_per_level=(1, 0, 2) is invalid",
   ),

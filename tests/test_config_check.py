@@ -86,12 +86,30 @@ def test_dataclasses_have_no_defaults_and_take_every_field_from_base(cls, sectio
       r"config.model.max_len=256",
     ),
     ({"ckpt.every_steps": True}, r"config.ckpt.every_steps=True is invalid"),
+    (
+      {"dispatch_ahead": "yes"},
+      r"config.dispatch_ahead='yes' is invalid: it must be one of 'auto', 'on', 'off'",
+    ),
   ],
 )
 def test_load_refuses_unknown_keys_and_bad_values(overrides, match):
   with pytest.raises(ConfigError, match=match) as e:
     config_defaults.load(TINY, **overrides)
   assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+  "value,backend,ahead",
+  [
+    ("auto", "tpu", True),
+    ("auto", "gpu", True),
+    ("auto", "cpu", False),
+    ("on", "cpu", True),
+    ("off", "tpu", False),
+  ],
+)
+def test_dispatch_ahead_auto_is_on_for_accelerators_only(value, backend, ahead):
+  assert train.dispatch_ahead(config_defaults.load(TINY, dispatch_ahead=value), backend) is ahead
 
 
 def test_a_config_file_may_not_add_a_field(tmp_path):

@@ -5,6 +5,9 @@ import os
 import re
 import subprocess
 import sys
+from importlib import metadata
+
+from packaging.requirements import Requirement
 
 from helpers import ROOT
 
@@ -39,3 +42,22 @@ def test_python_requires_is_the_tested_python():
     tested = re.search(r"on Python (3\.\d+),", f.read()).group(1)
   with open(os.path.join(ROOT, "setup.py")) as f:
     assert f'python_requires=">={tested}"' in f.read()
+
+
+def test_the_cuda_extra_is_jax_own_and_left_out_of_the_pins():
+  # No test host has a GPU, so the cuda extra's packages are not installed and not pinned; what
+  # keeps its install consistent is jax's own cuda12 extra, which pins the plugin (and jaxlib) to
+  # exactly the jax version constraints.txt pins.
+  extras = freeze.setup_kwargs()["extras_require"]
+  assert extras["cuda"] == ["jax[cuda12]"] and set(freeze.UNPINNED_EXTRAS) == {"cuda"}
+  assert not set(extras["cuda"]) & set(freeze.setup_requirements())
+  with open(freeze.CONSTRAINTS) as f:
+    text = f.read()
+  assert "# Not pinned: the `cuda` extra (jax[cuda12], for CUDA GPU hosts)." in text
+  jax_version = re.search(r"^jax==(\S+)$", text, re.M).group(1)
+  assert jax_version == metadata.version("jax")
+  pins = {}
+  for r in map(Requirement, metadata.requires("jax")):
+    if r.marker and r.marker.evaluate({"extra": "cuda12"}) and not r.marker.evaluate({"extra": ""}):
+      pins[r.name] = {(s.operator, s.version) for s in r.specifier}
+  assert pins["jax-cuda12-plugin"] == pins["jaxlib"] == {("<=", jax_version), (">=", jax_version)}

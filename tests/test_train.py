@@ -1,5 +1,6 @@
 """End to end on the embedded corpus: loss falls, resume is bit-exact, guards."""
 
+import itertools
 import json
 import math
 import os
@@ -7,6 +8,7 @@ import re
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from etils import epath
@@ -125,6 +127,107 @@ def test_nan_guard_stops_and_keeps_last_good_checkpoint(tmp_path, shard_dir):
   if last is not None:
     state, _ = _params(str(tmp_path), cfg)
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(state.params))
+
+
+def _trace(monkeypatch, events: list, bad_step: int | None = None) -> None:
+  """Logs ("dispatch", n) per inner step and ("check", n) per guard check into `events`.
+
+  At inner step `bad_step` the step's params and losses turn NaN, on device.
+  """
+
+  class Traced(experiment.Experiment):
+    def __init__(self, *args, **kw):
+      super().__init__(*args, **kw)
+      step_fn, calls = self.inner_step, itertools.count(1)
+
+      def inner_step(params, opt, batch):
+        n = next(calls)
+        events.append(("dispatch", n))
+        params, opt, m = step_fn(params, opt, batch)
+        if n == bad_step:
+          params = jax.tree.map(lambda x: x * jnp.nan, params)
+          m = {**m, "loss": m["loss"] * jnp.nan}
+        return params, opt, m
+
+      self.inner_step = inner_step
+
+  check = metrics.DivergenceGuard.check
+
+  def traced_check(self, step, *args):
+    events.append(("check", step))
+    return check(self, step, *args)
+
+  monkeypatch.setattr(train.exp_lib, "Experiment", Traced)
+  monkeypatch.setattr(metrics.DivergenceGuard, "check", traced_check)
+
+
+def _untimed(records):
+  return [{k: v for k, v in r.items() if k not in ("tokens_per_s", "step_s")} for r in records]
+
+
+def test_dispatch_ahead_reads_each_step_after_the_next_and_changes_nothing(
+  tmp_path, shard_dir, monkeypatch
+):
+  # H = 3, 2 outer steps; evaluation at 3 and 6, checkpoints at 4 and 6: the loop waits there.
+  kw = {
+    "dipaco.inner_steps": 3,
+    "dipaco.outer_steps": 2,
+    "eval.every_steps": 3,
+    "ckpt.every_steps": 4,
+    "log_every_steps": 1,
+  }
+  events = {"off": [], "on": []}
+  for mode in events:
+    with monkeypatch.context() as m, helpers.compile_cache(tmp_path / "jax_cache"):
+      _trace(m, events[mode])
+      train.train_and_evaluate(_config(shard_dir, dispatch_ahead=mode, **kw), str(tmp_path / mode))
+  d, c = "dispatch", "check"
+  assert events["off"] == [e for n in range(1, 7) for e in ((d, n), (c, n))]
+  assert events["on"] == [
+    (d, 1), (d, 2), (c, 1), (d, 3), (c, 2), (c, 3),  # Step 3 is read before its evaluation,
+    (d, 4), (c, 4),  # step 4 before its checkpoint,
+    (d, 5), (d, 6), (c, 5), (c, 6),  # and step 5 while step 6 is queued.
+  ]  # fmt: skip
+  a, da = _params(str(tmp_path / "off"), _config(shard_dir, **kw))
+  b, db = _params(str(tmp_path / "on"), _config(shard_dir, **kw))
+  assert int(b.step) == 6 and da == db
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    np.testing.assert_array_equal(x, y)
+  off, on = metrics.read_records(tmp_path / "off"), metrics.read_records(tmp_path / "on")
+  assert [r["step"] for r in on] == [1, 2, 3, 4, 5, 6]
+  assert "outer_delta_norm" in on[2] and "val_loss" in on[5] and "step_s" in on[4]
+  assert _untimed(on) == _untimed(off)
+
+
+@pytest.mark.parametrize("bad_step", [3, 4])  # mid-phase, and a checkpoint (and outer) step
+def test_dispatch_ahead_never_saves_past_a_nan(tmp_path, shard_dir, monkeypatch, bad_step):
+  # Evaluation only at the end: the checkpoint at step 4 alone makes the loop wait.
+  kw = {
+    "dipaco.inner_steps": 2,
+    "dipaco.outer_steps": 3,
+    "ckpt.every_steps": 2,
+    "eval.every_steps": 6,
+  }
+  errors, events = {}, {"off": [], "on": []}
+  for mode in events:
+    workdir = str(tmp_path / mode)
+    with monkeypatch.context() as m, helpers.compile_cache(tmp_path / "jax_cache"):
+      _trace(m, events[mode], bad_step)
+      with pytest.raises(metrics.NonFiniteLossError) as e:
+        train.train_and_evaluate(_config(shard_dir, dispatch_ahead=mode, **kw), workdir)
+    errors[mode] = str(e.value)
+    assert checkpoint.Checkpointer(workdir).latest_step() == 2
+    state, _ = _params(workdir, _config(shard_dir, **kw))
+    assert int(state.step) == 2
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(state))
+  assert errors["on"] == errors["off"]
+  assert errors["on"].startswith(f"non-finite training loss at step {bad_step} on paths ")
+  assert "the last checkpoint, step 2, is kept and nothing later was saved" in errors["on"]
+  # Ahead, a mid-phase NaN shows one step late; a checkpoint step waits for its own check.
+  d, c = "dispatch", "check"
+  late = {3: [(d, 3), (d, 4), (c, 3)], 4: [(d, 4), (c, 3), (c, 4)]}[bad_step]
+  assert events["on"][-3:] == late
+  assert events["off"][-3:] == [(c, bad_step - 1), (d, bad_step), (c, bad_step)]
 
 
 def test_an_exploding_run_stops_in_one_line_and_keeps_the_last_checkpoint(tmp_path, shard_dir):

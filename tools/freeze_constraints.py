@@ -6,7 +6,8 @@
 Run it in the venv where the tests pass. It follows setup.py's requirements (install_requires and
 every extra) through the installed packages' own requirements, as pip would resolve them on this
 platform, and pins each package found at its installed version. pip, setuptools and wheel are
-build tools, not pinned; dipaco_jax itself is not listed. CI and launch/worker.sh install with
+build tools, not pinned; dipaco_jax itself is not listed; nor is the `cuda` extra, which installs
+only on a GPU host (UNPINNED_EXTRAS). CI and launch/worker.sh install with
 `-c constraints.txt`, so a new dependency in setup.py needs this rerun (tests/test_constraints.py
 says so).
 """
@@ -26,16 +27,27 @@ from packaging.utils import canonicalize_name
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONSTRAINTS = os.path.join(ROOT, "constraints.txt")
 _UNPINNED = {"pip", "setuptools", "wheel", "dipaco-jax"}
+# Extras for hardware no test host has: their packages do not install here, so nothing of theirs
+# is pinned. jax's own extra behind each pins its plugin to jax's version, which this file pins
+# (tests/test_constraints.py checks that).
+UNPINNED_EXTRAS = {"cuda": "jax[cuda12], for CUDA GPU hosts"}
 
 
-def setup_requirements(setup_py: str = os.path.join(ROOT, "setup.py")) -> list[str]:
-  """install_requires and every extra's requirements, read from setup.py without building."""
+def setup_kwargs(setup_py: str = os.path.join(ROOT, "setup.py")) -> dict:
+  """The arguments setup.py passes to setuptools.setup, read without building."""
   captured = {}
   with mock.patch("setuptools.setup", lambda **kwargs: captured.update(kwargs)):
     runpy.run_path(setup_py, run_name="__main__")
+  return captured
+
+
+def setup_requirements(setup_py: str = os.path.join(ROOT, "setup.py")) -> list[str]:
+  """install_requires and the requirements of every extra but UNPINNED_EXTRAS."""
+  captured = setup_kwargs(setup_py)
   reqs = list(captured.get("install_requires", []))
-  for extra_reqs in captured.get("extras_require", {}).values():
-    reqs += extra_reqs
+  for name, extra_reqs in captured.get("extras_require", {}).items():
+    if name not in UNPINNED_EXTRAS:
+      reqs += extra_reqs
   return reqs
 
 
@@ -81,6 +93,7 @@ def render(pinned: dict[str, str]) -> str:
     "# launch/worker.sh install with `-c constraints.txt`. Made by tools/freeze_constraints.py",
     f"# on Python {sys.version_info.major}.{sys.version_info.minor}, {sys.platform} "
     f"{platform.machine()}; rerun it after changing setup.py.",
+    *(f"# Not pinned: the `{name}` extra ({why})." for name, why in UNPINNED_EXTRAS.items()),
   ]
   body = [f"{name}=={pinned[name]}" for name in sorted(pinned, key=str.lower)]
   return "\n".join(header + body) + "\n"
