@@ -148,15 +148,15 @@ def _cost(compiled) -> tuple[float, float]:
   return float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
 
 
-def _span(groups, mesh) -> list[str]:
-  return [a for a in sharding.AXES if mesh.shape[a] > 1 and hlo.crosses_axis(groups, mesh, a)]
+def _span(c: hlo.Collective, mesh) -> list[str]:
+  return [a for a in sharding.AXES if mesh.shape[a] > 1 and hlo.spans(c, mesh, a)]
 
 
 def collective_table(hlo_text: str, mesh) -> list[dict[str, Any]]:
   """Collectives grouped by op, group size and spanned axes: count and bytes/device."""
   rows: dict[tuple, dict[str, Any]] = {}
   for c in hlo.collectives(hlo_text):
-    axes = _span(c.groups, mesh)
+    axes = _span(c, mesh)
     size = len(c.groups[0]) if c.groups else int(np.asarray(mesh.devices).size)
     key = (c.op, size, tuple(axes))
     row = rows.setdefault(
@@ -356,6 +356,7 @@ class Report:
         "fits": mem["total"] <= FIT_FRACTION * self.chip.usable_hbm,
         "collectives": collective_table(text, self.mesh),
         "path_bytes": hlo.cross_axis_bytes(text, self.mesh, "path"),
+        "dcn_bytes": hlo.dcn_bytes(text),
       }
       if step == "inner":
         flops, nbytes, how = self._inner_cost(compiled)
@@ -377,11 +378,17 @@ class Report:
         )
       elif step == "outer":
         flops, nbytes = _cost(compiled)
+        held = per_device_bytes(self.exp.abstract_state.params)
+        levels = {s.level: s.num_modules for s in self.exp.topo.store_groups()}
         row.update(
           flops=flops,
           bytes=nbytes,
           roofline_s=max(flops / self.chip.peak_flops, nbytes / self.chip.hbm_bw),
-          dcn_s=row["path_bytes"] / self.dcn_bytes_per_s,
+          dcn_s=row["dcn_bytes"] / self.dcn_bytes_per_s,
+          # What a chip holds of its paths' modules; the outer step may move
+          # twice that (out and back) plus the ‖Δ‖ metric, one float32 per module.
+          held_module_bytes=held,
+          path_bound=2 * held + 4 * sum(levels.values()),
         )
       if not row["fits"]:
         row["advice"] = self.advice(step, None, mem)
@@ -473,10 +480,19 @@ def format_report(r: dict[str, Any]) -> str:
         f"MFU {s['mfu']:.1%} (model flops {s['model_flops']:.3e})"
       )
     if step == "outer":
+      held = s["held_module_bytes"]
       lines.append(
         f"[{step}] {s['flops']:.3e} flops, {s['bytes']:.3e} bytes per chip; roofline "
         f"{s['roofline_s'] * 1e3:.1f} ms; across 'path' {s['path_bytes'] / 2**20:.1f} MiB "
-        f"per chip = {s['dcn_s'] * 1e3:.0f} ms at the assumed DCN bandwidth"
+        f"per chip, of which over DCN {s['dcn_bytes'] / 2**20:.1f} MiB = "
+        f"{s['dcn_s'] * 1e3:.0f} ms at the assumed DCN bandwidth"
+      )
+      lines.append(
+        f"[{step}] module bytes of the paths a chip holds: {held / 2**20:.1f} MiB; across "
+        f"'path' {s['path_bytes'] / max(held, 1):.2f} x that, over DCN "
+        f"{s['dcn_bytes'] / max(held, 1):.2f} x; bound 2 x (+ the ‖Δ‖ metric) = "
+        f"{s['path_bound'] / 2**20:.1f} MiB: "
+        + ("within" if s["path_bytes"] <= s["path_bound"] else "OVER THE BOUND")
       )
     for col in s["collectives"]:
       lines.append(

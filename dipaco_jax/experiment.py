@@ -80,7 +80,8 @@ class Experiment:
       )
     self.fsdp = config.mesh.fsdp
     abstract = jax.eval_shape(self._init, jax.random.key(0), None)
-    self.state_sharding = sharding.named(self.mesh, self._state_specs(abstract))
+    specs = self._state_specs(abstract)
+    self.state_sharding = sharding.named(self.mesh, specs)
     self.abstract_state = jax.tree.map(
       lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, self.state_sharding
     )
@@ -97,7 +98,9 @@ class Experiment:
       donate_argnums=(0, 1),
     )
     self.outer_step = jax.jit(
-      functools.partial(outer_lib.outer_step, topo=self.topo, cfg=self.outer_cfg),
+      outer_lib.sharded_outer_step(
+        self.topo, self.outer_cfg, self.mesh, (specs.store, specs.outer_opt, specs.params)
+      ),
       in_shardings=(ss, self.state_sharding.outer_opt, ps, replicated),
       out_shardings=(ss, self.state_sharding.outer_opt, ps, replicated),
       donate_argnums=(0, 1, 2),
@@ -144,7 +147,7 @@ class Experiment:
 
   def _state_specs(self, abstract: TrainState) -> TrainState:
     ps = sharding.worker_specs(abstract.params, self.mesh, self.fsdp)
-    ss = sharding.store_specs(abstract.store, self.mesh, self.fsdp)
+    ss = sharding.store_specs(abstract.store, self.mesh, self.topo, self.fsdp)
     return TrainState(
       step=P(),
       rng=P(),

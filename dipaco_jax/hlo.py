@@ -12,6 +12,18 @@ XLA prints groups in four forms, all handled here:
   mesh axes  replica_groups=mesh['a'=2,'b'=2] {'b'}  (optionally with
              `, device_ids=(...)` and sub-axes like 'b':(1)2)
   pairs      source_target_pairs={{0,1},{1,0}}  (collective-permute)
+
+Two TPU-only forms. A program compiled for several slices holds each slice's
+own collectives (ICI) as above, and the parts that cross slices over DCN as
+`send`/`recv` host transfers for the MegaScale runtime: one rendezvous name
+per transfer, with its type (ALL_REDUCE, ALL_TO_ALL, ...). Each is one
+`Collective` with `dcn=True`, op "dcn-all-reduce" etc., the larger of its send
+and receive buffers as bytes; it spans DCN_AXIS, the axis that
+`sharding.make_mesh` lays across slices. And TPU async collective fusions
+repeat one collective in every fusion that carries a share of its progress,
+each copy with the same channel_id and `chain_id` attribute: it is counted
+once. (Elsewhere channel ids repeat across distinct collectives: shard_map's
+all carry channel_id=1 on CPU.)
 """
 # pylint: disable=invalid-name
 
@@ -61,12 +73,22 @@ _MESH_RE = re.compile(
 )
 
 
+DCN_AXIS = "path"  # The mesh axis that spans TPU slices (sharding.make_mesh).
+_MEGASCALE_RE = re.compile(
+  r'_xla_host_transfer_handler_name="xla_megascale_runtime".*?'
+  r'_xla_host_transfer_rendezvous="([^"]+)"'
+)
+_TRANSFER_RE = re.compile(r'_xla_megascale_transfer_type="([A-Z_]+)"')
+_CHAIN_RE = re.compile(r'\bchannel_id=(\d+).*\bchain_id="(\d+)"')
+
+
 class Collective(NamedTuple):
   """One collective: opcode, bytes per device, and its device groups."""
 
-  op: str  # e.g. "all-reduce" or "all-gather-start".
+  op: str  # e.g. "all-reduce", "all-gather-start" or (across slices) "dcn-all-to-all".
   nbytes: int  # Full buffer per device: the larger of its input and output.
   groups: tuple[tuple[int, ...], ...]  # Logical ids; () = all devices.
+  dcn: bool = False  # A MegaScale transfer between slices: spans DCN_AXIS only.
 
 
 def _shape_bytes(shape: str) -> int:
@@ -216,19 +238,49 @@ def _nbytes(op: str, shape: str, groups) -> int:
   return out
 
 
+def _megascale(line: str, transfers: dict[str, Collective]) -> None:
+  """Records a MegaScale send or recv under its rendezvous (the larger buffer of the two)."""
+  m = _MEGASCALE_RE.search(line)
+  op = re.search(r" = (.*?) (send|recv)\(", line)
+  if m is None or op is None:
+    return
+  t = _TRANSFER_RE.search(line)
+  kind = "dcn-" + (t.group(1).lower().replace("_", "-") if t else "transfer")
+  nbytes = _shape_bytes(_tuple_elements(re.sub(r"/\*.*?\*/", "", op.group(1)))[0])
+  prev = transfers.get(m.group(1))
+  transfers[m.group(1)] = Collective(kind, max(nbytes, prev.nbytes if prev else 0), (), True)
+
+
 def collectives(hlo_text: str) -> list[Collective]:
   """Every collective instruction (and async start) in an HLO module's text."""
-  out = []
+  out, seen, transfers = [], set(), {}
   for line in hlo_text.splitlines():
+    if "xla_megascale_runtime" in line:
+      _megascale(line, transfers)
+      continue
     m = _OP_RE.search(line)
     if m is None or " = " not in line[: m.start() + 1]:
       continue
     shape = re.sub(r"/\*.*?\*/", "", line[line.index(" = ") + 3 : m.start()])
     op = m.group(1) + (m.group(2) or "")
     attrs = line[m.end() :]
+    chain = _CHAIN_RE.search(attrs)
+    if chain:  # One collective, however many async fusions repeat it.
+      if (op, chain.groups()) in seen:
+        continue
+      seen.add((op, chain.groups()))
     groups = _groups(attrs)
     out.append(Collective(op, _nbytes(op, shape, groups), groups))
-  return out
+  return out + list(transfers.values())
+
+
+def spans(c: Collective, mesh, axis: str) -> bool:
+  """Whether a collective spans `axis`: a DCN transfer spans DCN_AXIS alone."""
+  if c.dcn:
+    return (
+      axis == DCN_AXIS and np.asarray(mesh.devices).shape[list(mesh.axis_names).index(axis)] > 1
+    )
+  return crosses_axis(c.groups, mesh, axis)
 
 
 def crosses_axis(groups: Sequence[Sequence[int]], mesh, axis: str) -> bool:
@@ -245,5 +297,10 @@ def crosses_axis(groups: Sequence[Sequence[int]], mesh, axis: str) -> bool:
 
 
 def cross_axis_bytes(hlo_text: str, mesh, axis: str) -> int:
-  """Bytes per device, per execution, of collectives spanning `axis`."""
-  return sum(c.nbytes for c in collectives(hlo_text) if crosses_axis(c.groups, mesh, axis))
+  """Bytes per device, per execution, of collectives spanning `axis` (DCN transfers included)."""
+  return sum(c.nbytes for c in collectives(hlo_text) if spans(c, mesh, axis))
+
+
+def dcn_bytes(hlo_text: str) -> int:
+  """Bytes per device, per execution, of the MegaScale transfers between slices."""
+  return sum(c.nbytes for c in collectives(hlo_text) if c.dcn)

@@ -20,8 +20,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import PartitionSpec
 
 from dipaco_jax import paths as paths_lib
+from dipaco_jax import sharding
 from dipaco_jax import topology as topo_lib
 from dipaco_jax.types import PyTree
 
@@ -53,6 +55,27 @@ def optimizer(cfg: OuterConfig) -> optax.GradientTransformation:
   )
 
 
+def _weights(s: topo_lib.StoreGroup, alpha_W: jax.Array, sqrt_paths: str):
+  """Each worker's weight in each module's Δ [K, W] (α-mean and √P folded in), Σα [K], P [K]."""
+  onehot_KxW = jax.nn.one_hot(s.module_of_worker, s.num_modules, dtype=jnp.float32).T
+  a_KxW = onehot_KxW * alpha_W[None, :]
+  norm_K = a_KxW.sum(axis=1)
+  count_K = (onehot_KxW * (alpha_W > 0)[None, :]).sum(axis=1)
+  if sqrt_paths == "multiply":
+    scale_K = jnp.sqrt(count_K)
+  elif sqrt_paths == "divide":
+    scale_K = jax.lax.rsqrt(jnp.maximum(count_K, 1.0))
+  else:
+    scale_K = jnp.ones_like(count_K)
+  return a_KxW * (scale_K / jnp.maximum(norm_K, 1e-30))[:, None], norm_K, count_K
+
+
+def _delta(x_K: jax.Array, x_W: jax.Array, w_KxW: jax.Array, idx_W) -> jax.Array:
+  """Σ_w w_kw (θ_k − θ_w) in float32: one reduction over the workers."""
+  d_W = x_K[idx_W].astype(jnp.float32) - x_W.astype(jnp.float32)
+  return jnp.einsum("kw,w...->k...", w_KxW, d_W)
+
+
 def module_deltas(
   store: PyTree,
   params_W: PyTree,
@@ -74,25 +97,12 @@ def module_deltas(
   """
   deltas, trained, counts = {}, {}, {}
   for s in topo.store_groups():
-    idx_W = s.module_of_worker
-    onehot_KxW = jax.nn.one_hot(idx_W, s.num_modules, dtype=jnp.float32).T
-    a_KxW = onehot_KxW * alpha_W[None, :]
-    norm_K = a_KxW.sum(axis=1)
-    count_K = (onehot_KxW * (alpha_W > 0)[None, :]).sum(axis=1)
-    if sqrt_paths == "multiply":
-      scale_K = jnp.sqrt(count_K)
-    elif sqrt_paths == "divide":
-      scale_K = jax.lax.rsqrt(jnp.maximum(count_K, 1.0))
-    else:
-      scale_K = jnp.ones_like(count_K)
-    # Weighted mean and √P scale folded into one [K, W] matrix: one reduction.
-    w_KxW = a_KxW * (scale_K / jnp.maximum(norm_K, 1e-30))[:, None]
-
-    def reduce(x_K, x_W, w_KxW=w_KxW, idx_W=idx_W):
-      d_W = x_K[idx_W].astype(jnp.float32) - x_W.astype(jnp.float32)
-      return jnp.einsum("kw,w...->k...", w_KxW, d_W).astype(x_K.dtype)
-
-    deltas[s.name] = jax.tree.map(reduce, store[s.name], params_W[s.name])
+    w_KxW, norm_K, count_K = _weights(s, alpha_W, sqrt_paths)
+    deltas[s.name] = jax.tree.map(
+      lambda x_K, x_W, w=w_KxW, i=s.module_of_worker: _delta(x_K, x_W, w, i).astype(x_K.dtype),
+      store[s.name],
+      params_W[s.name],
+    )
     trained[s.name] = norm_K > 0
     counts[s.name] = count_K
   return deltas, trained, counts
@@ -108,6 +118,18 @@ def _where_trained(new: PyTree, old: PyTree, masks: PyTree) -> PyTree:
   return jax.tree.unflatten(jax.tree.structure(new), kept)
 
 
+def _nesterov(tx, store: PyTree, opt_state: PyTree, deltas: PyTree, masks: PyTree):
+  """The store's step with Δ as the gradient; a module whose mask is False keeps all."""
+  updates, new_opt_state = tx.update(deltas, opt_state, store)
+  # An untrained module keeps its params and momentum (its Δ is 0, but
+  # momentum alone would still move it).
+  new_store = _where_trained(optax.apply_updates(store, updates), store, masks)
+  opt_masks = optax.tree_utils.tree_map_params(
+    tx, lambda _, m: m, new_opt_state, masks, transform_non_params=lambda _: None
+  )
+  return new_store, _where_trained(new_opt_state, opt_state, opt_masks)
+
+
 def outer_step(
   store: PyTree,
   opt_state: PyTree,
@@ -120,15 +142,8 @@ def outer_step(
   """One outer step; returns (store, opt_state, worker params, metrics)."""
   tx = optimizer(cfg)
   deltas, trained, _ = module_deltas(store, params_W, alpha_W, topo, cfg.sqrt_paths)
-  updates, new_opt_state = tx.update(deltas, opt_state, store)
-  # An untrained module keeps its params and momentum (its Δ is 0, but
-  # momentum alone would still move it).
   masks = {g: jax.tree.map(lambda _, m=trained[g]: m, store[g]) for g in store}
-  new_store = _where_trained(optax.apply_updates(store, updates), store, masks)
-  opt_masks = optax.tree_utils.tree_map_params(
-    tx, lambda _, m: m, new_opt_state, masks, transform_non_params=lambda _: None
-  )
-  new_opt_state = _where_trained(new_opt_state, opt_state, opt_masks)
+  new_store, new_opt_state = _nesterov(tx, store, opt_state, deltas, masks)
   metrics = {"delta_norm": delta_norms(deltas, topo)}
   return new_store, new_opt_state, paths_lib.assemble(new_store, topo), metrics
 
@@ -143,6 +158,119 @@ def delta_norms(deltas: PyTree, topo: topo_lib.Topology) -> dict[str, jax.Array]
     )
     sq[s.level] = sq.get(s.level, 0.0) + g_K
   return {lvl: jnp.sqrt(v) for lvl, v in sq.items()}
+
+
+def _data_part(x: jax.Array, dim: int, ndata: int) -> jax.Array:
+  """This device's 1 / ndata of `x` along `dim` (its coordinate on 'data')."""
+  n = x.shape[dim] // ndata
+  return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index("data") * n, n, axis=dim)
+
+
+def _leaf_on_mesh(x_K, x_L, spec, param_spec, s: topo_lib.StoreGroup, w_KxW, trained_K, shape):
+  """One store leaf's Δ on its layout, inside the shard_map (see `sharded_outer_step`).
+
+  Returns (Δ of the rows here, their trained mask, first row's index in K,
+  a function from the new rows here to this device's L workers' params).
+  """
+  npath, ndata = shape["path"], shape["data"]
+  p = jax.lax.axis_index("path")
+  L = len(s.module_of_worker) // npath
+  idx_W = s.module_of_worker
+  idx_L = jnp.asarray(idx_W.reshape(npath, L))[p]
+  w_KxL = jax.lax.dynamic_slice_in_dim(w_KxW, p * L, L, axis=1)
+  j = sharding.path_dim(spec)
+  if j == 0:  # K on 'path': this device's modules, read by its own workers only.
+    if not sharding.owns_its_modules(s, npath):
+      raise ValueError(f"store group {s.name}: K is on 'path' but its workers read other blocks.")
+    k = s.num_modules // npath
+    i_L = idx_L - p * k
+    d = _delta(x_K, x_L, jax.lax.dynamic_slice_in_dim(w_KxL, p * k, k), i_L)
+    return d, jax.lax.dynamic_slice_in_dim(trained_K, p * k, k), p * k, lambda new: new[i_L]
+  if j is None:  # Replicated (K = 1): this device's workers, then a sum over 'path'.
+    d = _delta(x_K, x_L, w_KxL, idx_L)
+    free = [i for i in range(1, d.ndim) if d.shape[i] % ndata == 0]
+    if ndata > 1 and "data" not in sharding.spec_axes(spec) and free:
+      # Each of a path's data-parallel devices sums its own part across paths.
+      i = max(free, key=lambda i: d.shape[i])
+      part = jax.lax.psum(_data_part(d, i, ndata), "path")
+      d = jax.lax.all_gather(part, "data", axis=i, tiled=True)
+    else:
+      d = jax.lax.psum(d, "path")
+    return d, trained_K, 0, lambda new: new[idx_L]
+  # Dim j on 'path': every worker's slice j here; Δ of this slice of every module.
+  # With 'data' there too (and not in the params'), a device moves its part.
+  split = "data" in sharding.spec_axes(spec[j : j + 1]) - sharding.spec_axes(param_spec[j : j + 1])
+  x_W = jax.lax.all_to_all(_data_part(x_L, j, ndata) if split else x_L, "path", j, 0, tiled=True)
+  d = _delta(x_K, x_W, w_KxW, idx_W)
+
+  def to_workers(new):
+    y = jax.lax.all_to_all(new[idx_W], "path", 0, j, tiled=True)
+    return jax.lax.all_gather(y, "data", axis=j, tiled=True) if split else y
+
+  return d, trained_K, 0, to_workers
+
+
+def sharded_outer_step(topo: topo_lib.Topology, cfg: OuterConfig, mesh, specs):
+  """`outer_step` over `mesh` (a shard_map), its collectives across 'path' written out.
+
+  specs: the PartitionSpecs of (store, outer_opt, params). A device holds
+  L = W / path workers; per store leaf of m bytes per module, its layout
+  (sharding.store_specs) fixes what crosses 'path':
+    K on 'path': the device's modules are its own workers' only: nothing.
+    replicated (K = 1): its workers' weighted deltas summed, one psum: m.
+    an inner dim on 'path': an all_to_all gives each device its slice of all
+      W workers' params (L m), it updates its slice of every module, and an
+      all_to_all returns each worker its module's slices (L m).
+  So at most 2 L m per leaf, whatever K and the 'data' axis, plus one psum of
+  the ‖Δ‖ metric (ΣK float32). The same Δ (`_delta`) and Nesterov
+  (`_nesterov`) as `outer_step`; only the order of the sums may differ.
+  """
+  store_specs, opt_specs, param_specs = specs
+  tx = optimizer(cfg)
+
+  def body(store, opt_state, params_L, alpha_W):
+    deltas, masks, back, sq = {}, {}, {}, {}
+    for s in topo.store_groups():
+      w_KxW, norm_K, _ = _weights(s, alpha_W, cfg.sqrt_paths)
+      x_K, treedef = jax.tree.flatten(store[s.name])
+      x_L = treedef.flatten_up_to(params_L[s.name])
+      spec = treedef.flatten_up_to(store_specs[s.name])
+      pspec = treedef.flatten_up_to(param_specs[s.name])
+      d_K, m_K, back[s.name] = [], [], (treedef, [])
+      for x, xl, sp, psp in zip(x_K, x_L, spec, pspec):
+        d, m, row, to_workers = _leaf_on_mesh(x, xl, sp, psp, s, w_KxW, norm_K > 0, mesh.shape)
+        d = d.astype(x.dtype)
+        d_K.append(d)
+        m_K.append(m)
+        back[s.name][1].append(to_workers)
+        part = jnp.sum(jnp.square(d.astype(jnp.float32)), axis=tuple(range(1, d.ndim)))
+        part = jax.lax.dynamic_update_slice(jnp.zeros(s.num_modules, jnp.float32), part, (row,))
+        for a in mesh.axis_names:  # A copy replicated over `a` is counted once.
+          if a not in sharding.spec_axes(sp):
+            part = jnp.where(jax.lax.axis_index(a) == 0, part, 0.0)
+        sq[s.level] = sq.get(s.level, 0.0) + part
+      deltas[s.name], masks[s.name] = treedef.unflatten(d_K), treedef.unflatten(m_K)
+    new_store, new_opt_state = _nesterov(tx, store, opt_state, deltas, masks)
+    new_params = {
+      g: t.unflatten([f(x) for f, x in zip(fs, t.flatten_up_to(new_store[g]))])
+      for g, (t, fs) in back.items()
+    }
+    # The ‖Δ‖ metric in one psum of ΣK floats.
+    levels = list(sq)
+    total_sq = jax.lax.psum(jnp.concatenate([sq[lvl] for lvl in levels]), mesh.axis_names)
+    cuts = np.cumsum([sq[lvl].shape[0] for lvl in levels])[:-1]
+    norms = dict(zip(levels, jnp.split(jnp.sqrt(total_sq), cuts)))
+    return new_store, new_opt_state, new_params, {"delta_norm": norms}
+
+  return jax.shard_map(
+    body,
+    mesh=mesh,
+    in_specs=(store_specs, opt_specs, param_specs, PartitionSpec()),
+    out_specs=(store_specs, opt_specs, param_specs, PartitionSpec()),
+    # all_gather over 'data' returns equal copies, which the checker would
+    # call varying; the metric's psum counts each copy once by masking.
+    check_vma=False,
+  )
 
 
 class _OneModule:

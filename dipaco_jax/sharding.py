@@ -21,6 +21,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dipaco_jax import config_defaults
+from dipaco_jax import topology
 from dipaco_jax.types import PyTree
 
 AXES = ("path", "data", "model")
@@ -158,13 +159,84 @@ def worker_specs(params_W: PyTree, mesh: Mesh, fsdp: bool = False) -> PyTree:
   return stacked_specs(params_W, mesh, leading="path", fsdp=fsdp)
 
 
-def store_specs(store: PyTree, mesh: Mesh, fsdp: bool = False) -> PyTree:
-  """Each store group on 'path' when its K divides the axis, else replicated."""
+def owns_its_modules(s: topology.StoreGroup, npath: int) -> bool:
+  """Whether splitting K over 'path' gives each device exactly its own workers' modules.
+
+  Workers sit on 'path' in blocks of W / npath (worker_specs); module k in
+  blocks of K / npath. A private copy per path always qualifies, so does the
+  first level of a grid when its K is a multiple of the 'path' axis.
+  """
+  K, W = s.num_modules, len(s.module_of_worker)
+  return K % npath == 0 and bool(
+    np.all(s.module_of_worker // (K // npath) == np.arange(W) // (W // npath))
+  )
+
+
+def _with_path(spec: P, shape: Sequence[int], mesh: Mesh, fsdp: bool) -> P:
+  """`spec` with 'path' also on one inner dim (after any axis already there).
+
+  Without FSDP the modules are also split over 'data' on that dim where it
+  divides, so that each of a path's data-parallel devices moves its own part.
+  The largest dim that divides wins, one no other axis uses first.
+  Unchanged when no dim divides: that leaf stays replicated over 'path'.
+  """
+  added = [("path",)] if fsdp or mesh.shape["data"] == 1 else [("data", "path"), ("path",)]
+  for axes in added:
+    best = None
+    for i in range(1, len(shape)):
+      other = spec[i] if i < len(spec) else None
+      n = math.prod(mesh.shape[a] for a in axes) * (mesh.shape[other] if other else 1)
+      key = (other is None, shape[i])
+      if shape[i] % n == 0 and (best is None or key > best[0]):
+        best = (key, i, other)
+    if best is not None:
+      entries = list(spec) + [None] * (len(shape) - len(spec))
+      _, i, other = best
+      entries[i] = ((other,) if other else ()) + axes
+      return P(*entries)
+  return spec
+
+
+def store_specs(store: PyTree, mesh: Mesh, topo: topology.Topology, fsdp: bool = False) -> PyTree:
+  """Each store group's layout over 'path', which fixes the outer step's collectives.
+
+  K on 'path' where each device then holds just its own workers' modules
+  (`owns_its_modules`); replicated when K = 1; otherwise every module split
+  over 'path' on one inner dim (`_with_path`), so that no device holds, and
+  no outer step moves, the dense [K, ...] store (outer.sharded_outer_step).
+  """
   npath = mesh.shape["path"]
   out = {}
-  for g, sub in store.items():
-    k = jax.tree.leaves(sub)[0].shape[0]
-    out[g] = stacked_specs(sub, mesh, leading="path" if k % npath == 0 else None, fsdp=fsdp)
+  for s in topo.store_groups():
+    sub = store[s.name]
+    if owns_its_modules(s, npath):
+      out[s.name] = stacked_specs(sub, mesh, leading="path", fsdp=fsdp)
+    elif s.num_modules == 1:
+      out[s.name] = stacked_specs(sub, mesh, leading=None, fsdp=fsdp)
+    else:
+      specs = stacked_specs(sub, mesh, leading=None, fsdp=fsdp)
+      out[s.name] = jax.tree.map(
+        lambda sp, x: _with_path(sp, x.shape, mesh, fsdp),
+        specs,
+        sub,
+        is_leaf=lambda x: isinstance(x, P),
+      )
+  return out
+
+
+def path_dim(spec: P) -> int | None:
+  """The dim that 'path' splits in a spec (alone or with another axis), or None."""
+  for i, entry in enumerate(spec):
+    if entry == "path" or (isinstance(entry, tuple) and "path" in entry):
+      return i
+  return None
+
+
+def spec_axes(spec: P) -> set[str]:
+  """Every mesh axis a spec names."""
+  out = set()
+  for entry in spec:
+    out.update(entry if isinstance(entry, tuple) else (entry,) if entry else ())
   return out
 
 

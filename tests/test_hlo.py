@@ -128,3 +128,47 @@ def test_compiled_reductions_on_permuted_mesh():
   assert hlo.cross_axis_bytes(over_data, mesh, "data") > 0
   assert hlo.cross_axis_bytes(over_path, mesh, "path") > 0
   assert hlo.cross_axis_bytes(over_path, mesh, "data") == 0
+
+
+def test_tpu_dcn_transfers_and_async_fusion_copies():
+  """Two forms of multislice TPU HLO (libtpu 0.0.42, abridged from a compiled outer step).
+
+  A MegaScale transfer is a send and a recv under one rendezvous: counted once,
+  as the larger buffer (4*8*4 = 128 bytes), spanning 'path' (DCN_AXIS) only.
+  An all-gather repeated in async collective fusions (same channel_id and
+  chain_id) is one collective; shard_map's distinct collectives may share a
+  channel_id (all are channel_id=1 on CPU) and are each counted.
+  """
+  megascale = (
+    'frontend_attributes={_xla_host_transfer_handler_name="xla_megascale_runtime",'
+    '_xla_host_transfer_rendezvous="all_to_all.688_0",'
+    '_xla_megascale_transfer_type="ALL_TO_ALL"}'
+  )
+  text = "\n".join(
+    [
+      f"  %send = (f32[4,8]{{1,0}}, u32[], token[]) send(%a, %t), channel_id=2, "
+      f"is_host_transfer=true, {megascale}",
+      f"  %recv = (f32[4,8]{{1,0}}, u32[], token[]) recv(%t), channel_id=1, "
+      f"is_host_transfer=true, {megascale}",
+    ]
+    + [
+      f"  %all-gather.{i} = f32[1,16]{{1,0}} all-gather(%p{i}), channel_id=1, "
+      'replica_groups={{0,2},{1,3}}, dimensions={1}, frontend_attributes={chain_id="0"}'
+      for i in range(3)
+    ]
+    + [
+      f"  %all-to-all.{i} = f32[2]{{0}} all-to-all(%q{i}), channel_id=1, "
+      "replica_groups={{0,2},{1,3}}, dimensions={0}"
+      for i in range(2)
+    ]
+  )
+  got = [(c.op, c.nbytes, c.dcn) for c in hlo.collectives(text)]
+  assert got == [
+    ("all-gather", 64, False),
+    ("all-to-all", 8, False),
+    ("all-to-all", 8, False),
+    ("dcn-all-to-all", 128, True),
+  ]
+  assert hlo.dcn_bytes(text) == 128
+  assert hlo.cross_axis_bytes(text, MESH_2x2, "path") == 64 + 8 + 8 + 128
+  assert hlo.cross_axis_bytes(text, MESH_2x2, "data") == 0

@@ -6,13 +6,20 @@ w2,w3 on module 1. Every parameter is a length-2 vector of one value, the
 store starts at 0.
 """
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from dipaco_jax import config_defaults
+from dipaco_jax import experiment
 from dipaco_jax import outer
+from dipaco_jax import paths
 from dipaco_jax import topology
+
+import helpers
 
 TOPO = topology.build(("embed,head", "block_0"), (1, 2), 1, replicas=2)
 
@@ -148,3 +155,48 @@ def test_config_errors():
     _outer_config(weighting="tokens")
   with pytest.raises(ValueError, match="outer.sqrt_paths"):
     _outer_config(sqrt_paths="square")
+
+
+@pytest.mark.parametrize(
+  "overrides",
+  [
+    # Embedding K=1 (replicated, psum), blocks K=2 < path (slices, all_to_all),
+    # the head private (K on 'path', no collective).
+    {"mesh.path": 4, "mesh.data": 1, "dipaco.path_specific": "head"},
+    # block_0 K=2 on 'path' (its workers sit together), block_1 sliced; each of a
+    # path's two 'data' devices moves half of every module.
+    {"mesh.path": 2, "mesh.data": 2},
+    # The same with FSDP: params and store already split over 'data'.
+    pytest.param({"mesh.path": 2, "mesh.data": 2, "mesh.fsdp": True}, marks=pytest.mark.slow),
+  ],
+)
+def test_sharded_step_equals_the_one_device_formula(overrides):
+  # The Experiment's outer step (shard_map, explicit collectives over 'path')
+  # against `outer_step` on one device, from a random store, random momentum,
+  # workers near their modules and one inactive worker (α = 0).
+  exp = experiment.Experiment(helpers.micro_config(**overrides))
+  rng = np.random.default_rng(0)
+  st = exp.abstract_state
+
+  def normal(tree, scale=1.0):
+    return jax.tree.map(lambda x: (scale * rng.normal(size=x.shape)).astype(np.float32), tree)
+
+  store, momentum = normal(st.store), normal(st.outer_opt)
+  params = jax.tree.map(np.add, paths.assemble(store, exp.topo), normal(st.params, 0.01))
+  alpha = np.array([0.5, 1.0, 2.0, 0.0], np.float32)
+  want = jax.jit(functools.partial(outer.outer_step, topo=exp.topo, cfg=exp.outer_cfg))(
+    store, momentum, params, alpha
+  )
+  got = exp.outer_step(
+    jax.device_put(store, exp.state_sharding.store),
+    jax.device_put(momentum, exp.state_sharding.outer_opt),
+    jax.device_put(params, exp.state_sharding.params),
+    alpha,
+  )
+  for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6)
+  # The inactive worker's private head copy (module 3) kept its params.
+  if "head" in exp.topo.private_groups:
+    np.testing.assert_array_equal(
+      np.asarray(got[0]["head"]["norm"]["scale"][3]), store["head"]["norm"]["scale"][3]
+    )

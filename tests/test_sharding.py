@@ -2,11 +2,16 @@
 
 On 4 fake devices as path=2 x data=2 with 4 workers, the inner step holds
 collectives (the gradient all-reduce over 'data'), none of whose replica
-groups spans two 'path' coordinates; the outer step does reduce over 'path'.
+groups spans two 'path' coordinates; the outer step does reduce over 'path',
+and moves at most twice the module bytes of the paths each device holds.
 """
+
+import functools
+from typing import NamedTuple
 
 import jax
 import numpy as np
+import pytest
 
 from dipaco_jax import experiment
 from dipaco_jax import hlo
@@ -62,3 +67,75 @@ def test_worker_axis_is_sharded_on_path():
   spec = jax.tree.leaves(exp.state_sharding.params)[0].spec
   assert spec[0] == "path"
   assert sharding.batch_spec() == jax.sharding.PartitionSpec("path", "data")
+
+
+# Blocks with K=4 on 4 paths, which (on path=4) no worker shares with its
+# module's block of the store; on path=2 block_0's do: its outer step is local.
+K4_GRID = {
+  "dipaco.modules_per_level": (1, 4, 4),
+  "dipaco.paths": ("0-1-2", "0-0-0", "0-3-3", "0-2-1"),
+}
+
+
+class OuterBytes(NamedTuple):
+  cross: int  # Bytes across 'path' per device (hlo.cross_axis_bytes).
+  path: int  # Module bytes of one path: each group's store bytes / K.
+  held: int  # Module bytes of the paths a device holds: W / path x `path`.
+  metric: int  # The ‖Δ‖ metric: one float32 per module of each level.
+  store: int  # The whole store.
+
+
+@functools.lru_cache
+def _outer_bytes(**overrides) -> OuterBytes:
+  exp = experiment.Experiment(helpers.micro_config(**overrides))
+  st, topo = exp.abstract_state, exp.topo
+  alpha = jax.ShapeDtypeStruct((topo.num_workers,), np.float32)
+  text = exp.outer_step.lower(st.store, st.outer_opt, st.params, alpha).compile().as_text()
+  group_bytes = {
+    s.name: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(st.store[s.name]))
+    for s in topo.store_groups()
+  }
+  path = sum(group_bytes[s.name] // s.num_modules for s in topo.store_groups())
+  levels = {s.level: s.num_modules for s in topo.store_groups()}
+  return OuterBytes(
+    cross=hlo.cross_axis_bytes(text, exp.mesh, "path"),
+    path=path,
+    held=topo.num_workers // exp.mesh.shape["path"] * path,
+    metric=4 * sum(levels.values()),
+    store=sum(group_bytes.values()),
+  )
+
+
+@pytest.mark.parametrize("path,data", [(4, 1), (2, 2)])
+def test_outer_step_moves_at_most_twice_the_held_module_bytes(path, data):
+  """Per device, bytes across 'path' <= 2 x the module bytes of the paths it holds (+ ‖Δ‖).
+
+  Bytes as hlo.cross_axis_bytes counts them: for every collective of the
+  compiled outer step whose replica groups span two 'path' coordinates, the
+  larger of its per-device input and output buffers, once per device (an
+  all-reduce: its buffer; an all-to-all: what a device sends, = what it
+  receives; a reduce-scatter: its input; an all-gather: its output), not the
+  wire traffic of the algorithm XLA picks. A device holds W / path workers,
+  each reading one module per group; the ‖Δ‖ metric adds one float32 per
+  module. Here: embedding + head K=1 (a psum of one module) and two block
+  levels of K=4 (module slices all_to_all'ed out and back: 2 x the modules;
+  on path=2 block_0 moves nothing, and each of a path's 2 'data' devices moves
+  half). The store is 3.3 paths, so an all-reduce of the [K, ...] deltas
+  would exceed the bound.
+  """
+  b = _outer_bytes(**{"mesh.path": path, "mesh.data": data, **K4_GRID})
+  assert b.store > 3 * b.path
+  assert 0 < b.cross <= 2 * b.held + b.metric
+
+
+def test_outer_step_path_bytes_do_not_grow_with_k():
+  # The same 4 paths of the same size (W = 4 on path=4), with K=2 and K=4
+  # modules in each block level: the store grows (old all-reduce of [K, ...]
+  # deltas: ~K x module bytes) but the bytes across 'path' do not, except the
+  # ‖Δ‖ metric's one float32 per module. In both, every block level is sliced.
+  k2 = _outer_bytes(**{"mesh.path": 4, "mesh.data": 1})
+  k4 = _outer_bytes(**{"mesh.path": 4, "mesh.data": 1, **K4_GRID})
+  assert k4.store > 1.5 * k2.store
+  assert k4.held == k2.held
+  assert k4.cross - k4.metric == k2.cross - k2.metric
+  assert k4.cross <= 2 * k4.held + k4.metric
