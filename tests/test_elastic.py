@@ -83,7 +83,7 @@ def test_executor_result_does_not_depend_on_arrival_order_and_matches_outer_step
     for w in order:
       for ex in exs:
         ex.report(0, w)
-    assert sorted(sum((ex.report(0, order[-1]) for ex in exs), [])) == sorted(
+    assert sorted(sum((ex.report(0, order[-1])[0] for ex in exs), [])) == sorted(
       grid_lib.module_key(g, e) for g, e in grid.used_modules()
     )
     results.append(_stepped(wd, grid))
@@ -127,6 +127,112 @@ def test_executor_restarted_mid_phase_applies_every_delta_once(tmp_path):
   for w in (1, 2, 3, 1, 0):  # Duplicates included: each worker counts once.
     again.report(0, w)
   assert _stepped(wd, grid) == _stepped(ref, grid)
+
+
+def _constant_phase(workdir, grid, phase: int, values) -> None:
+  """Worker w's phase-`phase` outputs: every leaf of every group filled with values[w]."""
+  for w, v in values.items():
+    for s in grid.groups:
+      t = grid.module_template(s.name)
+      storage.save_tree(
+        storage.worker_out_dir(workdir, w, phase + 1) / f"{s.name}.npz",
+        jax.tree.map(lambda x, v=v: np.full(x.shape, v, x.dtype), t),
+      )
+
+
+def _value(workdir, grid, group, module, version) -> float:
+  """The one value every leaf of a module version holds (checked)."""
+  tree = storage.load_tree(
+    storage.module_file(workdir, group, module, version), grid.module_template(group)
+  )
+  vals = np.unique(np.concatenate([np.ravel(x) for x in jax.tree.leaves(tree)]))
+  assert len(vals) == 1, vals
+  return float(vals[0])
+
+
+@pytest.mark.parametrize("late", ["next", "drop"])
+def test_quorum_steps_without_the_slow_worker_and_handles_its_late_delta(tmp_path, late):
+  # Plain averaging (outer lr 1, no momentum, no √P): θ_{t+1} = θ_t − mean_w(θ_t − p_w).
+  cfg = _config(
+    **{
+      "outer.lr": 1.0,
+      "outer.momentum": 0.0,
+      "outer.sqrt_paths": "none",
+      "dipaco.outer_steps": 3,
+      "elastic.quorum": 0.5,
+      "elastic.late_deltas": late,
+    }
+  )
+  grid = grid_lib.Grid(cfg)
+  wd = str(tmp_path)
+  for s in grid.groups:  # Version 0 of every module: zeros.
+    for e in range(s.num_modules):
+      m = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), grid.module_template(s.name))
+      storage.save_tree(storage.module_file(wd, s.name, e, 0), m)
+      storage.save_tree(storage.module_file(wd, s.name, e, 0, "opt"), grid.outer_tx.init(m))
+  _constant_phase(wd, grid, 0, {0: 1.0, 1: 2.0, 2: 3.0, 3: 4.0})
+  _constant_phase(wd, grid, 1, {0: 2.5, 1: 3.5})
+  _constant_phase(wd, grid, 2, {0: 9.0})
+  groups = [s.name for s in grid.groups]
+  ex = exec_lib.OuterExecutor(cfg, wd, 0, groups, [1.0] * 4)
+  # Phase 0: embed (all 4 workers, α 1 each) needs 2 reports; block_0/0 (workers 0, 1) needs 1.
+  assert ex.report(0, 0)[0] == ["block_0/0", "block_1/0"]
+  assert "embed/0" in ex.report(0, 1)[0]  # Stepped with workers 0 and 1.
+  ex.report(0, 2)
+  ex.report(0, 3)  # Late for embed; workers 2, 3 (and 1 for block_0/0) missed their steps.
+  assert _value(wd, grid, "embed", 0, 1) == (1.0 + 2.0) / 2  # Not 2.5: no slow worker in it.
+  assert _value(wd, grid, "block_0", 0, 1) == 1.0  # Worker 0 alone.
+  ex = exec_lib.OuterExecutor(cfg, wd, 0, groups, [1.0] * 4)  # Restart: state from the snapshot.
+  assert ex.used[0]["embed/0"] == [0, 1]
+  ex.report(0, 3)  # A duplicate: no effect.
+  # Phase 1: workers 0 (2.5) and 1 (3.5) report; θ1 = 1.5 for embed, 1.0 for block_0/0.
+  ex.report(1, 0)
+  assert ex.report(1, 1)[1] == ["block_0/0", "block_1/0", "block_1/1", "embed/0", "head/0"]
+  if late == "next":
+    # The late phase-0 deltas (θ0 − p = −3, −4) join: Δ = mean(−1, −2, −3, −4) = −2.5.
+    assert _value(wd, grid, "embed", 0, 2) == 1.5 + 2.5
+    # block_0/0: on time 1 − 2.5 = −1.5; late worker 1: 0 − 2 = −2 -> Δ = −1.75.
+    assert _value(wd, grid, "block_0", 0, 2) == 1.0 + 1.75
+  else:  # Dropped: Δ = mean(−1, −2) = −1.5; block_0/0: −1.5.
+    assert _value(wd, grid, "embed", 0, 2) == 1.5 + 1.5
+    assert _value(wd, grid, "block_0", 0, 2) == 1.0 + 1.5
+  # The last step (phase 2): in "next" mode it waits for every report (no later step). In
+  # "drop" mode block_0/0 steps with worker 0; block_1/0 (workers 0, 2) waits for worker 2's
+  # phase-1 report first (staleness is bounded to one phase).
+  stepped = ex.report(2, 0)[2]
+  assert stepped == ([] if late == "next" else ["block_0/0"])
+
+
+def test_quorum_grace_window_runs_from_the_quorum(tmp_path, monkeypatch):
+  cfg = _config(
+    **{
+      "outer.lr": 1.0,
+      "outer.momentum": 0.0,
+      "outer.sqrt_paths": "none",
+      "elastic.quorum": 0.5,
+      "elastic.grace_s": 10.0,
+    }
+  )
+  grid = grid_lib.Grid(cfg)
+  wd = str(tmp_path)
+  for s in grid.groups:
+    for e in range(s.num_modules):
+      m = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), grid.module_template(s.name))
+      storage.save_tree(storage.module_file(wd, s.name, e, 0), m)
+      storage.save_tree(storage.module_file(wd, s.name, e, 0, "opt"), grid.outer_tx.init(m))
+  _constant_phase(wd, grid, 0, {0: 1.0, 1: 2.0, 2: 3.0, 3: 4.0})
+  clock = [100.0]
+  monkeypatch.setattr(exec_lib.time, "time", lambda: clock[0])
+  ex = exec_lib.OuterExecutor(cfg, wd, 0, ["embed"], [1.0] * 4)
+  ex.report(0, 0)
+  assert ex.report(0, 1) == {0: [], 1: []}  # Quorum at t=100; the window runs to t=110.
+  clock[0] = 105.0
+  assert ex.poll() == ({}, True)
+  clock[0] = 106.0
+  ex.report(0, 2)  # Joins within the window (3 of 4: still not all).
+  clock[0] = 110.0
+  assert ex.poll() == ({0: ["embed/0"]}, False)
+  assert _value(wd, grid, "embed", 0, 1) == (1.0 + 2.0 + 3.0) / 3
 
 
 # ---- The queue. ----

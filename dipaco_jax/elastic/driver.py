@@ -358,6 +358,17 @@ def _loop(
         outer[ex.report.remote(phase, worker)] = (j, phase, worker)
         chaos_x.on_dispatch(j, 0.2)
 
+  def stepped(j, keys):
+    """Executor j's {phase: modules it stepped} to the queue (and the task log)."""
+    for phase, mods in sorted(keys.items()):
+      call(coord.modules_updated, phase, mods)
+      if mods:
+        log(event="outer", phase=phase, executor=j, modules=mods)
+
+  # Quorum with a grace window: executors step on the clock too, so the driver polls them.
+  polls, waiting, next_poll = {}, {}, 0.0
+  poll_s = 0.1 if e.quorum < 1.0 and e.grace_s > 0 else None
+
   for phase, worker in call(coord.unreported):  # After a restart: executors are idempotent.
     report(phase, worker)
   try:
@@ -375,16 +386,22 @@ def _loop(
         running[workers[i].run.remote(*task)] = (i, tuple(task), time.time())
         log(event="start", phase=task[0], worker=task[1], actor=i)
         chaos_w.on_dispatch(i, task_time[0])
-      if not running and not outer and not probes and not ex_probes:
+      if poll_s and time.time() >= next_poll:
+        next_poll = time.time() + poll_s
+        for j, ex in enumerate(executors):
+          if owned[j] and j not in polls.values():
+            polls[ex.poll.remote()] = j
+      if not (running or outer or probes or ex_probes):
         if call(coord.finished):
           break
-        raise RuntimeError(f"elastic: no task ready and none running: {call(coord.status)}")
+        if not (polls or any(waiting.values())):  # Nothing can make a task ready any more.
+          raise RuntimeError(f"elastic: no task ready and none running: {call(coord.status)}")
       chaos_w.fire(ray, workers, {a for a, _, _ in running.values()})
       chaos_x.fire(ray, executors, {j for j, _, _ in outer.values()})
       ready, _ = ray.wait(
-        list(running) + list(outer) + list(probes) + list(ex_probes),
+        list(running) + list(outer) + list(probes) + list(ex_probes) + list(polls),
         num_returns=1,
-        timeout=0.05 if chaos_w.due or chaos_x.due else 1.0,
+        timeout=0.05 if chaos_w.due or chaos_x.due else (poll_s or 1.0),
       )
       for f in ready:
         if f in ex_probes:
@@ -431,6 +448,13 @@ def _loop(
             report(*task)
           else:
             log(event="duplicate", phase=task[0], worker=task[1], actor=actor)
+        elif f in polls:
+          j = polls.pop(f)
+          try:
+            keys, waiting[j] = ray.get(f)
+          except ray_errors.RayActorError:  # Restarting: the next poll asks again.
+            continue
+          stepped(j, keys)
         else:
           j, phase, worker = outer.pop(f)
           try:
@@ -442,9 +466,7 @@ def _loop(
             if j not in set(ex_probes.values()):
               ex_probes[executors[j].pid.remote()] = j
             continue
-          call(coord.modules_updated, phase, keys)
-          if keys:
-            log(event="outer", phase=phase, executor=j, modules=keys)
+          stepped(j, keys)
       results = call(coord.results)
       while phases_logged < grid.T and complete(phases_logged) and complete(phases_logged + 1):
         t = phases_logged

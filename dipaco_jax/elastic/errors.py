@@ -7,6 +7,7 @@ from etils import epath
 from dipaco_jax import config_defaults
 
 MODES = ("spmd", "elastic")
+LATE_DELTAS = ("next", "drop")  # elastic.late_deltas: join the next outer step, or ignored.
 META = "elastic/meta.json"  # Written when an elastic run initializes its storage.
 
 
