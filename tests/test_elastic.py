@@ -2,6 +2,7 @@
 # pylint: disable=invalid-name
 
 import itertools
+import json
 import os
 import shutil
 
@@ -12,8 +13,10 @@ import pytest
 
 from dipaco_jax import checkpoint
 from dipaco_jax import config_defaults
+from dipaco_jax import evaluation
 from dipaco_jax import outer
 from dipaco_jax import paths
+from dipaco_jax import serving
 from dipaco_jax import train
 from dipaco_jax.elastic import coordinator as coord_lib
 from dipaco_jax.elastic import errors
@@ -278,7 +281,7 @@ def test_queue_timeout_requeues(tmp_path):
     ("mesh.path", 2, "config.mesh.path=2"),
     ("elastic.num_workers", 0, "config.elastic.num_workers=0"),
     ("routing.discriminative_at_outer_step", 1, "discriminative_at_outer_step"),
-    ("early_stopping.enabled", True, "early_stopping.enabled"),
+    ("elastic.late_deltas", "later", "config.elastic.late_deltas='later'"),
     ("elastic.worker_resources", "TPU=4", "worker_resources='TPU=4'"),
   ],
 )
@@ -348,10 +351,16 @@ def _final(workdir):
   return checkpoint.restore_numpy(workdir)
 
 
+# evaluate.py on micro runs: no re-router fits, a prefix shorter than the 16-token sequences.
+_EVAL = {"eval.rerouters": (), "routing.prefix_len": 4}
+
+
 @pytest.mark.slow
 def test_elastic_matches_spmd_and_survives_kills(tmp_path, ray_cluster):
   shards = str(tmp_path / "shards")
-  cfg = lambda **kw: _config(**{"data.shard_dir": shards, **kw})
+  cfg = lambda **kw: _config(
+    **{"data.shard_dir": shards, "early_stopping.enabled": True, **_EVAL, **kw}
+  )
   spmd = cfg(**{"dipaco.mode": "spmd"})
   ref = train.train_and_evaluate(spmd, str(tmp_path / "spmd"))
   out = train.train_and_evaluate(cfg(), str(tmp_path / "clean"))
@@ -368,6 +377,28 @@ def test_elastic_matches_spmd_and_survives_kills(tmp_path, ray_cluster):
       # with a nonzero LR (max |diff| measured: 4.8e-7 after 2 outer steps).
       np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=1e-6)
   np.testing.assert_array_equal(a["step"], b["step"])
+  # Early stopping (the driver feeds early_stopping.BestPaths the tasks' evaluations):
+  # the same records and best set as spmd's; serving reads both sources of the checkpoint.
+  rec_a, rec_b = (checkpoint.read_best_records(str(tmp_path / d)) for d in ("spmd", "clean"))
+  assert rec_a["step"] == rec_b["step"] and rec_b["checkpoint_step"] == 4
+  np.testing.assert_allclose(rec_a["loss"], rec_b["loss"], rtol=1e-5)
+  for path in range(4):
+    for source in ("store", "best"):
+      x, _ = serving.load_path_params(str(tmp_path / "spmd"), spmd, path, source=source)
+      y, info = serving.load_path_params(str(tmp_path / "clean"), cfg(), path, source=source)
+      assert info["step"] == 4
+      for u, v in zip(jax.tree.leaves(x), jax.tree.leaves(y), strict=True):
+        np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=0, atol=1e-6)
+  # Routed evaluation (evaluate.py) of the elastic checkpoint, store and best set.
+  reports = []
+  for d, c in (("spmd", spmd), ("clean", cfg())):
+    evaluation.evaluate_and_write(c, str(tmp_path / d))
+    reports.append(json.loads((tmp_path / d / "eval" / "step_4.json").read_text()))
+  assert set(reports[1]) == {"store", "best"}
+  for k in ("store", "best"):
+    np.testing.assert_allclose(
+      reports[0][k]["own_shard"]["loss"], reports[1][k]["own_shard"]["loss"], rtol=1e-5
+    )
 
   # Faults: worker and executor SIGKILLs at random moments of their calls (tasks slowed
   # to ~1 s so kills land mid-task), and the driver stopping after 4 accepted tasks,
@@ -387,7 +418,45 @@ def test_elastic_matches_spmd_and_survives_kills(tmp_path, ray_cluster):
   c = _final(faulty)
   for x, y in zip(jax.tree.leaves(b), jax.tree.leaves(c), strict=True):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  # The best set too (the rerun driver replays early stopping from the accepted results).
+  assert checkpoint.read_best_records(faulty) == rec_b | {"checkpoint_step": 4}
+  for path in range(4):
+    x, _ = serving.load_path_params(str(tmp_path / "clean"), cfg(), path, source="best")
+    y, _ = serving.load_path_params(faulty, cfg(), path, source="best")
+    for u, v in zip(jax.tree.leaves(x), jax.tree.leaves(y), strict=True):
+      np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
   assert (tmp_path / "faulty" / "metrics.jsonl").read_text().count('"step"') == 2  # One per phase.
   events = storage.read_lines(storage.root(faulty) / "tasks.jsonl")
   done = [(e["phase"], e["worker"]) for e in events if e["event"] == "done"]
   assert sorted(done) == sorted(itertools.product(range(3), range(4)))  # Each accepted once.
+
+
+@pytest.mark.slow
+def test_quorum_end_to_end_with_a_slow_worker(tmp_path, ray_cluster):
+  # Actor 1 sleeps 3 s per inner step, so task (0, 1) (leased to it first) ends long after
+  # actor 0 ran (0, 0), (0, 2), (0, 3): with quorum 0.5 every module steps phase 0 without
+  # worker 1; its late delta joins phase 1's step (the last, which waits for all).
+  wd = str(tmp_path / "run")
+  cfg = _config(
+    **{
+      "data.shard_dir": str(tmp_path / "shards"),
+      "elastic.quorum": 0.5,
+      "elastic.step_delay_s": (0.0, 3.0),
+    }
+  )
+  out = train.train_and_evaluate(cfg, wd)
+  assert out["step"] == 4 and out["status"]["done"] == 12
+  assert np.isfinite(out["train_loss_mean"])
+  grid = grid_lib.Grid(cfg)
+  snap = storage.load_json(exec_lib.snapshot_file(wd, 0))
+  assert snap["used"]["0"], snap  # Some module stepped phase 0 without every worker.
+  for key, used in snap["used"]["0"].items():
+    g, e = key.split("/")
+    through = grid.workers_through(g, int(e))
+    assert 1 not in used and set(used) < set(through)
+    # Each late delta joined the next step exactly once.
+    assert sorted(used + snap["carried"]["1"][key]) == through
+  assert "1" not in snap["used"]  # The last step waited for every report ("next").
+  events = storage.read_lines(storage.root(wd) / "tasks.jsonl")
+  done = [(e["phase"], e["worker"]) for e in events if e["event"] == "done"]
+  assert sorted(done) == sorted(itertools.product(range(3), range(4)))

@@ -3,9 +3,11 @@
 `run(config, workdir)` is `train_and_evaluate` for `dipaco.mode="elastic"`.
 The driver holds no training state: the coordinator (queue), the executors
 (outer steps) and storage do; killing the command and rerunning it resumes.
-The final store, momentum, worker params, AdamW states and data positions are
-written as one orbax checkpoint in the synchronous mode's layout, so
-evaluation and serving read an elastic workdir like any other.
+The final store, momentum, worker params, AdamW states and data positions (and
+early stopping's best set) are written as one orbax checkpoint in the
+synchronous mode's layout, so evaluation and serving read an elastic workdir
+like any other. Evaluation runs as part of the tasks on the pool (worker.py);
+early stopping runs in the driver after each evaluation phase completes.
 """
 # pylint: disable=invalid-name
 
@@ -23,6 +25,7 @@ from etils import epath
 
 from dipaco_jax import checkpoint as ckpt_lib
 from dipaco_jax import config_defaults
+from dipaco_jax import early_stopping
 from dipaco_jax import experiment as exp_lib
 from dipaco_jax import metrics as metrics_lib
 from dipaco_jax import paths as paths_lib
@@ -82,27 +85,56 @@ def _init_storage(config, workdir: str, exp, grid: grid_lib.Grid, alpha_W) -> No
   )
 
 
-def _final_state(config, workdir: str, exp, grid: grid_lib.Grid):
-  """The synchronous mode's TrainState after T outer steps, from storage (the one full copy)."""
+def _latest(workdir: str, group: str, module: int, kind: str, upto: int):
+  """The newest stored version <= `upto` of a module (an unused module stays at version 0)."""
+  for v in range(upto, -1, -1):
+    path = storage.module_file(workdir, group, module, v, kind)
+    if path.exists():
+      return path
+  raise FileNotFoundError(f"no version of module {group}/{module} under {storage.root(workdir)}")
 
-  def latest(g, e, kind):
-    for v in range(grid.T, -1, -1):
-      path = storage.module_file(workdir, g, e, v, kind)
-      if path.exists():
-        return path
-    raise FileNotFoundError(f"no version of module {g}/{e} under {storage.root(workdir)}")
 
-  store, opt_parts = {}, {}
+def _store_at(workdir: str, grid: grid_lib.Grid, version: int) -> dict:
+  """The whole store after `version` outer steps, leaves [K, ...] (the driver only)."""
+  store = {}
   for s in grid.groups:
     mods = [
-      storage.load_tree(latest(s.name, e, "v"), grid.module_template(s.name))
+      storage.load_tree(_latest(workdir, s.name, e, "v", version), grid.module_template(s.name))
       for e in range(s.num_modules)
     ]
     store[s.name] = jax.tree.map(lambda *xs: np.concatenate(xs), *[m[s.name] for m in mods])
-    opt_parts[s.name] = [
-      _by_path(storage.load_tree(latest(s.name, e, "opt"), grid.module_opt_template(s.name)))
+  return store
+
+
+def _update_best(best, exp, grid: grid_lib.Grid, workdir: str, results: dict, t: int) -> None:
+  """Early stopping after evaluation phase t: the tasks' own-shard losses and version t's paths.
+
+  Task (t, w) evaluated path w's params at version t (train.py's evaluation
+  after outer step t), so `early_stopping.BestPaths` takes the same inputs as
+  in the synchronous loop.
+  """
+  val_W = [results[f"{t}/{w}"].get("val_loss") for w in range(grid.W)]
+  if any(v is None for v in val_W):  # No evaluation at this step.
+    return
+  params = paths_lib.assemble(_store_at(workdir, grid, t), grid.topo)
+  params = jax.device_put(params, exp.state_sharding.params)
+  best.update(t * grid.H, np.asarray(val_W, np.float64), params, phase=0)
+
+
+def _final_state(config, workdir: str, exp, grid: grid_lib.Grid):
+  """The synchronous mode's TrainState after T outer steps, from storage (the one full copy)."""
+  store = _store_at(workdir, grid, grid.T)
+  opt_parts = {
+    s.name: [
+      _by_path(
+        storage.load_tree(
+          _latest(workdir, s.name, e, "opt", grid.T), grid.module_opt_template(s.name)
+        )
+      )
       for e in range(s.num_modules)
     ]
+    for s in grid.groups
+  }
   groups = [s.name for s in grid.groups]
   full_opt = jax.eval_shape(grid.outer_tx.init, store)
   leaves = []
@@ -349,6 +381,16 @@ def _loop(
   )
   if phases_logged == 0 and not results:
     mlog.write_hparams(config.to_dict())
+  # Per-path early stopping on the tasks' evaluations, in phase order (replayed on a rerun).
+  best = None
+  if config.early_stopping.enabled:
+    best = early_stopping.BestPaths(exp.state_sharding.params, grid.W)
+  best_next = [1]  # The next phase whose evaluation early stopping takes.
+
+  def early_stop(results):
+    while best is not None and best_next[0] <= grid.T and complete(best_next[0]):
+      _update_best(best, exp, grid, workdir, results, best_next[0])
+      best_next[0] += 1
 
   def report(phase, worker):
     if phase == grid.T:  # Evaluation only: nothing to average.
@@ -468,6 +510,7 @@ def _loop(
             continue
           stepped(j, keys)
       results = call(coord.results)
+      early_stop(results)
       while phases_logged < grid.T and complete(phases_logged) and complete(phases_logged + 1):
         t = phases_logged
         mlog.write((t + 1) * grid.H, _record(grid, results, t))
@@ -479,11 +522,13 @@ def _loop(
         return {"stopped": True, "status": status}
   finally:
     mlog.close()
+  early_stop(results)  # A rerun that finds every task done replays it here.
   out = {"step": grid.H * grid.T, **_record(grid, results, grid.T - 1)}
   ckpt = ckpt_lib.Checkpointer(workdir, max_to_keep=config.ckpt.max_to_keep, async_save=False)
   if ckpt.latest_step() != grid.H * grid.T:
     state, data = _final_state(config, workdir, exp, grid)
-    ckpt.save(grid.H * grid.T, state, {"train": data, "routing": {"phase": 0}})
+    data_state = {"train": data, "routing": {"phase": 0}}
+    ckpt.save(grid.H * grid.T, state, data_state, best=best.saved() if best else None)
   ckpt.close()
   status = call(coord.status)
   status.update(worker_kills=chaos_w.killed, executor_kills=chaos_x.killed)

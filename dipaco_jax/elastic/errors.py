@@ -56,12 +56,6 @@ def check_config(config) -> None:
       f"{config.routing.discriminative_at_outer_step}: discriminative re-shards are not "
       "implemented in elastic mode; set it to -1 or use --config.dipaco.mode=spmd."
     )
-  if config.early_stopping.enabled:
-    raise ElasticConfigError(
-      "config.early_stopping.enabled=True: per-path early stopping is not "
-      "implemented in elastic mode; pass "
-      "--config.early_stopping.enabled=False or use dipaco.mode=spmd."
-    )
   if config.stop_at_step >= 0:
     raise ElasticConfigError(
       f"config.stop_at_step={config.stop_at_step}: elastic runs stop on "

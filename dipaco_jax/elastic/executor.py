@@ -67,6 +67,7 @@ class OuterExecutor:
     # Quorum only: phase -> module -> the workers it stepped with (when not all); quorum times.
     self.used = {int(k): dict(v) for k, v in state.get("used", {}).items()}
     self.quorum_at = {int(k): dict(v) for k, v in state.get("quorum_at", {}).items()}
+    self.carried = {int(k): dict(v) for k, v in state.get("carried", {}).items()}  # Late, joined.
     self._cache = {}  # (phase, group, worker) -> that worker's params of the group.
     self._steps = {}
     self._lock = threading.Lock()  # report/poll vs each other (max_concurrency=2 for pid()).
@@ -84,6 +85,7 @@ class OuterExecutor:
       state.update(
         used={str(k): v for k, v in self.used.items()},
         quorum_at={str(k): v for k, v in self.quorum_at.items()},
+        carried={str(k): v for k, v in self.carried.items()},
       )
     storage.save_json(self._snap, state)
 
@@ -179,6 +181,8 @@ class OuterExecutor:
       self.used.setdefault(phase, {})[key] = got
     self._apply(phase, group, module, got, late)
     applied.add(key)
+    if late:
+      self.carried.setdefault(phase, {})[key] = late
     self._snapshot()
     for w in got:
       self._cache.pop((phase, group, w), None)
