@@ -264,6 +264,9 @@ def test_queue_rounds_requeue_idempotence_and_snapshot(tmp_path):
   restored = coord_lib.Coordinator(cfg, wd)  # A restarted coordinator: the lease is requeued.
   assert restored.pending == [leased] and restored.done == q.done
   assert restored.unreported() == [(0, 1), (0, 2), (0, 3)]
+  # With a quorum, worker 0's phase-0 delta may still be owed to a later step: re-reported too.
+  quorum = coord_lib.Coordinator(_config(**{"elastic.quorum": 0.5}), wd)
+  assert quorum.unreported() == [(0, 0), (0, 1), (0, 2), (0, 3)]
 
 
 def test_queue_timeout_requeues(tmp_path):
