@@ -315,6 +315,12 @@ def _rules() -> dict[str, Rule]:
     "elastic.chaos_executor_kills": count0,
     "elastic.chaos_seed": count0,
     "elastic.stop_after_tasks": _integer(1, unset=-1),
+    "elastic.quorum": (
+      (lambda v: _number(0)[0](v) and v <= 1),
+      "a fraction in (0, 1] of a module's α-weight (1.0 = wait for every report)",
+    ),
+    "elastic.grace_s": _number(0, above=False),
+    "elastic.late_deltas": _choice(elastic_errors.LATE_DELTAS),
   }
 
 

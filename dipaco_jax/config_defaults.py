@@ -181,6 +181,12 @@ def base() -> ml_collections.ConfigDict:
   c.elastic.chaos_seed = 0  # Seed of the fault-injection schedule.
   # Driver exits after this many accepted task results (rerun resumes); -1 = never.
   c.elastic.stop_after_tasks = -1
+  # Quorum (beyond the paper; docs/elastic.md): a module may take phase t's outer step once
+  # this fraction of its α-weight has reported and grace_s has passed since; 1.0 = all (off).
+  c.elastic.quorum = 1.0
+  c.elastic.grace_s = 0.0  # Seconds a module waits for more reports after its quorum is reached.
+  # Deltas that miss their module's quorum step: "next" = join its next step, "drop" = ignored.
+  c.elastic.late_deltas = "next"
 
   c.guard = ml_collections.ConfigDict()  # Divergence guard (metrics.DivergenceGuard); 0 = rule off.
   c.guard.stuck_steps = 100  # Stop when the mean train loss of this many steps past warmup >= ln V.

@@ -99,9 +99,9 @@ BAD_INPUTS = [
     "config.dipaco.mode='ray' is invalid: it must be one of 'spmd', 'elastic'",
   ),
   (
-    ["--config.dipaco.mode=elastic"],
-    "ElasticConfigError: config.early_stopping.enabled=True: "
-    "per-path early stopping is not implemented in elastic",
+    ["--config.dipaco.mode=elastic", "--config.routing.discriminative_at_outer_step=2"],
+    "ElasticConfigError: config.routing.discriminative_at_outer_step=2: discriminative "
+    "re-shards are not implemented in elastic mode",
   ),
   (
     ["--config.data.task=c5"],

@@ -90,6 +90,13 @@ def test_dataclasses_have_no_defaults_and_take_every_field_from_base(cls, sectio
       {"dispatch_ahead": "yes"},
       r"config.dispatch_ahead='yes' is invalid: it must be one of 'auto', 'on', 'off'",
     ),
+    ({"elastic.quorum": 0.0}, r"config.elastic.quorum=0.0 is invalid: it must be a fraction in"),
+    ({"elastic.quorum": 1.5}, r"config.elastic.quorum=1.5 is invalid: .* \(0, 1\]"),
+    (
+      {"elastic.grace_s": -1.0},
+      r"config.elastic.grace_s=-1.0 is invalid: it must be a number >= 0",
+    ),
+    ({"elastic.late_deltas": "later"}, r"late_deltas='later' is invalid: .* 'next', 'drop'"),
   ],
 )
 def test_load_refuses_unknown_keys_and_bad_values(overrides, match):

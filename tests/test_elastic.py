@@ -2,6 +2,7 @@
 # pylint: disable=invalid-name
 
 import itertools
+import json
 import os
 import shutil
 
@@ -12,8 +13,10 @@ import pytest
 
 from dipaco_jax import checkpoint
 from dipaco_jax import config_defaults
+from dipaco_jax import evaluation
 from dipaco_jax import outer
 from dipaco_jax import paths
+from dipaco_jax import serving
 from dipaco_jax import train
 from dipaco_jax.elastic import coordinator as coord_lib
 from dipaco_jax.elastic import errors
@@ -83,7 +86,7 @@ def test_executor_result_does_not_depend_on_arrival_order_and_matches_outer_step
     for w in order:
       for ex in exs:
         ex.report(0, w)
-    assert sorted(sum((ex.report(0, order[-1]) for ex in exs), [])) == sorted(
+    assert sorted(sum((ex.report(0, order[-1])[0] for ex in exs), [])) == sorted(
       grid_lib.module_key(g, e) for g, e in grid.used_modules()
     )
     results.append(_stepped(wd, grid))
@@ -129,6 +132,112 @@ def test_executor_restarted_mid_phase_applies_every_delta_once(tmp_path):
   assert _stepped(wd, grid) == _stepped(ref, grid)
 
 
+def _constant_phase(workdir, grid, phase: int, values) -> None:
+  """Worker w's phase-`phase` outputs: every leaf of every group filled with values[w]."""
+  for w, v in values.items():
+    for s in grid.groups:
+      t = grid.module_template(s.name)
+      storage.save_tree(
+        storage.worker_out_dir(workdir, w, phase + 1) / f"{s.name}.npz",
+        jax.tree.map(lambda x, v=v: np.full(x.shape, v, x.dtype), t),
+      )
+
+
+def _value(workdir, grid, group, module, version) -> float:
+  """The one value every leaf of a module version holds (checked)."""
+  tree = storage.load_tree(
+    storage.module_file(workdir, group, module, version), grid.module_template(group)
+  )
+  vals = np.unique(np.concatenate([np.ravel(x) for x in jax.tree.leaves(tree)]))
+  assert len(vals) == 1, vals
+  return float(vals[0])
+
+
+@pytest.mark.parametrize("late", ["next", "drop"])
+def test_quorum_steps_without_the_slow_worker_and_handles_its_late_delta(tmp_path, late):
+  # Plain averaging (outer lr 1, no momentum, no √P): θ_{t+1} = θ_t − mean_w(θ_t − p_w).
+  cfg = _config(
+    **{
+      "outer.lr": 1.0,
+      "outer.momentum": 0.0,
+      "outer.sqrt_paths": "none",
+      "dipaco.outer_steps": 3,
+      "elastic.quorum": 0.5,
+      "elastic.late_deltas": late,
+    }
+  )
+  grid = grid_lib.Grid(cfg)
+  wd = str(tmp_path)
+  for s in grid.groups:  # Version 0 of every module: zeros.
+    for e in range(s.num_modules):
+      m = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), grid.module_template(s.name))
+      storage.save_tree(storage.module_file(wd, s.name, e, 0), m)
+      storage.save_tree(storage.module_file(wd, s.name, e, 0, "opt"), grid.outer_tx.init(m))
+  _constant_phase(wd, grid, 0, {0: 1.0, 1: 2.0, 2: 3.0, 3: 4.0})
+  _constant_phase(wd, grid, 1, {0: 2.5, 1: 3.5})
+  _constant_phase(wd, grid, 2, {0: 9.0})
+  groups = [s.name for s in grid.groups]
+  ex = exec_lib.OuterExecutor(cfg, wd, 0, groups, [1.0] * 4)
+  # Phase 0: embed (all 4 workers, α 1 each) needs 2 reports; block_0/0 (workers 0, 1) needs 1.
+  assert ex.report(0, 0)[0] == ["block_0/0", "block_1/0"]
+  assert "embed/0" in ex.report(0, 1)[0]  # Stepped with workers 0 and 1.
+  ex.report(0, 2)
+  ex.report(0, 3)  # Late for embed; workers 2, 3 (and 1 for block_0/0) missed their steps.
+  assert _value(wd, grid, "embed", 0, 1) == (1.0 + 2.0) / 2  # Not 2.5: no slow worker in it.
+  assert _value(wd, grid, "block_0", 0, 1) == 1.0  # Worker 0 alone.
+  ex = exec_lib.OuterExecutor(cfg, wd, 0, groups, [1.0] * 4)  # Restart: state from the snapshot.
+  assert ex.used[0]["embed/0"] == [0, 1]
+  ex.report(0, 3)  # A duplicate: no effect.
+  # Phase 1: workers 0 (2.5) and 1 (3.5) report; θ1 = 1.5 for embed, 1.0 for block_0/0.
+  ex.report(1, 0)
+  assert ex.report(1, 1)[1] == ["block_0/0", "block_1/0", "block_1/1", "embed/0", "head/0"]
+  if late == "next":
+    # The late phase-0 deltas (θ0 − p = −3, −4) join: Δ = mean(−1, −2, −3, −4) = −2.5.
+    assert _value(wd, grid, "embed", 0, 2) == 1.5 + 2.5
+    # block_0/0: on time 1 − 2.5 = −1.5; late worker 1: 0 − 2 = −2 -> Δ = −1.75.
+    assert _value(wd, grid, "block_0", 0, 2) == 1.0 + 1.75
+  else:  # Dropped: Δ = mean(−1, −2) = −1.5; block_0/0: −1.5.
+    assert _value(wd, grid, "embed", 0, 2) == 1.5 + 1.5
+    assert _value(wd, grid, "block_0", 0, 2) == 1.0 + 1.5
+  # The last step (phase 2): in "next" mode it waits for every report (no later step). In
+  # "drop" mode block_0/0 steps with worker 0; block_1/0 (workers 0, 2) waits for worker 2's
+  # phase-1 report first (staleness is bounded to one phase).
+  stepped = ex.report(2, 0)[2]
+  assert stepped == ([] if late == "next" else ["block_0/0"])
+
+
+def test_quorum_grace_window_runs_from_the_quorum(tmp_path, monkeypatch):
+  cfg = _config(
+    **{
+      "outer.lr": 1.0,
+      "outer.momentum": 0.0,
+      "outer.sqrt_paths": "none",
+      "elastic.quorum": 0.5,
+      "elastic.grace_s": 10.0,
+    }
+  )
+  grid = grid_lib.Grid(cfg)
+  wd = str(tmp_path)
+  for s in grid.groups:
+    for e in range(s.num_modules):
+      m = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), grid.module_template(s.name))
+      storage.save_tree(storage.module_file(wd, s.name, e, 0), m)
+      storage.save_tree(storage.module_file(wd, s.name, e, 0, "opt"), grid.outer_tx.init(m))
+  _constant_phase(wd, grid, 0, {0: 1.0, 1: 2.0, 2: 3.0, 3: 4.0})
+  clock = [100.0]
+  monkeypatch.setattr(exec_lib.time, "time", lambda: clock[0])
+  ex = exec_lib.OuterExecutor(cfg, wd, 0, ["embed"], [1.0] * 4)
+  ex.report(0, 0)
+  assert ex.report(0, 1) == {0: [], 1: []}  # Quorum at t=100; the window runs to t=110.
+  clock[0] = 105.0
+  assert ex.poll() == ({}, True)
+  clock[0] = 106.0
+  ex.report(0, 2)  # Joins within the window (3 of 4: still not all).
+  clock[0] = 110.0
+  assert ex.poll() == ({0: ["embed/0"]}, False)
+  assert _value(wd, grid, "embed", 0, 1) == (1.0 + 2.0 + 3.0) / 3
+
+
 # ---- The queue. ----
 
 
@@ -155,6 +264,9 @@ def test_queue_rounds_requeue_idempotence_and_snapshot(tmp_path):
   restored = coord_lib.Coordinator(cfg, wd)  # A restarted coordinator: the lease is requeued.
   assert restored.pending == [leased] and restored.done == q.done
   assert restored.unreported() == [(0, 1), (0, 2), (0, 3)]
+  # With a quorum, worker 0's phase-0 delta may still be owed to a later step: re-reported too.
+  quorum = coord_lib.Coordinator(_config(**{"elastic.quorum": 0.5}), wd)
+  assert quorum.unreported() == [(0, 0), (0, 1), (0, 2), (0, 3)]
 
 
 def test_queue_timeout_requeues(tmp_path):
@@ -172,7 +284,7 @@ def test_queue_timeout_requeues(tmp_path):
     ("mesh.path", 2, "config.mesh.path=2"),
     ("elastic.num_workers", 0, "config.elastic.num_workers=0"),
     ("routing.discriminative_at_outer_step", 1, "discriminative_at_outer_step"),
-    ("early_stopping.enabled", True, "early_stopping.enabled"),
+    ("elastic.late_deltas", "later", "config.elastic.late_deltas='later'"),
     ("elastic.worker_resources", "TPU=4", "worker_resources='TPU=4'"),
   ],
 )
@@ -242,10 +354,16 @@ def _final(workdir):
   return checkpoint.restore_numpy(workdir)
 
 
+# evaluate.py on micro runs: no re-router fits, a prefix shorter than the 16-token sequences.
+_EVAL = {"eval.rerouters": (), "routing.prefix_len": 4}
+
+
 @pytest.mark.slow
 def test_elastic_matches_spmd_and_survives_kills(tmp_path, ray_cluster):
   shards = str(tmp_path / "shards")
-  cfg = lambda **kw: _config(**{"data.shard_dir": shards, **kw})
+  cfg = lambda **kw: _config(
+    **{"data.shard_dir": shards, "early_stopping.enabled": True, **_EVAL, **kw}
+  )
   spmd = cfg(**{"dipaco.mode": "spmd"})
   ref = train.train_and_evaluate(spmd, str(tmp_path / "spmd"))
   out = train.train_and_evaluate(cfg(), str(tmp_path / "clean"))
@@ -262,6 +380,28 @@ def test_elastic_matches_spmd_and_survives_kills(tmp_path, ray_cluster):
       # with a nonzero LR (max |diff| measured: 4.8e-7 after 2 outer steps).
       np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=1e-6)
   np.testing.assert_array_equal(a["step"], b["step"])
+  # Early stopping (the driver feeds early_stopping.BestPaths the tasks' evaluations):
+  # the same records and best set as spmd's; serving reads both sources of the checkpoint.
+  rec_a, rec_b = (checkpoint.read_best_records(str(tmp_path / d)) for d in ("spmd", "clean"))
+  assert rec_a["step"] == rec_b["step"] and rec_b["checkpoint_step"] == 4
+  np.testing.assert_allclose(rec_a["loss"], rec_b["loss"], rtol=1e-5)
+  for path in range(4):
+    for source in ("store", "best"):
+      x, _ = serving.load_path_params(str(tmp_path / "spmd"), spmd, path, source=source)
+      y, info = serving.load_path_params(str(tmp_path / "clean"), cfg(), path, source=source)
+      assert info["step"] == 4
+      for u, v in zip(jax.tree.leaves(x), jax.tree.leaves(y), strict=True):
+        np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=0, atol=1e-6)
+  # Routed evaluation (evaluate.py) of the elastic checkpoint, store and best set.
+  reports = []
+  for d, c in (("spmd", spmd), ("clean", cfg())):
+    evaluation.evaluate_and_write(c, str(tmp_path / d))
+    reports.append(json.loads((tmp_path / d / "eval" / "step_4.json").read_text()))
+  assert set(reports[1]) == {"store", "best"}
+  for k in ("store", "best"):
+    np.testing.assert_allclose(
+      reports[0][k]["own_shard"]["loss"], reports[1][k]["own_shard"]["loss"], rtol=1e-5
+    )
 
   # Faults: worker and executor SIGKILLs at random moments of their calls (tasks slowed
   # to ~1 s so kills land mid-task), and the driver stopping after 4 accepted tasks,
@@ -281,7 +421,45 @@ def test_elastic_matches_spmd_and_survives_kills(tmp_path, ray_cluster):
   c = _final(faulty)
   for x, y in zip(jax.tree.leaves(b), jax.tree.leaves(c), strict=True):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  # The best set too (the rerun driver replays early stopping from the accepted results).
+  assert checkpoint.read_best_records(faulty) == rec_b | {"checkpoint_step": 4}
+  for path in range(4):
+    x, _ = serving.load_path_params(str(tmp_path / "clean"), cfg(), path, source="best")
+    y, _ = serving.load_path_params(faulty, cfg(), path, source="best")
+    for u, v in zip(jax.tree.leaves(x), jax.tree.leaves(y), strict=True):
+      np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
   assert (tmp_path / "faulty" / "metrics.jsonl").read_text().count('"step"') == 2  # One per phase.
   events = storage.read_lines(storage.root(faulty) / "tasks.jsonl")
   done = [(e["phase"], e["worker"]) for e in events if e["event"] == "done"]
   assert sorted(done) == sorted(itertools.product(range(3), range(4)))  # Each accepted once.
+
+
+@pytest.mark.slow
+def test_quorum_end_to_end_with_a_slow_worker(tmp_path, ray_cluster):
+  # Actor 1 sleeps 3 s per inner step, so task (0, 1) (leased to it first) ends long after
+  # actor 0 ran (0, 0), (0, 2), (0, 3): with quorum 0.5 every module steps phase 0 without
+  # worker 1; its late delta joins phase 1's step (the last, which waits for all).
+  wd = str(tmp_path / "run")
+  cfg = _config(
+    **{
+      "data.shard_dir": str(tmp_path / "shards"),
+      "elastic.quorum": 0.5,
+      "elastic.step_delay_s": (0.0, 3.0),
+    }
+  )
+  out = train.train_and_evaluate(cfg, wd)
+  assert out["step"] == 4 and out["status"]["done"] == 12
+  assert np.isfinite(out["train_loss_mean"])
+  grid = grid_lib.Grid(cfg)
+  snap = storage.load_json(exec_lib.snapshot_file(wd, 0))
+  assert snap["used"]["0"], snap  # Some module stepped phase 0 without every worker.
+  for key, used in snap["used"]["0"].items():
+    g, e = key.split("/")
+    through = grid.workers_through(g, int(e))
+    assert 1 not in used and set(used) < set(through)
+    # Each late delta joined the next step exactly once.
+    assert sorted(used + snap["carried"]["1"][key]) == through
+  assert "1" not in snap["used"]  # The last step waited for every report ("next").
+  events = storage.read_lines(storage.root(wd) / "tasks.jsonl")
+  done = [(e["phase"], e["worker"]) for e in events if e["event"] == "done"]
+  assert sorted(done) == sorted(itertools.product(range(3), range(4)))

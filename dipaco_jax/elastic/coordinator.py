@@ -30,6 +30,9 @@ class Coordinator:
   def __init__(self, config, workdir: str):
     self.grid = grid_lib.Grid(config)
     self.timeout_s = float(config.elastic.task_timeout_s)
+    # With a quorum a module steps without some reports; they still count for its next step
+    # (executor.py), so a restarted driver re-reports one phase further back.
+    self._slack = 1 if config.elastic.quorum < 1.0 else 0
     self._path = storage.root(workdir) / SNAPSHOT
     if self._path.exists():
       s = storage.load_json(self._path)
@@ -132,7 +135,8 @@ class Coordinator:
     for key in self.done:
       phase, w = (int(x) for x in key.split("/"))
       if phase < self.grid.T and any(
-        self.versions[grid_lib.module_key(g, e)] <= phase for g, e in self.grid.modules_of_worker(w)
+        self.versions[grid_lib.module_key(g, e)] <= phase + self._slack
+        for g, e in self.grid.modules_of_worker(w)
       ):
         out.append((phase, w))
     return sorted(out)

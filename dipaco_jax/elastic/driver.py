@@ -3,9 +3,11 @@
 `run(config, workdir)` is `train_and_evaluate` for `dipaco.mode="elastic"`.
 The driver holds no training state: the coordinator (queue), the executors
 (outer steps) and storage do; killing the command and rerunning it resumes.
-The final store, momentum, worker params, AdamW states and data positions are
-written as one orbax checkpoint in the synchronous mode's layout, so
-evaluation and serving read an elastic workdir like any other.
+The final store, momentum, worker params, AdamW states and data positions (and
+early stopping's best set) are written as one orbax checkpoint in the
+synchronous mode's layout, so evaluation and serving read an elastic workdir
+like any other. Evaluation runs as part of the tasks on the pool (worker.py);
+early stopping runs in the driver after each evaluation phase completes.
 """
 # pylint: disable=invalid-name
 
@@ -23,6 +25,7 @@ from etils import epath
 
 from dipaco_jax import checkpoint as ckpt_lib
 from dipaco_jax import config_defaults
+from dipaco_jax import early_stopping
 from dipaco_jax import experiment as exp_lib
 from dipaco_jax import metrics as metrics_lib
 from dipaco_jax import paths as paths_lib
@@ -82,27 +85,56 @@ def _init_storage(config, workdir: str, exp, grid: grid_lib.Grid, alpha_W) -> No
   )
 
 
-def _final_state(config, workdir: str, exp, grid: grid_lib.Grid):
-  """The synchronous mode's TrainState after T outer steps, from storage (the one full copy)."""
+def _latest(workdir: str, group: str, module: int, kind: str, upto: int):
+  """The newest stored version <= `upto` of a module (an unused module stays at version 0)."""
+  for v in range(upto, -1, -1):
+    path = storage.module_file(workdir, group, module, v, kind)
+    if path.exists():
+      return path
+  raise FileNotFoundError(f"no version of module {group}/{module} under {storage.root(workdir)}")
 
-  def latest(g, e, kind):
-    for v in range(grid.T, -1, -1):
-      path = storage.module_file(workdir, g, e, v, kind)
-      if path.exists():
-        return path
-    raise FileNotFoundError(f"no version of module {g}/{e} under {storage.root(workdir)}")
 
-  store, opt_parts = {}, {}
+def _store_at(workdir: str, grid: grid_lib.Grid, version: int) -> dict:
+  """The whole store after `version` outer steps, leaves [K, ...] (the driver only)."""
+  store = {}
   for s in grid.groups:
     mods = [
-      storage.load_tree(latest(s.name, e, "v"), grid.module_template(s.name))
+      storage.load_tree(_latest(workdir, s.name, e, "v", version), grid.module_template(s.name))
       for e in range(s.num_modules)
     ]
     store[s.name] = jax.tree.map(lambda *xs: np.concatenate(xs), *[m[s.name] for m in mods])
-    opt_parts[s.name] = [
-      _by_path(storage.load_tree(latest(s.name, e, "opt"), grid.module_opt_template(s.name)))
+  return store
+
+
+def _update_best(best, exp, grid: grid_lib.Grid, workdir: str, results: dict, t: int) -> None:
+  """Early stopping after evaluation phase t: the tasks' own-shard losses and version t's paths.
+
+  Task (t, w) evaluated path w's params at version t (train.py's evaluation
+  after outer step t), so `early_stopping.BestPaths` takes the same inputs as
+  in the synchronous loop.
+  """
+  val_W = [results[f"{t}/{w}"].get("val_loss") for w in range(grid.W)]
+  if any(v is None for v in val_W):  # No evaluation at this step.
+    return
+  params = paths_lib.assemble(_store_at(workdir, grid, t), grid.topo)
+  params = jax.device_put(params, exp.state_sharding.params)
+  best.update(t * grid.H, np.asarray(val_W, np.float64), params, phase=0)
+
+
+def _final_state(config, workdir: str, exp, grid: grid_lib.Grid):
+  """The synchronous mode's TrainState after T outer steps, from storage (the one full copy)."""
+  store = _store_at(workdir, grid, grid.T)
+  opt_parts = {
+    s.name: [
+      _by_path(
+        storage.load_tree(
+          _latest(workdir, s.name, e, "opt", grid.T), grid.module_opt_template(s.name)
+        )
+      )
       for e in range(s.num_modules)
     ]
+    for s in grid.groups
+  }
   groups = [s.name for s in grid.groups]
   full_opt = jax.eval_shape(grid.outer_tx.init, store)
   leaves = []
@@ -349,6 +381,16 @@ def _loop(
   )
   if phases_logged == 0 and not results:
     mlog.write_hparams(config.to_dict())
+  # Per-path early stopping on the tasks' evaluations, in phase order (replayed on a rerun).
+  best = None
+  if config.early_stopping.enabled:
+    best = early_stopping.BestPaths(exp.state_sharding.params, grid.W)
+  best_next = [1]  # The next phase whose evaluation early stopping takes.
+
+  def early_stop(results):
+    while best is not None and best_next[0] <= grid.T and complete(best_next[0]):
+      _update_best(best, exp, grid, workdir, results, best_next[0])
+      best_next[0] += 1
 
   def report(phase, worker):
     if phase == grid.T:  # Evaluation only: nothing to average.
@@ -357,6 +399,17 @@ def _loop(
       if owned[j]:
         outer[ex.report.remote(phase, worker)] = (j, phase, worker)
         chaos_x.on_dispatch(j, 0.2)
+
+  def stepped(j, keys):
+    """Executor j's {phase: modules it stepped} to the queue (and the task log)."""
+    for phase, mods in sorted(keys.items()):
+      call(coord.modules_updated, phase, mods)
+      if mods:
+        log(event="outer", phase=phase, executor=j, modules=mods)
+
+  # Quorum with a grace window: executors step on the clock too, so the driver polls them.
+  polls, waiting, next_poll = {}, {}, 0.0
+  poll_s = 0.1 if e.quorum < 1.0 and e.grace_s > 0 else None
 
   for phase, worker in call(coord.unreported):  # After a restart: executors are idempotent.
     report(phase, worker)
@@ -375,16 +428,22 @@ def _loop(
         running[workers[i].run.remote(*task)] = (i, tuple(task), time.time())
         log(event="start", phase=task[0], worker=task[1], actor=i)
         chaos_w.on_dispatch(i, task_time[0])
-      if not running and not outer and not probes and not ex_probes:
+      if poll_s and time.time() >= next_poll:
+        next_poll = time.time() + poll_s
+        for j, ex in enumerate(executors):
+          if owned[j] and j not in polls.values():
+            polls[ex.poll.remote()] = j
+      if not (running or outer or probes or ex_probes):
         if call(coord.finished):
           break
-        raise RuntimeError(f"elastic: no task ready and none running: {call(coord.status)}")
+        if not (polls or any(waiting.values())):  # Nothing can make a task ready any more.
+          raise RuntimeError(f"elastic: no task ready and none running: {call(coord.status)}")
       chaos_w.fire(ray, workers, {a for a, _, _ in running.values()})
       chaos_x.fire(ray, executors, {j for j, _, _ in outer.values()})
       ready, _ = ray.wait(
-        list(running) + list(outer) + list(probes) + list(ex_probes),
+        list(running) + list(outer) + list(probes) + list(ex_probes) + list(polls),
         num_returns=1,
-        timeout=0.05 if chaos_w.due or chaos_x.due else 1.0,
+        timeout=0.05 if chaos_w.due or chaos_x.due else (poll_s or 1.0),
       )
       for f in ready:
         if f in ex_probes:
@@ -431,6 +490,13 @@ def _loop(
             report(*task)
           else:
             log(event="duplicate", phase=task[0], worker=task[1], actor=actor)
+        elif f in polls:
+          j = polls.pop(f)
+          try:
+            keys, waiting[j] = ray.get(f)
+          except ray_errors.RayActorError:  # Restarting: the next poll asks again.
+            continue
+          stepped(j, keys)
         else:
           j, phase, worker = outer.pop(f)
           try:
@@ -442,10 +508,9 @@ def _loop(
             if j not in set(ex_probes.values()):
               ex_probes[executors[j].pid.remote()] = j
             continue
-          call(coord.modules_updated, phase, keys)
-          if keys:
-            log(event="outer", phase=phase, executor=j, modules=keys)
+          stepped(j, keys)
       results = call(coord.results)
+      early_stop(results)
       while phases_logged < grid.T and complete(phases_logged) and complete(phases_logged + 1):
         t = phases_logged
         mlog.write((t + 1) * grid.H, _record(grid, results, t))
@@ -457,11 +522,13 @@ def _loop(
         return {"stopped": True, "status": status}
   finally:
     mlog.close()
+  early_stop(results)  # A rerun that finds every task done replays it here.
   out = {"step": grid.H * grid.T, **_record(grid, results, grid.T - 1)}
   ckpt = ckpt_lib.Checkpointer(workdir, max_to_keep=config.ckpt.max_to_keep, async_save=False)
   if ckpt.latest_step() != grid.H * grid.T:
     state, data = _final_state(config, workdir, exp, grid)
-    ckpt.save(grid.H * grid.T, state, {"train": data, "routing": {"phase": 0}})
+    data_state = {"train": data, "routing": {"phase": 0}}
+    ckpt.save(grid.H * grid.T, state, data_state, best=best.saved() if best else None)
   ckpt.close()
   status = call(coord.status)
   status.update(worker_kills=chaos_w.killed, executor_kills=chaos_x.killed)

@@ -7,6 +7,7 @@ from etils import epath
 from dipaco_jax import config_defaults
 
 MODES = ("spmd", "elastic")
+LATE_DELTAS = ("next", "drop")  # elastic.late_deltas: join the next outer step, or ignored.
 META = "elastic/meta.json"  # Written when an elastic run initializes its storage.
 
 
@@ -54,12 +55,6 @@ def check_config(config) -> None:
       "config.routing.discriminative_at_outer_step="
       f"{config.routing.discriminative_at_outer_step}: discriminative re-shards are not "
       "implemented in elastic mode; set it to -1 or use --config.dipaco.mode=spmd."
-    )
-  if config.early_stopping.enabled:
-    raise ElasticConfigError(
-      "config.early_stopping.enabled=True: per-path early stopping is not "
-      "implemented in elastic mode; pass "
-      "--config.early_stopping.enabled=False or use dipaco.mode=spmd."
     )
   if config.stop_at_step >= 0:
     raise ElasticConfigError(

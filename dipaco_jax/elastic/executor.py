@@ -1,4 +1,4 @@
-"""Outer executors: each owns some store groups and steps a module once all its workers reported.
+"""Outer executors: each owns some store groups and steps a module once its workers reported.
 
 `report(phase, worker)` records that task (phase, worker) is complete and
 loads that worker's params for the executor's groups (online gathering). When
@@ -8,14 +8,27 @@ WORKER order, so the result does not depend on the order reports arrive in.
 Version t+1 of a module is a pure function of version t and the phase's task
 outputs, written once to its own file: a delta can never be applied twice.
 
-The executor's own state (reports received, modules stepped, per phase) is
-snapshotted before each call returns, so an executor killed mid-phase comes
-back (Ray restarts it without state) and carries on from the snapshot.
+Quorum (config.elastic.quorum < 1, beyond the paper; docs/elastic.md): a module
+may step once the workers that reported hold that fraction of its α-weight and
+`grace_s` has passed since that moment (`poll` checks the clock). The workers
+it stepped with are recorded; a delta that missed the step (late) either joins
+the module's next step (`late_deltas="next"`, as params shifted by the step it
+missed, so it counts its own Δ against its own starting version) or is dropped
+("drop"). Staleness is bounded to one phase: step t+1 waits until every phase-t
+report through the module is in. In "next" mode the last step (phase T-1) waits
+for every report: there is no later step to carry a late delta to.
+
+The executor's own state (reports received, modules stepped and with whom,
+when quorums were reached) is snapshotted before each call returns, so an
+executor killed mid-phase comes back (Ray restarts it without state) and
+carries on from the snapshot.
 """
 # pylint: disable=invalid-name
 
 import functools
 import os
+import threading
+import time
 
 import jax
 import numpy as np
@@ -38,32 +51,43 @@ def assign_groups(group_names, num_executors: int) -> list[list[str]]:
 
 
 class OuterExecutor:
-  """Owns `groups`; applies each module's outer step when its phase is complete."""
+  """Owns `groups`; applies each module's outer step when its phase is complete (or has quorum)."""
 
   def __init__(self, config, workdir: str, index: int, groups, alpha_W):
     self.grid = grid_lib.Grid(config)
     self.workdir, self.index, self.groups = str(workdir), int(index), list(groups)
     self.alpha_W = np.asarray(alpha_W, np.float32)
     self.outer_enabled = config.outer.enabled
+    e = config.elastic
+    self.quorum, self.grace_s, self.late = float(e.quorum), float(e.grace_s), e.late_deltas
     self._snap = snapshot_file(self.workdir, self.index)
     state = storage.load_json(self._snap) if self._snap.exists() else {}
     self.received = {int(k): set(v) for k, v in state.get("received", {}).items()}
     self.applied = {int(k): set(v) for k, v in state.get("applied", {}).items()}
+    # Quorum only: phase -> module -> the workers it stepped with (when not all); quorum times.
+    self.used = {int(k): dict(v) for k, v in state.get("used", {}).items()}
+    self.quorum_at = {int(k): dict(v) for k, v in state.get("quorum_at", {}).items()}
+    self.carried = {int(k): dict(v) for k, v in state.get("carried", {}).items()}  # Late, joined.
     self._cache = {}  # (phase, group, worker) -> that worker's params of the group.
     self._steps = {}
+    self._lock = threading.Lock()  # report/poll vs each other (max_concurrency=2 for pid()).
 
   def pid(self) -> int:
     return os.getpid()
 
   def _snapshot(self) -> None:
-    storage.save_json(
-      self._snap,
-      {
-        "groups": self.groups,
-        "received": {str(k): sorted(v) for k, v in self.received.items()},
-        "applied": {str(k): sorted(v) for k, v in self.applied.items()},
-      },
-    )
+    state = {
+      "groups": self.groups,
+      "received": {str(k): sorted(v) for k, v in self.received.items()},
+      "applied": {str(k): sorted(v) for k, v in self.applied.items()},
+    }
+    if self.quorum < 1.0:
+      state.update(
+        used={str(k): v for k, v in self.used.items()},
+        quorum_at={str(k): v for k, v in self.quorum_at.items()},
+        carried={str(k): v for k, v in self.carried.items()},
+      )
+    storage.save_json(self._snap, state)
 
   def _step_fn(self, group: str):
     if group not in self._steps:
@@ -84,45 +108,129 @@ class OuterExecutor:
       self._cache[key] = storage.load_tree(path, self.grid.module_template(group))
     return self._cache[key]
 
-  def _apply(self, phase: int, group: str, module: int, workers: list[int]) -> None:
-    """Module (group, module): version phase -> phase + 1 from the workers, in worker order."""
+  def _module(self, group: str, module: int, version: int, kind: str = "v"):
+    template = self.grid.module_template(group)
+    if kind == "opt":
+      template = self.grid.module_opt_template(group)
+    return storage.load_tree(
+      storage.module_file(self.workdir, group, module, version, kind), template
+    )
+
+  def _apply(self, phase: int, group: str, module: int, workers: list[int], late=()) -> None:
+    """Module (group, module): version phase -> phase + 1 from the workers, in worker order.
+
+    `late`: workers whose phase-1 deltas missed that step (quorum, "next"); each
+    enters as its params shifted by the step it missed, θ_t − (θ_{t−1} − p_w), so
+    the outer step sees its own Δ = θ_{t−1} − p_w.
+    """
     wd = self.workdir
-    theta = storage.load_tree(
-      storage.module_file(wd, group, module, phase), self.grid.module_template(group)
-    )
-    opt = storage.load_tree(
-      storage.module_file(wd, group, module, phase, "opt"), self.grid.module_opt_template(group)
-    )
+    theta = self._module(group, module, phase)
+    opt = self._module(group, module, phase, "opt")
     parts = [self._worker_params(phase, group, w) for w in workers]
+    if late:
+      before = self._module(group, module, phase - 1)
+      for w in late:
+        p = self._worker_params(phase - 1, group, w)
+        parts.append(jax.tree.map(lambda t, b, x: t - (b - x), theta, before, p))
     params_N = jax.tree.map(lambda *xs: np.concatenate(xs), *parts)
+    alpha_N = self.alpha_W[list(workers) + list(late)]
     if self.outer_enabled:
-      theta, opt, _ = jax.device_get(
-        self._step_fn(group)(theta, opt, params_N, self.alpha_W[workers])
-      )
+      theta, opt, _ = jax.device_get(self._step_fn(group)(theta, opt, params_N, alpha_N))
     else:  # No outer step: the module mirrors its first worker (train.py's sync_store).
       theta = parts[0]
     storage.save_tree(storage.module_file(wd, group, module, phase + 1, "opt"), opt)
     storage.save_tree(storage.module_file(wd, group, module, phase + 1), theta)
 
-  def report(self, phase: int, worker: int) -> list[str]:
-    """Task (phase, worker) is done; returns the modules this executor stepped in `phase`."""
-    phase, worker = int(phase), int(worker)
-    received = self.received.setdefault(phase, set())
+  def _late(self, phase: int, key: str, workers: list[int]) -> list[int]:
+    """Workers through module `key` whose phase-`phase` deltas missed its step (reported since)."""
+    used = self.used.get(phase, {}).get(key)
+    if used is None:  # Stepped with all of them (or not yet stepped).
+      return []
+    return [w for w in workers if w not in used and w in self.received.get(phase, ())]
+
+  def _try_step(self, phase: int, group: str, module: int, now: float) -> bool:
+    """Steps module (group, module) in `phase` if it may now; True if it did."""
+    key = grid_lib.module_key(group, module)
     applied = self.applied.setdefault(phase, set())
-    if worker not in received:
-      received.add(worker)
-      self._snapshot()
-    for group in self.groups:
-      module = int(self.grid.group[group].module_of_worker[worker])
-      key = grid_lib.module_key(group, module)
-      if key in applied:
-        continue
-      self._worker_params(phase, group, worker)  # Gathered as it arrives.
-      workers = self.grid.workers_through(group, module)
-      if all(w in received for w in workers):
-        self._apply(phase, group, module, workers)
-        applied.add(key)
+    if key in applied or phase >= self.grid.T:
+      return False
+    workers = self.grid.workers_through(group, module)
+    got = [w for w in workers if w in self.received.get(phase, ())]
+    if not got:
+      return False
+    late = []
+    if phase > 0 and self.used.get(phase - 1, {}).get(key) is not None:
+      # Bounded staleness: every phase-(t-1) report through the module is in first.
+      if not all(w in self.received.get(phase - 1, ()) for w in workers):
+        return False
+      late = self._late(phase - 1, key, workers) if self.late == "next" else []
+    if len(got) < len(workers):
+      last = phase == self.grid.T - 1 and self.late == "next"
+      if self.quorum >= 1.0 or last:
+        return False
+      a = np.asarray(self.alpha_W, np.float64)
+      if a[got].sum() < self.quorum * a[workers].sum():
+        return False
+      reached = self.quorum_at.setdefault(phase, {})
+      if key not in reached:  # The grace window starts when the quorum is reached.
+        reached[key] = now
         self._snapshot()
-        for w in workers:
-          self._cache.pop((phase, group, w), None)
-    return sorted(k for k in applied if k.split("/")[0] in self.groups)
+      since = reached[key]
+      if now < since + self.grace_s:
+        return False
+      self.used.setdefault(phase, {})[key] = got
+    self._apply(phase, group, module, got, late)
+    applied.add(key)
+    if late:
+      self.carried.setdefault(phase, {})[key] = late
+    self._snapshot()
+    for w in got:
+      self._cache.pop((phase, group, w), None)
+    for w in late:
+      self._cache.pop((phase - 1, group, w), None)
+    return True
+
+  def _stepped(self, phases) -> dict[int, list[str]]:
+    """The modules of this executor's groups stepped in each of `phases`."""
+    return {
+      t: sorted(k for k in self.applied.get(t, ()) if k.split("/")[0] in self.groups)
+      for t in phases
+    }
+
+  def report(self, phase: int, worker: int) -> dict[int, list[str]]:
+    """Task (phase, worker) is done; returns {phase: modules stepped} for phase and phase + 1.
+
+    Phase + 1 is there because a late report can unblock the next step (quorum).
+    """
+    phase, worker = int(phase), int(worker)
+    with self._lock:
+      received = self.received.setdefault(phase, set())
+      if worker not in received:
+        received.add(worker)
+        self._snapshot()
+      now = time.time()
+      for group in self.groups:
+        module = int(self.grid.group[group].module_of_worker[worker])
+        if grid_lib.module_key(group, module) not in self.applied.get(phase, ()):
+          self._worker_params(phase, group, worker)  # Gathered as it arrives.
+        self._try_step(phase, group, module, now)
+        self._try_step(phase + 1, group, module, now)
+      return self._stepped((phase, phase + 1))
+
+  def poll(self) -> tuple[dict[int, list[str]], bool]:
+    """Steps the modules whose grace window has passed: ({phase: modules stepped}, waiting).
+
+    waiting: some module has its quorum but still waits (its window, or a late
+    report of the phase before).
+    """
+    with self._lock:
+      now, out = time.time(), {}
+      for phase, keys in sorted(self.quorum_at.items()):
+        for key in list(keys):
+          group, module = key.split("/")
+          if group in self.groups and self._try_step(phase, group, int(module), now):
+            out.setdefault(phase, []).append(key)
+      waiting = any(
+        k not in self.applied.get(t, ()) for t, keys in self.quorum_at.items() for k in keys
+      )
+      return {t: sorted(k) for t, k in out.items()}, waiting
