@@ -274,6 +274,7 @@ def _rules() -> dict[str, Rule]:
     "routing.feature_batch_size": count,
     "routing.kmeans_restarts": count,
     "routing.kmeans_iters": count,
+    "routing.kmeans_min_share": _fraction(),
     "routing.seed": count0,
     "routing.replica_shards": _choice(phases.REPLICA_SHARDS),
     "routing.router_max_docs": _integer(0, what=" (0 = all)"),

@@ -127,6 +127,9 @@ def base() -> ml_collections.ConfigDict:
   c.routing.feature_batch_size = 64  # Documents per θ̄ feature batch (jit, over local devices).
   c.routing.kmeans_restarts = 4  # k-means++ restarts (best inertia kept).
   c.routing.kmeans_iters = 100  # Lloyd iterations per restart.
+  # Balanced k-means: floor every path's share of the router split at this x 1/P with a
+  # calibrated bias (0 = nearest centroid; router="kmeans" only).
+  c.routing.kmeans_min_share = 0.0
   c.routing.seed = 0  # Seed of k-means and of the logistic regressions.
   # Replicas of a path: "hash" (i.i.d.) | "router" (one cluster per worker: DiLoCo non-i.i.d.).
   c.routing.replica_shards = "hash"
