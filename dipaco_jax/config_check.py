@@ -173,6 +173,7 @@ def _rules() -> dict[str, Rule]:
   """Every field of base() and its check."""
   # pylint: disable=g-import-not-at-top
   from dipaco_jax import data as data_lib
+  from dipaco_jax import early_stopping
   from dipaco_jax import experiment
   from dipaco_jax import model
   from dipaco_jax import outer
@@ -301,6 +302,9 @@ def _rules() -> dict[str, Rule]:
     "eval.reroute_lr": _number(0),
     "eval.reroute_batch_size": count,
     "early_stopping.enabled": _bool(),
+    "early_stopping.source": _choice(early_stopping.SOURCES),
+    "early_stopping.heldout_docs": count,
+    "early_stopping.heldout_fraction": _number(0, above=False, hi=1),
     "guard.stuck_steps": _integer(0, what=" (0 = rule off)"),
     "guard.max_param_norm_ratio": (
       (lambda v: _number(0, above=False)[0](v) and (v == 0 or v > 1)),

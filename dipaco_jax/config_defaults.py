@@ -164,6 +164,11 @@ def base() -> ml_collections.ConfigDict:
   c.early_stopping = ml_collections.ConfigDict()  # Per-path early stopping (paper §2.7).
   # Keep each worker's best params by own-shard val loss (+1 params copy).
   c.early_stopping.enabled = True
+  # The loss it reads: "heldout" (a slice of each worker's training shard, never trained on)
+  # or "validation" (the worker's validation shard, which the final numbers also read).
+  c.early_stopping.source = "heldout"
+  c.early_stopping.heldout_docs = 64  # Held-out documents per worker's shard ...
+  c.early_stopping.heldout_fraction = 0.1  # ... and at most this share of them.
 
   c.elastic = ml_collections.ConfigDict()  # dipaco.mode="elastic" only (docs/elastic.md).
   # "" = a local Ray cluster on 127.0.0.1 inside the command; "auto" or "HOST:PORT" joins one.
