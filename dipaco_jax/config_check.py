@@ -227,6 +227,10 @@ def _rules() -> dict[str, Rule]:
     "outer.nesterov": _bool(),
     "outer.weighting": _choice(outer.WEIGHTINGS),
     "outer.sqrt_paths": _choice(outer.SQRT_MODES),
+    "outer.sqrt_paths_cap": (
+      lambda v: _number(0, above=False)[0](v) and (v == 0 or v >= 1),
+      "a number >= 1 (the cap), or 0 (no cap)",
+    ),
     "dipaco.level_groups": _tuple(_string(), "a tuple of strings, one per level", nonempty=True),
     "dipaco.modules_per_level": _tuple(
       _integer(1), "a tuple of integers >= 1 (K per level)", nonempty=True

@@ -74,6 +74,8 @@ def base() -> ml_collections.ConfigDict:
   c.outer.weighting = "shard_size"
   # ×√P_{l,e} on Δ (paper §2.7; direction inferred) | "divide" | "none".
   c.outer.sqrt_paths = "multiply"
+  # > 0: cap the √P_{l,e} factor at this (a bounded ×√P for modules shared by many paths).
+  c.outer.sqrt_paths_cap = 0.0
 
   c.dipaco = ml_collections.ConfigDict()
   c.dipaco.level_groups = ("embed,head", "block_0-5", "block_6-11")  # Groups per level.

@@ -4,7 +4,8 @@ For module e of a level (or a path-specific copy), over the workers w through
 it and active this phase:
 
   Δ_e = Σ_w α_w (θ_e − θ_w) / Σ_w α_w      (α_w ∝ |D_w| or uniform)
-  Δ_e ← Δ_e · √P_e  (or / √P_e, or unchanged: `sqrt_paths` config)
+  Δ_e ← Δ_e · √P_e  (or / √P_e, or unchanged: `sqrt_paths` config; √P_e capped
+                     at `sqrt_paths_cap` when that is > 0)
   θ_e ← optax.sgd(lr, momentum, nesterov)(Δ_e)   — Δ plays the gradient.
 
 Per level this is one assignment matrix A[K, W] times the deltas [W, ...]: a
@@ -38,12 +39,17 @@ class OuterConfig:
   nesterov: bool
   weighting: str  # One of WEIGHTINGS.
   sqrt_paths: str  # One of SQRT_MODES ("multiply": the paper's, direction inferred).
+  sqrt_paths_cap: float  # > 0: the √P factor is at most this (a bounded ×√P); 0 = none.
 
   def __post_init__(self):
     if self.weighting not in WEIGHTINGS:
       raise ValueError(f"outer.weighting={self.weighting!r}: use one of {WEIGHTINGS}.")
     if self.sqrt_paths not in SQRT_MODES:
       raise ValueError(f"outer.sqrt_paths={self.sqrt_paths!r}: use one of {SQRT_MODES}.")
+    if not self.sqrt_paths_cap >= 0:
+      raise ValueError(
+        f"outer.sqrt_paths_cap={self.sqrt_paths_cap}: use a number >= 1 (a cap), or 0 (none)."
+      )
 
 
 def optimizer(cfg: OuterConfig) -> optax.GradientTransformation:
@@ -59,6 +65,7 @@ def module_deltas(
   alpha_W: jax.Array,
   topo: topo_lib.Topology,
   sqrt_paths: str = "multiply",
+  sqrt_paths_cap: float = 0.0,
 ):
   """Averaged outer gradient per module, which modules were trained, counts.
 
@@ -68,6 +75,7 @@ def module_deltas(
     alpha_W: weight of each worker (0 = did not train this phase).
     topo: the grid.
     sqrt_paths: how to rescale by √P_{l,e}.
+    sqrt_paths_cap: > 0: √P_{l,e} is capped at this before it multiplies or divides.
 
   Returns:
     (deltas shaped like store, {group: trained_K bool}, {group: count_K}).
@@ -79,10 +87,13 @@ def module_deltas(
     a_KxW = onehot_KxW * alpha_W[None, :]
     norm_K = a_KxW.sum(axis=1)
     count_K = (onehot_KxW * (alpha_W > 0)[None, :]).sum(axis=1)
+    root_K = jnp.sqrt(jnp.maximum(count_K, 1.0))
+    if sqrt_paths_cap > 0:  # The bounded variant: at most ×cap however many paths share e.
+      root_K = jnp.minimum(root_K, sqrt_paths_cap)
     if sqrt_paths == "multiply":
-      scale_K = jnp.sqrt(count_K)
+      scale_K = jnp.where(count_K > 0, root_K, 0.0)
     elif sqrt_paths == "divide":
-      scale_K = jax.lax.rsqrt(jnp.maximum(count_K, 1.0))
+      scale_K = 1.0 / root_K
     else:
       scale_K = jnp.ones_like(count_K)
     # Weighted mean and √P scale folded into one [K, W] matrix: one reduction.
@@ -119,7 +130,9 @@ def outer_step(
 ):
   """One outer step; returns (store, opt_state, worker params, metrics)."""
   tx = optimizer(cfg)
-  deltas, trained, _ = module_deltas(store, params_W, alpha_W, topo, cfg.sqrt_paths)
+  deltas, trained, _ = module_deltas(
+    store, params_W, alpha_W, topo, cfg.sqrt_paths, cfg.sqrt_paths_cap
+  )
   updates, new_opt_state = tx.update(deltas, opt_state, store)
   # An untrained module keeps its params and momentum (its Δ is 0, but
   # momentum alone would still move it).
