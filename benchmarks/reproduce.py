@@ -455,7 +455,9 @@ def phase_report(config, workdir: str, phase: int) -> dict:
     "phase": phase,
     **router_report.token_stats(shards.sizes("train")),
     "moved_off_label": float(info.get("moved_off_label", 0.0)),
+    # Router-split documents per path, routed and before balancing (argmin / best path).
     "router_docs": [info.get(k) for k in ("docs_min", "docs_median", "docs_max")],
+    "router_argmin_docs": [info.get(f"argmin_docs_{k}") for k in ("min", "median", "max")],
   }
 
 

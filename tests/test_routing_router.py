@@ -171,6 +171,7 @@ def test_balanced_kmeans_floors_the_small_cluster_with_its_nearest_documents(tmp
   assert r.info["docs_min"] == n_small and r.info["docs_max"] == 100 - n_small
   assert r.info["moved_off_label"] == pytest.approx(len(moved) / 100)
   assert r.info["min_share"] == 0.5
+  assert (r.info["argmin_docs_min"], r.info["argmin_docs_max"]) == (10, 90)
   # The bias is saved with the centroids and routes the same after a reload.
   r.save(str(tmp_path / "r"))
   back = router_lib.Router.load(str(tmp_path / "r"), grid=(2,))

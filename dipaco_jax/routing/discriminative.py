@@ -298,6 +298,7 @@ def fit_discriminative(
   # Report what the saved router does (float32, batched), not the numpy copy calibrated on.
   pred_N = predict_top_k(x_NxD, params)[:, 0]
   c_P = np.bincount(pred_N, minlength=num_paths)
+  l_P = np.bincount(labels_N, minlength=num_paths)
   # Shard sizes on the router split, and the share of documents routed off their best path.
   info.update(
     shard_stats(c_P, t_P),
@@ -306,5 +307,9 @@ def fit_discriminative(
     docs_min=int(c_P.min()),
     docs_median=float(np.median(c_P)),
     docs_max=int(c_P.max()),
+    # Before the bias: the best-path labels' shard sizes (what argmax labels would give).
+    argmin_docs_min=int(l_P.min()),
+    argmin_docs_median=float(np.median(l_P)),
+    argmin_docs_max=int(l_P.max()),
   )
   return params, info

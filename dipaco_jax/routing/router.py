@@ -235,6 +235,16 @@ def shard_sizes_info(counts_P, moved_off: float) -> dict[str, Any]:
   )
 
 
+def _argmin_sizes(labels_N, num_paths: int) -> dict[str, Any]:
+  """Documents per path before any balancing (the argmin / best-path labels): min/median/max."""
+  c_P = np.bincount(np.asarray(labels_N), minlength=num_paths)
+  return _json_info(
+    argmin_docs_min=int(c_P.min()),
+    argmin_docs_median=float(np.median(c_P)),
+    argmin_docs_max=int(c_P.max()),
+  )
+
+
 def balance_bias(x_NxD, c_PxD, min_share: float, *, tol: float = 0.1) -> np.ndarray:
   """Bias [P] (squared-distance units) that floors every cluster's share at min_share / P.
 
@@ -294,6 +304,7 @@ def fit_kmeans_router(
       inertia=kmeans.inertia(x_NxD, c_PxD), num_docs=len(x_NxD), seed=seed, min_share=min_share
     ),
     **shard_sizes_info(counts_P, np.mean(routed_N != nearest_N)),
+    **_argmin_sizes(nearest_N, router.num_paths),
   )
   return router
 
