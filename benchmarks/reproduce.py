@@ -494,9 +494,13 @@ def outer_norms(config, workdir: str) -> dict | None:
   """The outer delta norm per level and outer step (×√P's stability); None without outer steps.
 
   Per level: P (paths through each module), the norm of each outer step (the root of the
-  modules' summed squares), first / last / max over first, and `stable`: no outer step's
-  norm above twice the first one's (a coarse reading: a ×√P step too large for its level
-  shows as norms that grow instead of shrinking with the inner LR).
+  modules' summed squares) and per module (that over √K), the first, the peak and the last.
+  With several levels, `shared_over_modules` is, per outer step, the shared level's
+  per-module norm over the mean per-module norm of the others (the ×√P rescale gives the
+  shared level √P_shared / √P_level times their factor). `stable` is a coarse reading:
+  every level's norm has turned down by the last outer step (below its peak), as the inner
+  LR anneals; a ×√P step too large for its level keeps growing instead. None with fewer
+  than 4 outer steps (the first ones fall in the inner warmup, where norms grow anyway).
   """
   from dipaco_jax import metrics
 
@@ -510,17 +514,29 @@ def outer_norms(config, workdir: str) -> dict | None:
   for level in records[0]["outer_delta_norm"]:
     k = len(records[0]["outer_delta_norm"][level])
     norms = [float(np.sqrt(np.sum(np.square(r["outer_delta_norm"][level])))) for r in records]
+    peak = max(norms)
     levels[level] = {
       "modules": k,
       "paths_per_module": workers // k,
       "steps": [int(r["step"]) for r in records],
       "norm": norms,
+      "per_module": [n / math.sqrt(k) for n in norms],
       "first": norms[0],
+      "peak": peak,
       "last": norms[-1],
-      "max_over_first": max(norms) / norms[0] if norms[0] > 0 else float("nan"),
+      "max_over_first": peak / norms[0] if norms[0] > 0 else float("nan"),
+      "last_over_peak": norms[-1] / peak if peak > 0 else float("nan"),
     }
-  stable = all(v["max_over_first"] <= 2.0 for v in levels.values())
-  return {"levels": levels, "stable": stable, "sqrt_paths_cap": config.outer.sqrt_paths_cap}
+  out = {"levels": levels, "sqrt_paths_cap": config.outer.sqrt_paths_cap}
+  names = list(levels)
+  if len(names) > 1:
+    shared, rest = levels[names[0]]["per_module"], [levels[n]["per_module"] for n in names[1:]]
+    out["shared_over_modules"] = [
+      s / float(np.mean(o)) if np.mean(o) > 0 else float("nan") for s, *o in zip(shared, *rest)
+    ]
+  enough = len(records) >= 4
+  out["stable"] = all(v["last"] < v["peak"] for v in levels.values()) if enough else None
+  return out
 
 
 def train_run(
@@ -619,17 +635,21 @@ def shard_table(results: dict) -> str:
 def outer_table(results: dict) -> str:
   """The outer delta norm per level: P per module, first / last norm, max over first."""
   lines = [
-    "| model | level | modules | paths / module | first | last | max / first | stable |",
-    "|---|---|---:|---:|---:|---:|---:|---|",
+    "| model | level | modules | paths / module | first | peak | last | last / peak | "
+    "shared / module (first → last) | stable |",
+    "|---|---|---:|---:|---:|---:|---:|---:|---|---|",
   ]
   for name in [*MODELS, *INVESTIGATIONS]:
     o = (results.get(name) or {}).get("outer")
     if not o:
       continue
+    ratio = o.get("shared_over_modules")
+    ratio = f"{ratio[0]:.2f} → {ratio[-1]:.2f}" if ratio else "–"
+    stable = {True: "yes", False: "no", None: "too few outer steps"}[o["stable"]]
     for level, v in o["levels"].items():
       lines.append(
         f"| {name} | {level} | {v['modules']} | {v['paths_per_module']} | {v['first']:.3g} | "
-        f"{v['last']:.3g} | {v['max_over_first']:.2f} | {'yes' if o['stable'] else 'no'} |"
+        f"{v['peak']:.3g} | {v['last']:.3g} | {v['last_over_peak']:.2f} | {ratio} | {stable} |"
       )
   return "\n".join(lines) + "\n"
 

@@ -89,6 +89,7 @@ def check_smoke_output(out):
   levels = models["dipaco_4x4"]["outer"]["levels"]
   assert levels["level_0"]["paths_per_module"] == 16 and levels["level_1"]["modules"] == 4
   assert all(len(v["norm"]) == s.steps // s.inner_steps for v in levels.values())
+  assert len(models["dipaco_4x4"]["outer"]["shared_over_modules"]) == s.steps // s.inner_steps
   for png in ("ppl_vs_steps.png", "ppl_vs_window.png"):
     assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
