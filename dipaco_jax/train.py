@@ -147,7 +147,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   def logged(at: int) -> bool:
     return at % log_every == 0 or at % H == 0 or at == total
 
-  # The active shards' sizes, in the first record read (and in the record of each re-shard).
+  # The active shards' sizes, in the first logged record (and in the record of each re-shard).
   shards_record = plan.shard_record()
 
   def read(dispatched) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -158,8 +158,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     # healthy (NOTES.md) and lets the divergence guard stop before a bad state is saved.
     m = feed_lib.host(m)
     guard.check(at, m["loss"], m["param_norm"])
-    out: dict[str, Any] = shards_record
-    shards_record = {}
+    out: dict[str, Any] = {}
     if outer_norm is not None:
       out["outer_delta_norm"] = feed_lib.host(outer_norm)
     if logged(at):  # Its tokens_per_s and step_s join it outside meter.timed().
@@ -168,7 +167,9 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
         train_loss=m["loss"],
         grad_norm=m["grad_norm"],
         param_norm=m["param_norm"],
+        **shards_record,
       )
+      shards_record = {}
       bar.set_postfix(loss=f"{float(np.mean(m['loss'])):.3f}")
     return m, out
 
