@@ -4,6 +4,18 @@ r"""The paper's comparison at small scale on the embedded corpus: one command, t
   python benchmarks/reproduce.py --quick --out=/tmp/dipaco_repro_q  # ~10 CPU-minutes
   python benchmarks/reproduce.py --smoke --out=/tmp/dipaco_repro_s  # CI: tiny sizes, 1/40 data
 
+The long comparison (960 weight-update steps: θ̄ 480 + 480), one output dir per seed, then
+the summary over seeds (mean and range per model, gaps within the seed range flagged):
+
+  python benchmarks/reproduce.py --models=long --size pretrain=480 --size steps=480 \
+      --seed=0 --out=/tmp/long_s0                                  # then --seed=1 --out=..._s1
+  python benchmarks/reproduce.py --summarize=/tmp/long_s0,/tmp/long_s1 --out=/tmp/long_sum
+
+A seed changes everything a real rerun changes: data.seed (batch order, i.i.d. shards,
+held-out documents), the model init (config.seed) and the k-means / router seed
+(routing.seed). So each seed trains its own θ̄; sharing one θ̄ would leave its noise
+out of the seed range.
+
 Every model uses the shipped 8k SentencePiece tokenizer, the same batch (B x T
 per path) and the same number of weight-update steps, as in the paper's
 Table 1 / Fig. 8 (shared/reference/dipaco-paper.md §5):
@@ -12,10 +24,11 @@ Table 1 / Fig. 8 (shared/reference/dipaco-paper.md §5):
   dense_path    θ̄ + `steps` more steps (the paper's 150M baseline protocol).
   dense_4x      a dense model with ~4x the path's parameters, trained from
                 scratch for pretrain + steps (the paper's 1.3B baseline).
-  diloco_iid    DiLoCo: one path, P replicas on i.i.d. shards, forked from θ̄.
+  diloco_iid    DiLoCo: one path, P = 4 replicas on i.i.d. shards, forked from θ̄: as
+                many workers as the 2x2 grid (and the flat MoE) has paths.
   diloco_iid_16 DiLoCo with as many replicas as the 4x4 grid has paths (16): the
                 comparison at equal workers (the paper's Table 1 pairs DiLoCo P=8
-                with DiPaCo 2x4, 8 paths each); diloco_iid is the one at P=4.
+                with DiPaCo 2x4, 8 paths each).
   diloco_kmeans DiLoCo on non-i.i.d. shards: k-means with one cluster per replica.
   flat_moe      P independent paths (one level, K=P), k-means then one
                 discriminative re-shard.
@@ -24,6 +37,16 @@ Table 1 / Fig. 8 (shared/reference/dipaco-paper.md §5):
   dipaco_2x2_kmeans  the same run without the re-shard (k-means throughout).
   dipaco_4x4    16 paths, 4 modules per level; k-means, then discriminative.
   dipaco_4x4_kmeans  the same run without the re-shard (k-means throughout).
+
+Every routing is balanced (`min_share` of the sizes, default 0.5): the k-means shards
+(routing.kmeans_min_share) and the discriminative re-shard (discriminative_min_share)
+floor each path's share of the router split at half the uniform share, so no path
+starves (the goal: no training shard under 25% of the mean, in tokens). The k-means
+controls share their grid's balanced phase-0 shards, so each pair differs by the
+re-shard alone. `--size min_share=0` gives the unbalanced routing. The results record,
+per phase, each run's training tokens per shard (min / median / max, min over mean) and
+the share of router documents moved off their argmin path; for the grids also the outer
+delta norm per level and outer step (the ×√P rescale's stability).
 
 All forks re-warm the inner LR and anneal it over `steps`; the re-shard does
 not restart the schedule (routing.restart_schedule=False), so k-means and
@@ -83,6 +106,7 @@ class Sizes:
   reroute_steps: int
   subsample: int  # Keep one document in N (data.subsample).
   paths: int = 4  # P of DiLoCo and flat MoE.
+  min_share: float = 0.5  # Balanced routing: each path's share >= this x 1/P (0 = argmin).
 
 
 MODES = {
@@ -158,16 +182,38 @@ MODES = {
 MODELS = {
   "dense_path": "dense, path size (Table 1 baseline, 16.23)",
   "dense_4x": "dense, ~4x path params, from scratch (the 1.3B dense, 11.41)",
-  "diloco_iid": "DiLoCo, P replicas, i.i.d. shards (DiLoCo Table 3)",
+  "diloco_iid": "DiLoCo, 4 replicas (the 2x2 grid's paths), i.i.d. shards (DiLoCo Table 3)",
   "diloco_iid_16": "DiLoCo, 16 replicas (the 4x4 grid's paths), i.i.d. shards",
   "diloco_kmeans": "DiLoCo, P replicas, k-means shards (non-i.i.d.)",
   "flat_moe": "flat MoE, P independent paths (Table 1)",
-  "dipaco_2x2": "DiPaCo 2x2, k-means then discriminative",
+  "dipaco_2x2": "DiPaCo 2x2, k-means then discriminative (balanced)",
   "dipaco_2x2_kmeans": "DiPaCo 2x2, k-means only (control)",
-  "dipaco_4x4": "DiPaCo 4x4, k-means then discriminative",
+  "dipaco_4x4": "DiPaCo 4x4, k-means then discriminative (balanced)",
   "dipaco_4x4_kmeans": "DiPaCo 4x4, k-means only (control)",
 }
 
+
+# The long comparison of docs/results.md (`--models=long`): equal workers, balanced routing.
+LONG_MODELS = (
+  "dense_path",
+  "dense_4x",
+  "diloco_iid",
+  "diloco_iid_16",
+  "dipaco_2x2",
+  "dipaco_4x4",
+  "dipaco_4x4_kmeans",
+)
+# The comparisons the summary reads (better model expected first, as in the paper's ordering).
+PAIRS = (
+  ("diloco_iid", "dense_path"),
+  ("dipaco_2x2", "diloco_iid"),
+  ("dipaco_4x4", "diloco_iid_16"),
+  ("dipaco_4x4", "dipaco_4x4_kmeans"),
+  ("dipaco_4x4", "dipaco_2x2"),
+  ("dense_4x", "dense_path"),
+  ("dense_4x", "dipaco_4x4"),
+)
+GOAL_MIN_OVER_MEAN = 0.25  # No training shard under 25% of the mean (tokens), at any phase.
 
 # Not in the default comparison: controls for the investigations of docs/results.md.
 INVESTIGATIONS = {
@@ -184,7 +230,7 @@ def _block_levels(layers: int) -> tuple[str, str]:
 
 
 def run_overrides(
-  name: str, s: Sizes, pretrain_dir: str, shared_shards: str, sqrt_paths: str
+  name: str, s: Sizes, pretrain_dir: str, shared_shards: str, sqrt_paths: str, sqrt_cap: float = 0.0
 ) -> dict:
   """Config overrides (on configs/tiny.py) of one model; shared_shards: a shard dir prefix."""
   everything = f"embed,block_0-{s.layers - 1},head"
@@ -193,16 +239,18 @@ def run_overrides(
     "inner.warmup_steps": s.fork_warmup,
     "dipaco.outer_steps": s.steps // s.inner_steps,
   }
-  kmeans = {"routing.router": "kmeans"}
+  kmeans = {"routing.router": "kmeans", "routing.kmeans_min_share": s.min_share}
   disc = {
     **kmeans,
     "routing.discriminative_at_outer_step": s.disc_at,
+    "routing.discriminative_min_share": s.min_share,
     "routing.restart_schedule": False,
   }
   grid = lambda k: {
     "dipaco.level_groups": ("embed,head", *_block_levels(s.layers)),
     "dipaco.modules_per_level": (1, k, k),
     "outer.sqrt_paths": sqrt_paths,
+    "outer.sqrt_paths_cap": sqrt_cap,
   }
   dense = {
     "dipaco.level_groups": (everything,),
@@ -260,7 +308,7 @@ def run_overrides(
   raise ValueError(f"unknown model {name!r}; choose from {['pretrain', *MODELS, *INVESTIGATIONS]}.")
 
 
-def make_config(name: str, s: Sizes, out: str, sqrt_paths: str, seed: int = 0):
+def make_config(name: str, s: Sizes, out: str, sqrt_paths: str, seed: int = 0, sqrt_cap=0.0):
   """configs/tiny.py with this mode's sizes and the model's overrides."""
   from dipaco_jax import config_defaults
 
@@ -276,7 +324,10 @@ def make_config(name: str, s: Sizes, out: str, sqrt_paths: str, seed: int = 0):
     "data.seq_len": s.seq_len,
     "data.batch_size": s.batch,
     "data.subsample": s.subsample,
+    # A seed varies what a real rerun varies: data order and shards, init, router fits.
     "data.seed": seed,
+    "seed": seed,
+    "routing.seed": seed,
     "mesh.cpu_devices": CPU_DEVICES,
     "log_every_steps": s.inner_steps,
     "ckpt.every_steps": s.inner_steps,
@@ -286,14 +337,21 @@ def make_config(name: str, s: Sizes, out: str, sqrt_paths: str, seed: int = 0):
     "eval.rerouting_windows": s.windows,
     "eval.rerouters": ("linear", "transformer"),  # docs/results.md compares both.
     "eval.reroute_steps": s.reroute_steps,
-    # k-means on a small validation split can leave a path without validation documents:
-    # it trains, its own-shard loss reads NaN and early stopping keeps its latest params.
+    # k-means on a small validation split can leave a path without validation documents;
+    # early stopping reads a held-out slice of each training shard (the default source), so
+    # the validation split is used for the final numbers only.
     "data.empty_shard_policy": "allow_validation",
+    "early_stopping.source": "heldout",
   }
   over = {
     **common,
     **run_overrides(
-      name, s, os.path.join(out, "runs", "pretrain"), os.path.join(out, "shards"), sqrt_paths
+      name,
+      s,
+      os.path.join(out, "runs", "pretrain"),
+      os.path.join(out, "shards"),
+      sqrt_paths,
+      sqrt_cap,
     ),
   }
   c = config_defaults.load(os.path.join(ROOT, "configs", "tiny.py"), **over)
@@ -380,8 +438,31 @@ def evaluate_run(config, workdir: str, s: Sizes, *, final_full: bool) -> tuple[d
   return cache, computed
 
 
+def phase_report(config, workdir: str, phase: int) -> dict:
+  """One phase's shard sizes and the router's share of documents moved off their argmin path.
+
+  Tokens per training shard: min / median / max / mean, min over mean; the router's
+  documents per path and the moved-off share are on the router split (router.json).
+  """
+  from dipaco_jax import data as data_lib
+  from dipaco_jax import routing
+  from dipaco_jax.routing import report as router_report
+
+  shards = data_lib.ShardSet(routing.shard_dir(config, workdir, phase))
+  directory = routing.router_dir(workdir, phase)
+  info = routing.Router.load(directory).info if routing.Router.exists(directory) else {}
+  return {
+    "phase": phase,
+    **router_report.token_stats(shards.sizes("train")),
+    "moved_off_label": float(info.get("moved_off_label", 0.0)),
+    # Router-split documents per path, routed and before balancing (argmin / best path).
+    "router_docs": [info.get(k) for k in ("docs_min", "docs_median", "docs_max")],
+    "router_argmin_docs": [info.get(f"argmin_docs_{k}") for k in ("min", "median", "max")],
+  }
+
+
 def shard_report(config, workdir: str) -> dict:
-  """The last phase's shards: training tokens per worker, validation domain purity and NMI."""
+  """Every phase's shard sizes; the last phase's tokens per worker, validation purity and NMI."""
   from dipaco_jax import data as data_lib
   from dipaco_jax import routing
   from dipaco_jax.routing import report as router_report
@@ -389,6 +470,7 @@ def shard_report(config, workdir: str) -> dict:
   phase = 0
   while os.path.isdir(routing.shard_dir(config, workdir, phase + 1)):
     phase += 1
+  phases = [phase_report(config, workdir, k) for k in range(phase + 1)]
   shards = data_lib.ShardSet(routing.shard_dir(config, workdir, phase))
   workers, domains = [], []
   for w, n in enumerate(shards.num_docs("validation")):
@@ -399,6 +481,8 @@ def shard_report(config, workdir: str) -> dict:
   rep = router_report.report(np.asarray(workers), len(shards.num_docs("validation")), ids, names)
   return {
     "phase": phase,
+    "phases": phases,
+    "min_over_mean": min(p["min_over_mean"] for p in phases),
     "train_tokens": shards.sizes("train").tolist(),
     "validation_docs": shards.num_docs("validation").tolist(),
     "validation_domain_purity": float(rep.purity),
@@ -406,11 +490,62 @@ def shard_report(config, workdir: str) -> dict:
   }
 
 
-def train_run(name: str, s: Sizes, out: str, sqrt_paths: str, seed: int = 0) -> dict:
+def outer_norms(config, workdir: str) -> dict | None:
+  """The outer delta norm per level and outer step (×√P's stability); None without outer steps.
+
+  Per level: P (paths through each module), the norm of each outer step (the root of the
+  modules' summed squares) and per module (that over √K), the first, the peak and the last.
+  With several levels, `shared_over_modules` is, per outer step, the shared level's
+  per-module norm over the mean per-module norm of the others (the ×√P rescale gives the
+  shared level √P_shared / √P_level times their factor). `stable` is a coarse reading:
+  every level's norm has turned down by the last outer step (below its peak), as the inner
+  LR anneals; a ×√P step too large for its level keeps growing instead. None with fewer
+  than 4 outer steps (the first ones fall in the inner warmup, where norms grow anyway).
+  """
+  from dipaco_jax import metrics
+
+  if not config.outer.enabled:
+    return None
+  records = [r for r in metrics.read_records(workdir) if "outer_delta_norm" in r]
+  if not records:
+    return None
+  workers = math.prod(config.dipaco.modules_per_level) * config.dipaco.replicas
+  levels = {}
+  for level in records[0]["outer_delta_norm"]:
+    k = len(records[0]["outer_delta_norm"][level])
+    norms = [float(np.sqrt(np.sum(np.square(r["outer_delta_norm"][level])))) for r in records]
+    peak = max(norms)
+    levels[level] = {
+      "modules": k,
+      "paths_per_module": workers // k,
+      "steps": [int(r["step"]) for r in records],
+      "norm": norms,
+      "per_module": [n / math.sqrt(k) for n in norms],
+      "first": norms[0],
+      "peak": peak,
+      "last": norms[-1],
+      "max_over_first": peak / norms[0] if norms[0] > 0 else float("nan"),
+      "last_over_peak": norms[-1] / peak if peak > 0 else float("nan"),
+    }
+  out = {"levels": levels, "sqrt_paths_cap": config.outer.sqrt_paths_cap}
+  names = list(levels)
+  if len(names) > 1:
+    shared, rest = levels[names[0]]["per_module"], [levels[n]["per_module"] for n in names[1:]]
+    out["shared_over_modules"] = [
+      s / float(np.mean(o)) if np.mean(o) > 0 else float("nan") for s, *o in zip(shared, *rest)
+    ]
+  enough = len(records) >= 4
+  out["stable"] = all(v["last"] < v["peak"] for v in levels.values()) if enough else None
+  return out
+
+
+def train_run(
+  name: str, s: Sizes, out: str, sqrt_paths: str, seed: int = 0, sqrt_cap: float = 0.0
+) -> dict:
   """Trains (or resumes) one model and evaluates its checkpoints; returns its record."""
   from dipaco_jax import train
 
-  config = make_config(name, s, out, sqrt_paths, seed)
+  config = make_config(name, s, out, sqrt_paths, seed, sqrt_cap)
   workdir = os.path.join(out, "runs", name)
   # Seconds of the call that did the work (a rerun that resumes finished work keeps them).
   timing_path = os.path.join(workdir, "reproduce_seconds.json")
@@ -439,6 +574,7 @@ def train_run(name: str, s: Sizes, out: str, sqrt_paths: str, seed: int = 0) -> 
     "name": name,
     "description": described[name],
     "shards": shard_report(config, workdir),
+    "outer": outer_norms(config, workdir),
     "params": param_counts(config),
     "curve": curve,
     "forked": forked,
@@ -451,8 +587,8 @@ def train_run(name: str, s: Sizes, out: str, sqrt_paths: str, seed: int = 0) -> 
 def table(results: dict, s: Sizes) -> str:
   """The results table (markdown): final routed ppl, early stopping, best re-routing."""
   lines = [
-    "| model | paths | workers | params / path | params total | steps | ppl (once) | "
-    "ppl (early stop) | best re-routing | oracle (once) |",
+    "| model | paths | workers (replicas x paths) | params / path | params total | steps | "
+    "ppl (once) | ppl (early stop) | best re-routing | oracle (once) |",
     "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|",
   ]
   for name in [*MODELS, *INVESTIGATIONS]:
@@ -474,6 +610,47 @@ def table(results: dict, s: Sizes) -> str:
       f"\nθ̄ (dense pretraining, {s.pretrain} steps): routed ppl "
       f"{pre['final']['store']['ppl']['once']:.2f}."
     )
+  return "\n".join(lines) + "\n"
+
+
+def shard_table(results: dict) -> str:
+  """Training tokens per shard at every phase, and the share moved off the argmin path."""
+  lines = [
+    "| model | phase | tokens min | median | max | min / mean | moved off argmin |",
+    "|---|---:|---:|---:|---:|---:|---:|",
+  ]
+  for name in [*MODELS, *INVESTIGATIONS]:
+    r = results.get(name)
+    if not r or r["params"]["workers"] == 1:
+      continue
+    for p in r["shards"]["phases"]:
+      low = " (under 25%)" if p["min_over_mean"] < GOAL_MIN_OVER_MEAN else ""
+      lines.append(
+        f"| {name} | {p['phase']} | {p['tokens_min']:,.0f} | {p['tokens_median']:,.0f} | "
+        f"{p['tokens_max']:,.0f} | {p['min_over_mean']:.2f}{low} | {p['moved_off_label']:.3f} |"
+      )
+  return "\n".join(lines) + "\n"
+
+
+def outer_table(results: dict) -> str:
+  """The outer delta norm per level: P per module, first / last norm, max over first."""
+  lines = [
+    "| model | level | modules | paths / module | first | peak | last | last / peak | "
+    "shared / module (first → last) | stable |",
+    "|---|---|---:|---:|---:|---:|---:|---:|---|---|",
+  ]
+  for name in [*MODELS, *INVESTIGATIONS]:
+    o = (results.get(name) or {}).get("outer")
+    if not o:
+      continue
+    ratio = o.get("shared_over_modules")
+    ratio = f"{ratio[0]:.2f} → {ratio[-1]:.2f}" if ratio else "–"
+    stable = {True: "yes", False: "no", None: "too few outer steps"}[o["stable"]]
+    for level, v in o["levels"].items():
+      lines.append(
+        f"| {name} | {level} | {v['modules']} | {v['paths_per_module']} | {v['first']:.3g} | "
+        f"{v['peak']:.3g} | {v['last']:.3g} | {v['last_over_peak']:.2f} | {ratio} | {stable} |"
+      )
   return "\n".join(lines) + "\n"
 
 
@@ -558,6 +735,94 @@ def plot(results: dict, s: Sizes, out: str) -> list[str]:
   return files
 
 
+def _final_ppl(r: dict, params: str = "store") -> float | None:
+  rep = r["final"].get(params)
+  return None if rep is None else rep["ppl"]["once"]
+
+
+def summarize(dirs: list[str]) -> dict:
+  """Mean and range per model over the seeds' results.json; which gaps exceed the seed range.
+
+  A gap between two models' means counts as resolved only when it is larger than the
+  seed range (max - min) of each of the two; otherwise it is flagged as within noise.
+  """
+  runs = []
+  for d in dirs:
+    path = os.path.join(d, "results.json")
+    if not os.path.exists(path):
+      raise SystemExit(f"--summarize: {path} does not exist; run reproduce.py --out={d} first.")
+    runs.append(_read_json(path))
+  sizes = {json.dumps(r["sizes"], sort_keys=True) for r in runs}
+  if len(sizes) > 1:
+    raise SystemExit(f"--summarize: {dirs} were run at different sizes; summarize one size.")
+  models = {}
+  for name in ["pretrain", *MODELS, *INVESTIGATIONS]:
+    have = [r for r in runs if name in r["models"]]
+    if not have:
+      continue
+    vals = [_final_ppl(r["models"][name]) for r in have]
+    best = [_final_ppl(r["models"][name], "best") for r in have]
+    m0 = have[0]["models"][name]
+    models[name] = {
+      "seeds": [r["seed"] for r in have],
+      "ppl": vals,
+      "mean": float(np.mean(vals)),
+      "min": float(np.min(vals)),
+      "max": float(np.max(vals)),
+      "range": float(np.max(vals) - np.min(vals)),
+      "early_stop_mean": float(np.mean(best)) if None not in best else None,
+      "paths": m0["params"]["paths"],
+      "workers": m0["params"]["workers"],
+      "shard_min_over_mean": min(r["models"][name]["shards"]["min_over_mean"] for r in have),
+      "seconds": float(np.mean([sum(r["models"][name]["seconds"].values()) for r in have])),
+    }
+  gaps = []
+  for a, b in PAIRS:
+    if a in models and b in models:
+      gap = models[b]["mean"] - models[a]["mean"]  # > 0: a is better, as the paper orders.
+      noise = max(models[a]["range"], models[b]["range"])
+      gaps.append(
+        {
+          "better_expected": a,
+          "worse_expected": b,
+          "gap": gap,
+          "seed_range": noise,
+          "resolved": abs(gap) > noise and min(len(models[a]["ppl"]), len(models[b]["ppl"])) > 1,
+          "paper_order_holds": gap > 0,
+        }
+      )
+  return {"dirs": dirs, "sizes": runs[0]["sizes"], "models": models, "gaps": gaps}
+
+
+def summary_markdown(summary: dict) -> str:
+  """The summary's table (mean and range per model) and its gaps."""
+  lines = [
+    f"# Over {len({s for m in summary['models'].values() for s in m['seeds']})} seeds "
+    f"({', '.join(summary['dirs'])})",
+    "",
+    "| model | paths | workers | ppl mean | min – max (range) | early stop mean | seeds | "
+    "smallest shard / mean |",
+    "|---|---:|---:|---:|---|---:|---|---:|",
+  ]
+  for name, m in summary["models"].items():
+    es = "–" if m["early_stop_mean"] is None else f"{m['early_stop_mean']:.2f}"
+    lines.append(
+      f"| {name} | {m['paths']} | {m['workers']} | {m['mean']:.2f} | {m['min']:.2f} – "
+      f"{m['max']:.2f} ({m['range']:.2f}) | {es} | {','.join(map(str, m['seeds']))} | "
+      f"{m['shard_min_over_mean']:.2f} |"
+    )
+  lines += ["", "| expected better | expected worse | gap (ppl) | seed range | reading |"]
+  lines.append("|---|---|---:|---:|---|")
+  for g in summary["gaps"]:
+    order = "paper's order" if g["paper_order_holds"] else "reversed"
+    noise = "exceeds the seed range" if g["resolved"] else "within the seed range (not a result)"
+    lines.append(
+      f"| {g['better_expected']} | {g['worse_expected']} | {g['gap']:+.2f} | "
+      f"{g['seed_range']:.2f} | {order}, {noise} |"
+    )
+  return "\n".join(lines) + "\n"
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--out", default="/tmp/dipaco_repro", help="Output directory (resumable).")
@@ -570,7 +835,14 @@ def main(argv=None):
     "--models",
     default=",".join(MODELS),
     help=f"Comma list of models to run (pretraining always runs first); also "
-    f"{', '.join(INVESTIGATIONS)}.",
+    f"{', '.join(INVESTIGATIONS)}; 'long' is the long comparison: {','.join(LONG_MODELS)}.",
+  )
+  ap.add_argument(
+    "--summarize",
+    default="",
+    metavar="DIR1,DIR2,...",
+    help="Only summarize: mean and range per model over these runs' results.json (one per "
+    "seed), written to --out as summary.json and summary.md.",
   )
   ap.add_argument(
     "--size",
@@ -587,6 +859,12 @@ def main(argv=None):
     help="data.seed of every run: batch order and the i.i.d. shards (noise checks).",
   )
   ap.add_argument(
+    "--sqrt_paths_cap",
+    type=float,
+    default=0.0,
+    help="outer.sqrt_paths_cap of the DiPaCo grids: the ×√P factor at most this (0 = none).",
+  )
+  ap.add_argument(
     "--sqrt_paths",
     default="multiply",
     choices=("multiply", "divide", "none"),
@@ -594,6 +872,16 @@ def main(argv=None):
     "one path per module).",
   )
   args = ap.parse_args(argv)
+  if args.summarize:
+    summary = summarize([d for d in args.summarize.split(",") if d])
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "summary.json"), "w") as f:
+      json.dump(summary, f, indent=1)
+    md = summary_markdown(summary)
+    with open(os.path.join(args.out, "summary.md"), "w") as f:
+      f.write(md)
+    print(md)
+    return
   name = "smoke" if args.smoke else "quick" if args.quick else "full"
   s = MODES[name]
   fields = {f.name: f.type for f in dataclasses.fields(Sizes)}
@@ -606,7 +894,7 @@ def main(argv=None):
       s = dataclasses.replace(s, **{key: tuple(int(v) for v in value.split(","))})
     else:
       s = dataclasses.replace(s, **{key: cast(value)})
-  models = [m for m in args.models.split(",") if m]
+  models = list(LONG_MODELS) if args.models == "long" else [m for m in args.models.split(",") if m]
   unknown = sorted(set(models) - set(MODELS) - set(INVESTIGATIONS))
   if unknown:
     ap.error(f"unknown models {unknown}; choose from {[*MODELS, *INVESTIGATIONS]}")
@@ -624,7 +912,7 @@ def main(argv=None):
   results = {}
   for m in ["pretrain", *models]:
     print(f"== {m}", flush=True)
-    results[m] = train_run(m, s, args.out, args.sqrt_paths, args.seed)
+    results[m] = train_run(m, s, args.out, args.sqrt_paths, args.seed, args.sqrt_paths_cap)
     r = results[m]
     print(
       f"   ppl {r['final']['store']['ppl']['once']:.2f}  train {r['seconds']['train']:.0f}s "
@@ -636,6 +924,7 @@ def main(argv=None):
     "mode": name,
     "sizes": dataclasses.asdict(s),
     "sqrt_paths": args.sqrt_paths,
+    "sqrt_paths_cap": args.sqrt_paths_cap,
     "seed": args.seed,
     "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
     "machine": {
@@ -654,8 +943,11 @@ def main(argv=None):
   with open(os.path.join(args.out, "results.json"), "w") as f:
     json.dump(report, f, indent=1)
   md = (
-    f"# Reproduction ({name} mode)\n\n{table(results, s)}\n## Re-routing\n\n"
-    f"{window_table(results)}\nTraining + evaluation: {report['model_seconds'] / 60:.1f} min "
+    f"# Reproduction ({name} mode, seed {args.seed})\n\n{table(results, s)}\n"
+    f"## Shards per phase (training tokens per worker)\n\n{shard_table(results)}\n"
+    f"## Outer delta norm per level\n\n{outer_table(results)}\n"
+    f"## Re-routing\n\n{window_table(results)}\n"
+    f"Training + evaluation: {report['model_seconds'] / 60:.1f} min "
     f"(this call: {report['wall_seconds'] / 60:.1f} min).\n"
   )
   with open(os.path.join(args.out, "results.md"), "w") as f:

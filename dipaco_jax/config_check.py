@@ -173,6 +173,7 @@ def _rules() -> dict[str, Rule]:
   """Every field of base() and its check."""
   # pylint: disable=g-import-not-at-top
   from dipaco_jax import data as data_lib
+  from dipaco_jax import early_stopping
   from dipaco_jax import experiment
   from dipaco_jax import model
   from dipaco_jax import outer
@@ -226,6 +227,10 @@ def _rules() -> dict[str, Rule]:
     "outer.nesterov": _bool(),
     "outer.weighting": _choice(outer.WEIGHTINGS),
     "outer.sqrt_paths": _choice(outer.SQRT_MODES),
+    "outer.sqrt_paths_cap": (
+      lambda v: _number(0, above=False)[0](v) and (v == 0 or v >= 1),
+      "a number >= 1 (the cap), or 0 (no cap)",
+    ),
     "dipaco.level_groups": _tuple(_string(), "a tuple of strings, one per level", nonempty=True),
     "dipaco.modules_per_level": _tuple(
       _integer(1), "a tuple of integers >= 1 (K per level)", nonempty=True
@@ -274,6 +279,7 @@ def _rules() -> dict[str, Rule]:
     "routing.feature_batch_size": count,
     "routing.kmeans_restarts": count,
     "routing.kmeans_iters": count,
+    "routing.kmeans_min_share": _fraction(),
     "routing.seed": count0,
     "routing.replica_shards": _choice(phases.REPLICA_SHARDS),
     "routing.router_max_docs": _integer(0, what=" (0 = all)"),
@@ -300,6 +306,9 @@ def _rules() -> dict[str, Rule]:
     "eval.reroute_lr": _number(0),
     "eval.reroute_batch_size": count,
     "early_stopping.enabled": _bool(),
+    "early_stopping.source": _choice(early_stopping.SOURCES),
+    "early_stopping.heldout_docs": count,
+    "early_stopping.heldout_fraction": _number(0, above=False, hi=1),
     "guard.stuck_steps": _integer(0, what=" (0 = rule off)"),
     "guard.max_param_norm_ratio": (
       (lambda v: _number(0, above=False)[0](v) and (v == 0 or v > 1)),

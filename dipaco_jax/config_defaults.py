@@ -74,6 +74,8 @@ def base() -> ml_collections.ConfigDict:
   c.outer.weighting = "shard_size"
   # ×√P_{l,e} on Δ (paper §2.7; direction inferred) | "divide" | "none".
   c.outer.sqrt_paths = "multiply"
+  # > 0: cap the √P_{l,e} factor at this (a bounded ×√P for modules shared by many paths).
+  c.outer.sqrt_paths_cap = 0.0
 
   c.dipaco = ml_collections.ConfigDict()
   c.dipaco.level_groups = ("embed,head", "block_0-5", "block_6-11")  # Groups per level.
@@ -127,6 +129,9 @@ def base() -> ml_collections.ConfigDict:
   c.routing.feature_batch_size = 64  # Documents per θ̄ feature batch (jit, over local devices).
   c.routing.kmeans_restarts = 4  # k-means++ restarts (best inertia kept).
   c.routing.kmeans_iters = 100  # Lloyd iterations per restart.
+  # Balanced k-means: floor every path's share of the router split at this x 1/P with a
+  # calibrated bias (0 = nearest centroid; router="kmeans" only).
+  c.routing.kmeans_min_share = 0.0
   c.routing.seed = 0  # Seed of k-means and of the logistic regressions.
   # Replicas of a path: "hash" (i.i.d.) | "router" (one cluster per worker: DiLoCo non-i.i.d.).
   c.routing.replica_shards = "hash"
@@ -161,6 +166,11 @@ def base() -> ml_collections.ConfigDict:
   c.early_stopping = ml_collections.ConfigDict()  # Per-path early stopping (paper §2.7).
   # Keep each worker's best params by own-shard val loss (+1 params copy).
   c.early_stopping.enabled = True
+  # The loss it reads: "heldout" (a slice of each worker's training shard, never trained on)
+  # or "validation" (the worker's validation shard, which the final numbers also read).
+  c.early_stopping.source = "heldout"
+  c.early_stopping.heldout_docs = 64  # Held-out documents per worker's shard ...
+  c.early_stopping.heldout_fraction = 0.1  # ... and at most this share of them.
 
   c.elastic = ml_collections.ConfigDict()  # dipaco.mode="elastic" only (docs/elastic.md).
   # "" = a local Ray cluster on 127.0.0.1 inside the command; "auto" or "HOST:PORT" joins one.

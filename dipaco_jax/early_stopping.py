@@ -1,8 +1,17 @@
-"""Per-path early stopping (paper §2.7): each worker's best params by its own shard's val loss.
+"""Per-path early stopping (paper §2.7): each worker's best params by its own shard's loss.
 
-At every evaluation, a worker whose validation loss (on its own shard's
-validation split) beats its best so far has its params copied into the best
-set, in device memory. The trainer saves the set with every checkpoint, in the
+The loss it reads (early_stopping.source): "heldout" (the default) is each
+worker's loss on a held-out slice of its own training shard, min(heldout_docs,
+heldout_fraction x n) seeded documents that the worker never trains on, so the
+validation split stays for the final numbers alone; "validation" reads the
+worker's shard of the validation split (optimistic where it picks an earlier
+checkpoint: the final perplexity is computed on the same documents). The slice
+is a view on the shard (data.Holdout), so the shard files and the shard cache's
+fingerprint are those of a run without it; dense and DiLoCo runs hold out from
+each worker's shard the same way.
+
+At every evaluation, a worker whose loss beats its best so far has its params
+copied into the best set, in device memory. The trainer saves the set with every checkpoint, in the
 same atomic save (checkpoint.py: item `best` [W, ...], records in the data
 item: best loss, step and shard phase per worker), so a resume from step s
 sees the set as of s, and the set serves like any checkpoint. A
@@ -16,7 +25,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from dipaco_jax import checkpoint
+from dipaco_jax import data as data_lib
 from dipaco_jax.types import PyTree
+
+SOURCES = ("heldout", "validation")
+
+
+def holdouts(config) -> tuple[data_lib.Holdout | None, data_lib.Holdout | None]:
+  """(training part, held-out part) of each shard; (None, None) unless stopping on held-out."""
+  es = config.early_stopping
+  if es.source not in SOURCES:
+    raise ValueError(f"config.early_stopping.source={es.source!r}: choose one of {SOURCES}.")
+  if not es.enabled or es.source != "heldout":
+    return None, None
+  kw = dict(docs=es.heldout_docs, fraction=es.heldout_fraction)
+  return data_lib.Holdout(part="rest", **kw), data_lib.Holdout(part="heldout", **kw)
 
 
 class BestPaths:

@@ -53,18 +53,24 @@ class _NoDocuments:
 class Feed:
   """Batches [local workers, local rows, T] from one WorkerBatcher per worker.
 
-  Validation shards may be empty (data.empty_shard_policy="allow_validation");
-  those workers get padding-only batches. Training shards never may.
+  Validation shards may be empty (data.empty_shard_policy="allow_validation"),
+  and so may a held-out slice (a shard too small to spare a document); those
+  workers get padding-only batches. Training shards never may.
   """
 
   def __init__(self, shard_set, split: str, workers: Sequence[int], rows: slice, **batcher_kw):
     self.workers = list(workers)
     self._rows = rows
     docs = shard_set.num_docs(split)
+    holdout = batcher_kw.get("holdout")
+    if holdout is not None and holdout.part == "heldout":
+      docs = [holdout.count(int(n)) for n in docs]
+    elif split == "train":
+      docs = [1] * len(docs)  # Never empty: WorkerBatcher refuses an empty training shard.
     self._its = {
       w: (
         _NoDocuments(**batcher_kw)
-        if split != "train" and docs[w] == 0
+        if docs[w] == 0
         else data_lib.WorkerBatcher(shard_set, split, [w], **batcher_kw)
       )
       for w in self.workers

@@ -239,7 +239,7 @@ def _drop_after(workdir: str | os.PathLike, resume_step: int) -> None:
 
 
 # Record keys with one value per worker: a TensorBoard scalar per path, and a histogram.
-_PER_WORKER = {"train_loss": "train/loss", "val_loss": "val/loss"}
+_PER_WORKER = {"train_loss": "train/loss", "val_loss": "val/loss", "heldout_loss": "heldout/loss"}
 _HISTOGRAMS = {**_PER_WORKER, "grad_norm": "train/grad_norm"}
 
 

@@ -4,7 +4,8 @@ For module e of a level (or a path-specific copy), over the workers w through
 it and active this phase:
 
   Δ_e = Σ_w α_w (θ_e − θ_w) / Σ_w α_w      (α_w ∝ |D_w| or uniform)
-  Δ_e ← Δ_e · √P_e  (or / √P_e, or unchanged: `sqrt_paths` config)
+  Δ_e ← Δ_e · √P_e  (or / √P_e, or unchanged: `sqrt_paths` config; √P_e capped
+                     at `sqrt_paths_cap` when that is > 0)
   θ_e ← optax.sgd(lr, momentum, nesterov)(Δ_e)   — Δ plays the gradient.
 
 Per level this is one assignment matrix A[K, W] times the deltas [W, ...]: a
@@ -40,12 +41,17 @@ class OuterConfig:
   nesterov: bool
   weighting: str  # One of WEIGHTINGS.
   sqrt_paths: str  # One of SQRT_MODES ("multiply": the paper's, direction inferred).
+  sqrt_paths_cap: float  # > 0: the √P factor is at most this (a bounded ×√P); 0 = none.
 
   def __post_init__(self):
     if self.weighting not in WEIGHTINGS:
       raise ValueError(f"outer.weighting={self.weighting!r}: use one of {WEIGHTINGS}.")
     if self.sqrt_paths not in SQRT_MODES:
       raise ValueError(f"outer.sqrt_paths={self.sqrt_paths!r}: use one of {SQRT_MODES}.")
+    if not self.sqrt_paths_cap >= 0:
+      raise ValueError(
+        f"outer.sqrt_paths_cap={self.sqrt_paths_cap}: use a number >= 1 (a cap), or 0 (none)."
+      )
 
 
 def optimizer(cfg: OuterConfig) -> optax.GradientTransformation:
@@ -55,16 +61,21 @@ def optimizer(cfg: OuterConfig) -> optax.GradientTransformation:
   )
 
 
-def _weights(s: topo_lib.StoreGroup, alpha_W: jax.Array, sqrt_paths: str):
+def _weights(
+  s: topo_lib.StoreGroup, alpha_W: jax.Array, sqrt_paths: str, sqrt_paths_cap: float = 0.0
+):
   """Each worker's weight in each module's Δ [K, W] (α-mean and √P folded in), Σα [K], P [K]."""
   onehot_KxW = jax.nn.one_hot(s.module_of_worker, s.num_modules, dtype=jnp.float32).T
   a_KxW = onehot_KxW * alpha_W[None, :]
   norm_K = a_KxW.sum(axis=1)
   count_K = (onehot_KxW * (alpha_W > 0)[None, :]).sum(axis=1)
+  root_K = jnp.sqrt(jnp.maximum(count_K, 1.0))
+  if sqrt_paths_cap > 0:  # The bounded variant: at most ×cap however many paths share e.
+    root_K = jnp.minimum(root_K, sqrt_paths_cap)
   if sqrt_paths == "multiply":
-    scale_K = jnp.sqrt(count_K)
+    scale_K = jnp.where(count_K > 0, root_K, 0.0)
   elif sqrt_paths == "divide":
-    scale_K = jax.lax.rsqrt(jnp.maximum(count_K, 1.0))
+    scale_K = 1.0 / root_K
   else:
     scale_K = jnp.ones_like(count_K)
   return a_KxW * (scale_K / jnp.maximum(norm_K, 1e-30))[:, None], norm_K, count_K
@@ -82,6 +93,7 @@ def module_deltas(
   alpha_W: jax.Array,
   topo: topo_lib.Topology,
   sqrt_paths: str = "multiply",
+  sqrt_paths_cap: float = 0.0,
 ):
   """Averaged outer gradient per module, which modules were trained, counts.
 
@@ -91,13 +103,14 @@ def module_deltas(
     alpha_W: weight of each worker (0 = did not train this phase).
     topo: the grid.
     sqrt_paths: how to rescale by √P_{l,e}.
+    sqrt_paths_cap: > 0: √P_{l,e} is capped at this before it multiplies or divides.
 
   Returns:
     (deltas shaped like store, {group: trained_K bool}, {group: count_K}).
   """
   deltas, trained, counts = {}, {}, {}
   for s in topo.store_groups():
-    w_KxW, norm_K, count_K = _weights(s, alpha_W, sqrt_paths)
+    w_KxW, norm_K, count_K = _weights(s, alpha_W, sqrt_paths, sqrt_paths_cap)
     deltas[s.name] = jax.tree.map(
       lambda x_K, x_W, w=w_KxW, i=s.module_of_worker: _delta(x_K, x_W, w, i).astype(x_K.dtype),
       store[s.name],
@@ -141,7 +154,9 @@ def outer_step(
 ):
   """One outer step; returns (store, opt_state, worker params, metrics)."""
   tx = optimizer(cfg)
-  deltas, trained, _ = module_deltas(store, params_W, alpha_W, topo, cfg.sqrt_paths)
+  deltas, trained, _ = module_deltas(
+    store, params_W, alpha_W, topo, cfg.sqrt_paths, cfg.sqrt_paths_cap
+  )
   masks = {g: jax.tree.map(lambda _, m=trained[g]: m, store[g]) for g in store}
   new_store, new_opt_state = _nesterov(tx, store, opt_state, deltas, masks)
   metrics = {"delta_norm": delta_norms(deltas, topo)}
@@ -231,7 +246,7 @@ def sharded_outer_step(topo: topo_lib.Topology, cfg: OuterConfig, mesh, specs):
   def body(store, opt_state, params_L, alpha_W):
     deltas, masks, back, sq = {}, {}, {}, {}
     for s in topo.store_groups():
-      w_KxW, norm_K, _ = _weights(s, alpha_W, cfg.sqrt_paths)
+      w_KxW, norm_K, _ = _weights(s, alpha_W, cfg.sqrt_paths, cfg.sqrt_paths_cap)
       x_K, treedef = jax.tree.flatten(store[s.name])
       x_L = treedef.flatten_up_to(params_L[s.name])
       spec = treedef.flatten_up_to(store_specs[s.name])

@@ -3,8 +3,9 @@
 Phase 0's shards come from the configured router; phase k's from the k-th
 discriminative re-shard (routing/phases.py, paper §2.4.2), which runs after
 the outer steps `routing.discriminative_steps(config)`. `ShardPlan` holds the
-active phase's shard set, its train feed, its validation batches (the same at
-every evaluation) and α; `reshard` fits (or reloads) the next phase's router
+active phase's shard set, its train feed (without early stopping's held-out
+documents), its validation batches and early stopping's batches (each the same
+at every evaluation) and α; `reshard` fits (or reloads) the next phase's router
 with the paths' current params and opens its shards. What else happens at a
 re-shard (the inner schedule restart) is the loop's business.
 
@@ -17,6 +18,7 @@ from absl import logging
 from jax.experimental import multihost_utils
 
 from dipaco_jax import data as data_lib
+from dipaco_jax import early_stopping
 from dipaco_jax import feed as feed_lib
 from dipaco_jax import routing
 from dipaco_jax.data import shard_cache
@@ -72,10 +74,30 @@ class ShardPlan:
       assign=assign,
     )
     self.alpha_W = self.exp.alpha(self.shard_set.sizes("train"))
-    self.train_it = feed_lib.make_feed(self.exp, self.shard_set, "train")
+    rest, heldout = early_stopping.holdouts(self.config)
+    self.train_it = feed_lib.make_feed(self.exp, self.shard_set, "train", holdout=rest)
+    n = self.config.eval.batches
     val_it = feed_lib.make_feed(self.exp, self.shard_set, "validation", shuffle=False)
-    self.eval_batches = [val_it.next_batch() for _ in range(self.config.eval.batches)]
+    self.eval_batches = [val_it.next_batch() for _ in range(n)]
+    # Early stopping's loss: the held-out slice of each training shard, else validation.
+    self.stop_batches = self.eval_batches
+    if heldout is not None:
+      it = feed_lib.make_feed(self.exp, self.shard_set, "train", shuffle=False, holdout=heldout)
+      self.stop_batches = [it.next_batch() for _ in range(n)]
     self.phase = phase
+
+  def shard_record(self) -> dict[str, float]:
+    """The active phase's shard sizes and the router split's share moved off its argmin path.
+
+    Tokens per training shard: min / median / max / mean, and min over mean.
+    """
+    stats = routing.report.token_stats(self.shard_set.sizes("train"))
+    info = self.router.router.info if self.router.router is not None else {}
+    return {
+      "shards/phase": self.phase,
+      **{f"shards/{k}": v for k, v in stats.items()},
+      "shards/moved_off_label": float(info.get("moved_off_label", 0.0)),
+    }
 
   def restore(self, data_state: dict) -> None:
     """Switches to the checkpoint's phase and position."""

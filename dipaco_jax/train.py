@@ -99,8 +99,8 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   # Routed shards and re-shards (shard_plan.py): the plan's train_it, eval_batches
   # (same batches at every evaluation) and alpha_W.
   plan = shard_plan.ShardPlan(config, workdir, exp)
-  # Per-path early stopping (paper §2.7) on each worker's own validation shard; the
-  # set is saved with each checkpoint.
+  # Per-path early stopping (paper §2.7) on each worker's own held-out (or validation)
+  # documents; the set is saved with each checkpoint.
   best = (
     early_stopping.BestPaths(exp.state_sharding.params, topo.num_workers)
     if config.early_stopping.enabled
@@ -147,8 +147,12 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   def logged(at: int) -> bool:
     return at % log_every == 0 or at % H == 0 or at == total
 
+  # The active shards' sizes, in the first logged record (and in the record of each re-shard).
+  shards_record = plan.shard_record()
+
   def read(dispatched) -> tuple[dict[str, Any], dict[str, Any]]:
     """A dispatched step's metrics on the host, past the guard, and its metrics record."""
+    nonlocal shards_record
     at, m, outer_norm = dispatched
     # Blocking on each step's small metrics (now or one step late) keeps the CPU collectives
     # healthy (NOTES.md) and lets the divergence guard stop before a bad state is saved.
@@ -163,7 +167,9 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
         train_loss=m["loss"],
         grad_norm=m["grad_norm"],
         param_norm=m["param_norm"],
+        **shards_record,
       )
+      shards_record = {}
       bar.set_postfix(loss=f"{float(np.mean(m['loss'])):.3f}")
     return m, out
 
@@ -205,6 +211,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
         record.update(meter.rates(step))  # The write and save below fall in the next interval.
       if reshard:
         plan.reshard(step, state.params)
+        record.update(plan.shard_record())
         if config.routing.restart_schedule:  # Paper Fig. 10: the cosine starts over.
           state = state.replace(inner_opt=inner_lib.restart_schedule(state.inner_opt))
       bar.update(1)
@@ -212,7 +219,11 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
         loss_sum_W, tokens_W = exp.evaluate_sums(state.params, plan.eval_batches)
         val = exp.losses(loss_sum_W, tokens_W)
         if best is not None:  # In memory; saved with the next checkpoint (at `stop` at the latest).
-          best.update(step, val, state.params, plan.phase)
+          stop_W = val
+          if plan.stop_batches is not plan.eval_batches:  # early_stopping.source="heldout".
+            stop_W = exp.losses(*exp.evaluate_sums(state.params, plan.stop_batches))
+            record.update(heldout_loss=stop_W, heldout_loss_mean=metrics_lib.nan_mean(stop_W))
+          best.update(step, stop_W, state.params, plan.phase)
         # Workers whose validation shard is empty read NaN (allow_validation): skipped.
         record.update(val_loss=val, val_loss_mean=metrics_lib.nan_mean(val))
         # Routed: every validation token scored by the path its document was routed to.

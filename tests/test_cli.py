@@ -55,6 +55,16 @@ BAD_INPUTS = [
   (["--config.inner.b2=1.0"], "config.inner.b2=1.0 is invalid"),
   (["--config.data.batch_size=0"], "config.data.batch_size=0 is invalid"),
   (
+    ["--config.early_stopping.source=val"],
+    "config.early_stopping.source='val' is invalid: it must be one of 'heldout', 'validation'",
+  ),
+  (["--config.early_stopping.heldout_fraction=1"], "config.early_stopping.heldout_fraction=1"),
+  (
+    ["--config.outer.sqrt_paths_cap=0.5"],
+    "config.outer.sqrt_paths_cap=0.5 is invalid: it must be a number >= 1 (the cap), or 0",
+  ),
+  (["--config.routing.kmeans_min_share=2"], "config.routing.kmeans_min_share=2"),
+  (
     ["--config.data.tfds_name=c4/en"],
     "config.data.tfds_name='c4/en' is invalid: it must be a tfds name with its version pinned, "
     "such as 'c4/en:3.0.1'",

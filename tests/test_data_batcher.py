@@ -110,3 +110,55 @@ def test_resume_gives_identical_batches_across_epochs(shard_set):
   other = data.WorkerBatcher(shard_set, "train", [0, 1], seq_len=SEQ, batch_size=BATCH, seed=12)
   with pytest.raises(ValueError, match="seed"):
     other.set_state(state)
+
+
+def _docs_read(batches_, worker):
+  """Ids of the documents whose tokens fill a worker's rows (a token t names document t - 3)."""
+  ids = set()
+  for b in batches_:
+    t = b["targets"][worker][b["weights"][worker] > 0]
+    ids |= {int(x) - 3 for x in t if x != 1}
+  return ids
+
+
+def test_heldout_documents_never_reach_the_training_batches(shard_set):
+  from dipaco_jax import feed as feed_lib  # pylint: disable=g-import-not-at-top
+
+  n_W = shard_set.num_docs("train")
+  kw = dict(seq_len=SEQ, batch_size=BATCH, seed=4)
+  # Worker 0 of ~30 documents: min(5 docs, floor(0.25 x n)) = 5 held out.
+  rest, heldout = (data.Holdout(docs=5, fraction=0.25, part=p) for p in ("rest", "heldout"))
+  assert rest.count(int(n_W[0])) == 5 and rest.count(19) == 4 and rest.count(3) == 0
+  train = feed_lib.Feed(shard_set, "train", [0, 1], slice(0, BATCH), holdout=rest, **kw)
+  held = feed_lib.Feed(shard_set, "train", [0, 1], slice(0, BATCH), holdout=heldout, **kw)
+  many = [train.next_batch() for _ in range(200)]  # Several epochs of every worker's rest.
+  for w in (0, 1):
+    ids = [d.doc_id for d in shard_set.documents(w, "train")]
+    held_ids = {ids[i] for i in heldout.indices(len(ids), w, seed=4)}
+    assert len(held_ids) == 5
+    # Every other document is trained on, no held-out one ever; the held-out batches read
+    # the held-out documents only.
+    assert _docs_read(many, w) == set(ids) - held_ids
+    assert _docs_read([held.next_batch() for _ in range(3)], w) == held_ids
+  # Another seed holds out other documents; a state saved without a holdout does not resume one.
+  assert not np.array_equal(heldout.indices(30, 0, seed=4), heldout.indices(30, 0, seed=5))
+  plain = data.WorkerBatcher(shard_set, "train", [0], **kw)
+  with pytest.raises(ValueError, match="holdout"):
+    data.WorkerBatcher(shard_set, "train", [0], holdout=rest, **kw).set_state(plain.get_state())
+
+
+def test_a_shard_too_small_to_spare_a_document_gets_padding_for_its_heldout_batches(shard_set):
+  from dipaco_jax import feed as feed_lib  # pylint: disable=g-import-not-at-top
+
+  heldout = data.Holdout(docs=5, fraction=0.01, part="heldout")  # floor(0.01 x ~30) = 0.
+  held = feed_lib.Feed(
+    shard_set,
+    "train",
+    [0, 1],
+    slice(0, BATCH),
+    holdout=heldout,
+    seq_len=SEQ,
+    batch_size=BATCH,
+    seed=0,
+  )
+  assert not held.next_batch()["weights"].any()

@@ -92,6 +92,31 @@ def test_sqrt_paths_rescale(mode, scale_module, scale_embed):
   np.testing.assert_allclose(m["delta_norm"]["level_1"], [scale_module * np.sqrt(2)] * 2, rtol=1e-6)
 
 
+@pytest.mark.parametrize(
+  "mode,cap,scale_module,scale_embed",
+  [
+    # Cap 1.5: the embedding's √4 = 2 becomes 1.5; a block module's √2 ≈ 1.414 stays.
+    ("multiply", 1.5, np.sqrt(2), 1.5),
+    ("divide", 1.5, 1 / np.sqrt(2), 1 / 1.5),
+    # Cap 1: no rescale at all, as sqrt_paths="none".
+    ("multiply", 1.0, 1.0, 1.0),
+  ],
+)
+def test_sqrt_paths_cap_bounds_the_rescale(mode, cap, scale_module, scale_embed):
+  # As test_sqrt_paths_rescale: Δ = 1 everywhere before rescaling, lr 1, no momentum: θ = −scale.
+  store, _, _, _ = _step(
+    _zero_store(),
+    _workers([-1, -1, -1, -1]),
+    [1, 1, 1, 1],
+    lr=1.0,
+    momentum=0.0,
+    sqrt_paths=mode,
+    sqrt_paths_cap=cap,
+  )
+  np.testing.assert_allclose(_first(store, "block_0"), [-scale_module] * 2, rtol=1e-6)
+  np.testing.assert_allclose(_first(store, "embed"), [-scale_embed], rtol=1e-6)
+
+
 def test_nesterov_over_two_phases():
   # lr 0.7, μ 0.9, Nesterov (optax): m ← Δ + μ m; θ ← θ − lr (Δ + μ m).
   # Phase 1: workers at −1 → Δ1 = 1; m1 = 1; θ1 = −0.7 (1 + 0.9) = −1.33.
@@ -155,6 +180,8 @@ def test_config_errors():
     _outer_config(weighting="tokens")
   with pytest.raises(ValueError, match="outer.sqrt_paths"):
     _outer_config(sqrt_paths="square")
+  with pytest.raises(ValueError, match="outer.sqrt_paths_cap"):
+    _outer_config(sqrt_paths_cap=-1.0)
 
 
 @pytest.mark.parametrize(

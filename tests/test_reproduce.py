@@ -12,11 +12,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import reproduce  # pylint: disable=g-import-not-at-top,wrong-import-position
 
+
 # A child process trains and evaluates every model of the smoke run: minutes, outside the fast
 # suite (-m "not slow").
-pytestmark = pytest.mark.slow
-
-
+@pytest.mark.slow
 def test_smoke_run_tables_every_model_with_finite_numbers(tmp_path):
   out = tmp_path / "repro"
   # A child process: the script sets its fake CPU device count before jax starts.
@@ -29,6 +28,11 @@ def test_smoke_run_tables_every_model_with_finite_numbers(tmp_path):
     check=False,
   )
   assert proc.returncode == 0, proc.stderr[-4000:]
+  check_smoke_output(out)
+
+
+def check_smoke_output(out):
+  """The smoke run's results (also runnable on a finished --smoke --out dir)."""
   report = json.loads((out / "results.json").read_text())
   models = report["models"]
   assert set(models) == {"pretrain", *reproduce.MODELS}
@@ -66,5 +70,72 @@ def test_smoke_run_tables_every_model_with_finite_numbers(tmp_path):
     (out / "runs" / "diloco_kmeans" / "router" / "phase_0" / "router.json").read_text()
   )
   assert meta["kind"] == "kmeans" and list(meta["grid"]) == [4]
+  # Balanced routing: every phase's shard sizes are reported, and no training shard of a
+  # routed model falls under 25% of the mean (k-means phase 0 and the re-shard alike).
+  for name in ("flat_moe", "dipaco_2x2", "dipaco_4x4", "dipaco_4x4_kmeans"):
+    phases = models[name]["shards"]["phases"]
+    assert [p["phase"] for p in phases] == ([0] if name.endswith("_kmeans") else [0, 1]), name
+    for p in phases:
+      assert p["tokens_min"] <= p["tokens_median"] <= p["tokens_max"], (name, p)
+      assert p["min_over_mean"] >= reproduce.GOAL_MIN_OVER_MEAN, (name, p)
+      assert 0 <= p["moved_off_label"] < 1, (name, p)
+    # The control shares its grid's balanced phase-0 shards: the two differ by the re-shard.
+  assert (
+    models["dipaco_4x4"]["shards"]["phases"][0]
+    == models["dipaco_4x4_kmeans"]["shards"]["phases"][0]
+  )
+  assert "## Shards per phase" in table and "| dipaco_4x4 | 1 |" in table
+  # The outer delta norm per level of the 4x4 grid: the shared level has 16 paths per module.
+  levels = models["dipaco_4x4"]["outer"]["levels"]
+  assert levels["level_0"]["paths_per_module"] == 16 and levels["level_1"]["modules"] == 4
+  assert all(len(v["norm"]) == s.steps // s.inner_steps for v in levels.values())
+  assert len(models["dipaco_4x4"]["outer"]["shared_over_modules"]) == s.steps // s.inner_steps
   for png in ("ppl_vs_steps.png", "ppl_vs_window.png"):
     assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _result(ppl, seed, workers=1, best=None):
+  final = {"store": {"ppl": {"once": ppl}}}
+  if best is not None:
+    final["best"] = {"ppl": {"once": best}}
+  return {
+    "final": final,
+    "params": {"paths": 1, "workers": workers},
+    "shards": {"min_over_mean": 1.0},
+    "seconds": {"train": 10.0, "evaluate": 2.0},
+  }
+
+
+def test_summary_gives_mean_and_range_and_flags_gaps_within_the_seed_range(tmp_path):
+  # Seeds 0 and 1: dense_path 520 / 540 (mean 530, range 20), diloco_iid 420 / 450 (435, 30),
+  # dense_4x 525 / 527 (526, 2). diloco_iid vs dense_path: gap 95 > 30, resolved in the paper's
+  # order; dense_4x vs dense_path: gap 4 < 20, within noise.
+  dirs = []
+  for seed, (dense, diloco, big) in enumerate([(520, 420, 525), (540, 450, 527)]):
+    d = tmp_path / f"s{seed}"
+    d.mkdir()
+    models = {
+      "dense_path": _result(dense, seed),
+      "diloco_iid": _result(diloco, seed, workers=4, best=diloco - 1),
+      "dense_4x": _result(big, seed),
+    }
+    (d / "results.json").write_text(
+      json.dumps({"sizes": {"steps": 4}, "seed": seed, "models": models})
+    )
+    dirs.append(str(d))
+  summary = reproduce.summarize(dirs)
+  m = summary["models"]
+  assert (m["dense_path"]["mean"], m["dense_path"]["range"]) == (530, 20)
+  assert (m["diloco_iid"]["mean"], m["diloco_iid"]["early_stop_mean"]) == (435, 434)
+  assert m["diloco_iid"]["workers"] == 4 and m["dense_path"]["seeds"] == [0, 1]
+  gaps = {(g["better_expected"], g["worse_expected"]): g for g in summary["gaps"]}
+  assert (
+    gaps["diloco_iid", "dense_path"]["gap"] == 95 and gaps["diloco_iid", "dense_path"]["resolved"]
+  )
+  assert (
+    gaps["dense_4x", "dense_path"]["gap"] == 4 and not gaps["dense_4x", "dense_path"]["resolved"]
+  )
+  assert set(gaps) == {("diloco_iid", "dense_path"), ("dense_4x", "dense_path")}
+  md = reproduce.summary_markdown(summary)
+  assert "| dense_path | 1 | 1 | 530.00 | 520.00 – 540.00 (20.00) |" in md
+  assert "within the seed range (not a result)" in md

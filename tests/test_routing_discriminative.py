@@ -143,3 +143,20 @@ def test_min_share_calibrated_router_feeds_the_starved_path():
   assert floored["docs_min"] + 1 >= (0.8 * n / p + 1) / 1.1
   assert plain["docs_min"] < 0.05 * n / p and floored["docs_min"] >= 0.7 * n / p
   assert 0.0 <= floored["moved_off_label"] <= 1.0 and floored["docs_max"] <= n
+
+
+def test_min_share_gives_paths_that_won_no_label_documents_of_their_own():
+  # Paths 2 and 3 never win a label (-3 on their scores): trained on best-path labels alone
+  # their classifier columns are equal, so any bias hands a document to one of the two only.
+  rng = np.random.default_rng(1)
+  x = rng.normal(size=(400, 4)).astype(np.float32)
+  s = x @ rng.normal(size=(4, 4)) + 0.3 * rng.normal(size=(400, 4))
+  s[:, 2:] = -3.0 - np.abs(s[:, 2:])
+  assert set(dm.labels_from_scores(s).tolist()) == {0, 1}
+  # Balanced labels: bias on the scores floors paths 2 and 3 at 0.5 / 4 = 12.5% (50 documents),
+  # within the calibration's tolerance (+1 each side, a factor 1.1); 0 and 1 keep their best.
+  t = dm.target_distribution("labels", dm.labels_from_scores(s), 4, min_share=0.5)
+  counts = np.bincount(dm.balanced_labels(s, t), minlength=4)
+  assert ((counts[2:] + 1) / 51 >= 1 / 1.1).all() and ((counts[2:] + 1) / 51 <= 1.1).all()
+  _, info = dm.fit_discriminative(x, s, min_share=0.5)
+  assert info["docs_min"] >= 0.5 * 100 / 1.1 - 1 and info["argmin_docs_min"] == 0

@@ -89,6 +89,24 @@ def test_a_saved_router_of_another_grid_is_refused(micro, tmp_path):
     routing.phase0_router(cfg, str(tmp_path), topology.from_config(cfg), ex)
 
 
+def test_balanced_kmeans_switch_reaches_the_fit_and_is_refused_for_product_kmeans(micro, tmp_path):
+  _, ex = micro
+  cfg = helpers.micro_config(**{"routing.router": "kmeans", "routing.kmeans_min_share": 0.5})
+  t = topology.from_config(cfg)
+  x = np.random.default_rng(0).normal(size=(60, 4)).astype(np.float32)
+  assert phases.fit_phase0(cfg, t, x).info["min_share"] == 0.5
+  # A saved router fitted with another min_share is refused, not silently reused.
+  x = np.random.default_rng(0).normal(size=(40, ex.dim)).astype(np.float32)
+  saved = router_lib.fit_kmeans_router(x, phases.phase0_grid(cfg, t), restarts=1)
+  saved.info["features"] = ex.fingerprint
+  saved.save(routing.router_dir(str(tmp_path), 0))
+  with pytest.raises(config_defaults.ConfigError, match="kmeans_min_share=0.5"):
+    routing.phase0_router(cfg, str(tmp_path), t, ex)
+  cfg.routing.router = "product_kmeans"
+  with pytest.raises(config_defaults.ConfigError, match="balances router='kmeans' only"):
+    phases.phase0_grid(cfg, t)
+
+
 @pytest.mark.slow  # ~15 s at load 2 (38 s at load 12): four passes over the embedded corpus.
 def test_route_run_as_two_processes_writes_what_one_process_writes(tmp_path):
   cfg = helpers.micro_config(**{"data.subsample": 64})

@@ -144,3 +144,42 @@ def test_constructor_and_fit_checks():
   x, scores = _data(n=20)
   with pytest.raises(ValueError, match="scores have 6 paths but grid 4x4"):
     router_lib.fit_linear_router(x, scores, (4, 4))
+
+
+def _two_clusters():
+  """90 documents at x = 0, 0.01, .., 0.89 and 10 at x = 10.0 .. 10.09 (second feature 0)."""
+  x = np.concatenate([np.arange(90) * 0.01, 10.0 + np.arange(10) * 0.01])
+  return np.stack([x, np.zeros_like(x)], axis=1).astype(np.float32)
+
+
+def test_balanced_kmeans_floors_the_small_cluster_with_its_nearest_documents(tmp_path):
+  x = _two_clusters()
+  plain = router_lib.fit_kmeans_router(x, (2,), restarts=2)
+  assert "bias" not in plain.arrays
+  small = int(np.argmax(plain.arrays["centroids"][:, 0]))  # The cluster at 10.
+  assert plain.info["docs_min"] == 10 and plain.info["moved_off_label"] == 0.0
+  # min_share 0.5 floors each share at 0.5 / 2 = 25% of the documents: 25 for the small
+  # cluster, within the calibration's tolerance (sizes +1 within a factor 1.1 of 26).
+  r = router_lib.fit_kmeans_router(x, (2,), restarts=2, min_share=0.5)
+  ids = r.route(x)[:, 0]
+  n_small = int((ids == small).sum())
+  assert np.log(26 / 1.1) <= np.log(n_small + 1) <= np.log(26 * 1.1)
+  # It gains the large cluster's documents nearest to it: the top n_small - 10 by x.
+  moved = np.flatnonzero(ids[:90] == small)
+  np.testing.assert_array_equal(moved, np.arange(90 - len(moved), 90))
+  assert (ids[90:] == small).all()
+  assert r.info["docs_min"] == n_small and r.info["docs_max"] == 100 - n_small
+  assert r.info["moved_off_label"] == pytest.approx(len(moved) / 100)
+  assert r.info["min_share"] == 0.5
+  assert (r.info["argmin_docs_min"], r.info["argmin_docs_max"]) == (10, 90)
+  # The bias is saved with the centroids and routes the same after a reload.
+  r.save(str(tmp_path / "r"))
+  back = router_lib.Router.load(str(tmp_path / "r"), grid=(2,))
+  np.testing.assert_array_equal(back.route(x), r.route(x))
+
+
+def test_balanced_kmeans_without_a_small_cluster_is_the_plain_router():
+  x = np.zeros((100, 2), np.float32)
+  x[:, 0] = np.arange(100) * 0.01 + np.repeat([0.0, 10.0], 50)  # Two clusters of 50.
+  r = router_lib.fit_kmeans_router(x, (2,), restarts=2, min_share=0.5)
+  assert "bias" not in r.arrays and r.info["docs_min"] == 50

@@ -72,6 +72,9 @@ def test_short_run_loss_falls(tmp_path, shard_dir, monkeypatch):
   assert len(outer) == 3
   assert len(outer[0]["outer_delta_norm"]["level_1"]) == 2
   assert len(lines[0]["train_loss"]) == 4
+  # The first record gives the shards' sizes; early stopping reads its held-out slices.
+  assert lines[0]["shards/phase"] == 0 and lines[0]["shards/tokens_min"] > 0
+  assert all(len(l["heldout_loss"]) == 4 for l in lines if "val_loss" in l)
   # Routed: each path's tokens scored by that path; equal token counts per path here.
   for l in lines:
     if "val_loss" in l:

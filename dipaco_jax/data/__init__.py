@@ -5,6 +5,7 @@ Everything here but `iter_documents` runs without TensorFlow: the trainer reads 
 
 from dipaco_jax.data.assign import random_assignment
 from dipaco_jax.data.assign import with_description
+from dipaco_jax.data.batcher import Holdout
 from dipaco_jax.data.batcher import WorkerBatcher
 from dipaco_jax.data.batcher import synthetic_batch
 from dipaco_jax.data.document import Document

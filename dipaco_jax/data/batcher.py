@@ -1,5 +1,11 @@
-"""WorkerBatcher: packed, fixed-length batches per worker from shards; exact resume state."""
+"""WorkerBatcher: packed, fixed-length batches per worker from shards; exact resume state.
 
+A `Holdout` splits each worker's shard into a seeded held-out slice and the rest
+(early stopping's own-shard documents, early_stopping.py): a view on the shard,
+so the shard files (and the shard cache's fingerprint) do not change.
+"""
+
+import dataclasses
 from typing import Sequence
 
 import numpy as np
@@ -7,6 +13,50 @@ import numpy as np
 from dipaco_jax.data.shards import ShardSet
 
 STATE_VERSION = 2  # 2: keys name workers.
+HOLDOUT_PARTS = ("rest", "heldout")
+_HOLDOUT_TAG = 0x4E1D  # Keeps the held-out draw apart from the per-epoch orders' seeds.
+
+
+@dataclasses.dataclass(frozen=True)
+class Holdout:
+  """min(docs, floor(fraction x n)) seeded documents of each n-document shard, held out.
+
+  part "rest" reads the shard without them (training), "heldout" only them.
+  """
+
+  docs: int
+  fraction: float
+  part: str
+
+  def __post_init__(self):
+    if self.part not in HOLDOUT_PARTS or self.docs < 0 or not 0 <= self.fraction < 1:
+      raise ValueError(
+        f"Holdout needs part in {HOLDOUT_PARTS}, docs >= 0 and fraction in [0, 1); got {self}."
+      )
+
+  def count(self, num_docs: int) -> int:
+    """Held-out documents of a shard of num_docs (fewer than num_docs: training keeps one)."""
+    return min(self.docs, int(self.fraction * num_docs))
+
+  def indices(self, num_docs: int, worker: int, seed: int) -> np.ndarray:
+    """The documents this part reads of a worker's shard, in shard order."""
+    rng = np.random.default_rng([seed, worker, _HOLDOUT_TAG])
+    held = np.zeros(num_docs, bool)
+    held[rng.choice(num_docs, self.count(num_docs), replace=False)] = True
+    return np.flatnonzero(held if self.part == "heldout" else ~held)
+
+
+class _Subset(Sequence):
+  """Some documents of a shard, by index (a Holdout's part)."""
+
+  def __init__(self, docs, indices: np.ndarray):
+    self._docs, self._indices = docs, indices
+
+  def __len__(self) -> int:
+    return len(self._indices)
+
+  def __getitem__(self, i):
+    return self._docs[int(self._indices[i])]
 
 
 class _WorkerStream:
@@ -94,6 +144,7 @@ class WorkerBatcher:
     seed: int,
     shuffle: bool = True,
     repeat: bool = True,
+    holdout: Holdout | None = None,
   ):
     if seq_len < 1 or batch_size < 1 or not len(workers):
       raise ValueError(
@@ -111,9 +162,13 @@ class WorkerBatcher:
       "shuffle": shuffle,
       "repeat": repeat,
     }
+    if holdout is not None:  # Only then: states saved without one still resume.
+      self._config["holdout"] = [holdout.docs, holdout.fraction, holdout.part]
     self._streams = []
     for worker in self.workers:
       docs = shard_set.documents(worker, split)
+      if holdout is not None:
+        docs = _Subset(docs, holdout.indices(len(docs), worker, seed))
       if not len(docs):
         raise ValueError(
           f"Worker {worker} has an empty {split!r} shard in {shard_set.shard_dir}; "

@@ -260,6 +260,21 @@ def calibrate_bias(
   return b_P.astype(np.float32), info
 
 
+def balanced_labels(scores_NxP, target_P, *, tol: float = 0.1) -> np.ndarray:
+  """Each document's path under a bias on its scores calibrated to target_P -> int32 [N].
+
+  A capacity-constrained best path: documents move off their best path to their
+  next best where that path is under its target. The scores are divided by the median
+  gap between each document's two best before calibrating, so steps are O(1).
+  """
+  s_NxP = np.asarray(scores_NxP, np.float64)
+  two_NxK = np.sort(s_NxP, axis=1)[:, -2:]
+  gap = float(np.median(two_NxK[:, 1] - two_NxK[:, 0]))
+  z_NxP = s_NxP / (gap if gap > 0 else 1.0)
+  b_P, _ = calibrate_bias(z_NxP - z_NxP.max(axis=1, keepdims=True), target_P, tol=tol)
+  return np.argmax(z_NxP + b_P, axis=1).astype(np.int32)
+
+
 def fit_discriminative(
   x_NxD,
   scores_NxP,
@@ -273,7 +288,13 @@ def fit_discriminative(
   batch_size: int | None = None,
   seed: int = 0,
 ) -> tuple[LinearParams, dict[str, float]]:
-  """Labels from scores, logistic regression, bias calibration -> (params, info)."""
+  """Labels from scores, logistic regression, bias calibration -> (params, info).
+
+  With min_share > 0 the classifier learns balanced labels: each document's path
+  under a bias on the scores calibrated to the floored target (`balanced_labels`),
+  so every path has examples of its own. Best-path labels alone leave the paths
+  that won none with identical classifier columns, which no bias can tell apart.
+  """
   kmeans.check_features(scores_NxP, name="scores")
   if scores_NxP.shape[0] != x_NxD.shape[0]:
     raise ValueError(
@@ -282,9 +303,11 @@ def fit_discriminative(
     )
   num_paths = scores_NxP.shape[1]
   labels_N = labels_from_scores(scores_NxP)
+  t_P = target_distribution(target, labels_N, num_paths, min_share=min_share)
+  train_N = balanced_labels(scores_NxP, t_P, tol=tol) if min_share > 0 else labels_N
   params = fit_logistic(
     x_NxD,
-    labels_N,
+    train_N,
     num_paths,
     l2=l2,
     steps=steps,
@@ -292,12 +315,12 @@ def fit_discriminative(
     batch_size=batch_size,
     seed=seed,
   )
-  t_P = target_distribution(target, labels_N, num_paths, min_share=min_share)
   shift_P, info = calibrate_bias(linear_logits(x_NxD, params), t_P, tol=tol)
   params["b"] = params["b"] + shift_P
   # Report what the saved router does (float32, batched), not the numpy copy calibrated on.
   pred_N = predict_top_k(x_NxD, params)[:, 0]
   c_P = np.bincount(pred_N, minlength=num_paths)
+  l_P = np.bincount(labels_N, minlength=num_paths)
   # Shard sizes on the router split, and the share of documents routed off their best path.
   info.update(
     shard_stats(c_P, t_P),
@@ -306,5 +329,9 @@ def fit_discriminative(
     docs_min=int(c_P.min()),
     docs_median=float(np.median(c_P)),
     docs_max=int(c_P.max()),
+    # Before the bias: the best-path labels' shard sizes (what argmax labels would give).
+    argmin_docs_min=int(l_P.min()),
+    argmin_docs_median=float(np.median(l_P)),
+    argmin_docs_max=int(l_P.max()),
   )
   return params, info

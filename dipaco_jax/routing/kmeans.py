@@ -201,18 +201,28 @@ def inertia(x_NxD, c_KxD) -> float:
 
 
 @functools.partial(jax.jit, static_argnames=("top_k",))
-def _nearest(x_NxD, c_KxD, *, top_k: int):
-  return jax.lax.top_k(-sq_dists(x_NxD, c_KxD), top_k)[1]
+def _nearest(x_NxD, c_KxD, bias_K, *, top_k: int):
+  return jax.lax.top_k(bias_K - sq_dists(x_NxD, c_KxD), top_k)[1]
 
 
 def assign(
-  x_NxD, centroids_KxD, top_k: int = 1, *, batch_size: int = DEFAULT_BATCH_SIZE
+  x_NxD,
+  centroids_KxD,
+  top_k: int = 1,
+  *,
+  bias_K=None,
+  batch_size: int = DEFAULT_BATCH_SIZE,
 ) -> np.ndarray:
-  """Ids of the top_k nearest centroids, nearest first -> int32 [N, top_k]."""
+  """Ids of the top_k nearest centroids, nearest first -> int32 [N, top_k].
+
+  bias_K (squared-distance units) is subtracted from each cluster's distance: a
+  balanced router's calibrated shift (router.fit_kmeans_router's min_share).
+  """
   check_features(x_NxD, centroids_KxD.shape[1])
   check_top_k(top_k, centroids_KxD.shape[0])
   c_KxD = jnp.asarray(centroids_KxD, jnp.float32)
-  fn = lambda xb: _nearest(xb, c_KxD, top_k=top_k)
+  b_K = jnp.zeros(c_KxD.shape[0]) if bias_K is None else jnp.asarray(bias_K, jnp.float32)
+  fn = lambda xb: _nearest(xb, c_KxD, b_K, top_k=top_k)
   return stream_batches(fn, x_NxD, batch_size).astype(np.int32)
 
 

@@ -76,6 +76,12 @@ def phase0_grid(config, topo: topo_lib.Topology) -> tuple[int, ...]:
     return assign_lib.router_grid(topo)
   grid = assign_lib.router_grid(topo, replicas_by_router(config, topo))
   if kind == "product_kmeans":
+    if config.routing.kmeans_min_share > 0:
+      raise ConfigError(
+        f"config.routing.kmeans_min_share={config.routing.kmeans_min_share} balances "
+        "router='kmeans' only (a bias per path does not factor over product k-means' "
+        "levels): use router='kmeans' or kmeans_min_share=0."
+      )
     if grid == (topo.num_paths,) and len(topo.modules_per_level) > 1:
       raise ConfigError(
         "product_kmeans needs the full grid of paths; this run lists an explicit "
@@ -95,7 +101,7 @@ def fit_phase0(config, topo: topo_lib.Topology, feats_NxD: np.ndarray) -> router
   kw = dict(restarts=r.kmeans_restarts, iters=r.kmeans_iters, seed=r.seed)
   grid = phase0_grid(config, topo)
   if r.router == "kmeans":
-    return router_lib.fit_kmeans_router(feats_NxD, grid, **kw)
+    return router_lib.fit_kmeans_router(feats_NxD, grid, min_share=r.kmeans_min_share, **kw)
   if r.router == "product_kmeans":
     return router_lib.fit_product_kmeans_router(feats_NxD, grid, **kw)
   raise ValueError(
@@ -121,6 +127,13 @@ def phase0_router(
         f"{directory} holds a {router.kind} router on features "
         f"{router.info.get('features')}, but the config asks for {kind} on "
         f"{extractor.fingerprint}; use a new --workdir (nothing was changed)."
+      )
+    min_share = config.routing.kmeans_min_share if kind == "kmeans" else 0.0
+    if router.info.get("min_share", 0.0) != min_share:
+      raise ConfigError(
+        f"{directory} holds a k-means router fitted with min_share="
+        f"{router.info.get('min_share', 0.0)}, but config.routing.kmeans_min_share="
+        f"{min_share}; use a new --workdir (nothing was changed)."
       )
   else:
     split = assign_lib.collect(

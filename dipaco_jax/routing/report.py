@@ -31,6 +31,19 @@ def shard_sizes(path_ids, num_paths: int) -> np.ndarray:
   return np.bincount(ids, minlength=num_paths)
 
 
+def token_stats(tokens_W) -> dict[str, float]:
+  """Training tokens per shard: min / median / max / mean, and the smallest over the mean."""
+  t_W = np.asarray(tokens_W, np.float64)
+  mean = float(t_W.mean())
+  return {
+    "tokens_min": float(t_W.min()),
+    "tokens_median": float(np.median(t_W)),
+    "tokens_max": float(t_W.max()),
+    "tokens_mean": mean,
+    "min_over_mean": float(t_W.min() / mean) if mean > 0 else float("nan"),
+  }
+
+
 def confusion(path_ids, domains, num_paths: int, num_domains: int) -> np.ndarray:
   """Counts [P, M]: documents routed (top-1) to path p that come from domain m."""
   p_N = _first_path(path_ids)

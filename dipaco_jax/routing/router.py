@@ -1,7 +1,9 @@
 """The saved document router: features [N, D] -> path ids [N, top_k] (paper §2.4).
 
 Three kinds share one object, one `route` and one on-disk format:
-  kmeans          centroids [P, D]; path id = cluster id (P = prod(grid)).
+  kmeans          centroids [P, D]; path id = cluster id (P = prod(grid)); a balanced
+                  router (fit_kmeans_router's min_share) also holds bias [P], subtracted
+                  from each cluster's squared distance.
   product_kmeans  centroids_l [K_l, D_l] on contiguous feature slices; path id
                   is (i_1..i_L) flattened row-major, i.e. i_1*K_2 + i_2 for 2 levels.
   linear          logistic regression w [D, P], calibrated bias b [P], and the
@@ -32,11 +34,13 @@ def _grid_str(grid: Sequence[int]) -> str:
   return "x".join(str(k) for k in grid)
 
 
-def _expected_shapes(kind: str, grid: tuple[int, ...], dim: int) -> dict[str, tuple[int, ...]]:
+def _expected_shapes(
+  kind: str, grid: tuple[int, ...], dim: int, biased: bool = False
+) -> dict[str, tuple[int, ...]]:
   """Array names and shapes a router of this kind, grid and feature dim must hold."""
   p = math.prod(grid)
   if kind == "kmeans":
-    return {"centroids": (p, dim)}
+    return {"centroids": (p, dim), **({"bias": (p,)} if biased else {})}
   if kind == "product_kmeans":
     return {
       f"centroids_{l}": (k, hi - lo)
@@ -72,7 +76,8 @@ class Router:
     arrays = {k: np.asarray(v, np.float32) for k, v in self.arrays.items()}
     object.__setattr__(self, "arrays", arrays)
     dim = _feature_dim(self.kind, arrays)
-    want = _expected_shapes(self.kind, grid, dim) if dim else "a feature dim >= 1"
+    biased = self.kind == "kmeans" and "bias" in arrays
+    want = _expected_shapes(self.kind, grid, dim, biased) if dim else "a feature dim >= 1"
     got = {k: v.shape for k, v in arrays.items()}
     if got != want:
       raise ValueError(
@@ -103,7 +108,8 @@ class Router:
     kmeans.check_features(x_NxD, self.feature_dim)
     kmeans.check_top_k(top_k, self.num_paths)
     if self.kind == "kmeans":
-      return kmeans.assign(x_NxD, self.arrays["centroids"], top_k, batch_size=batch_size)
+      c_PxD, b_P = self.arrays["centroids"], self.arrays.get("bias")
+      return kmeans.assign(x_NxD, c_PxD, top_k, bias_K=b_P, batch_size=batch_size)
     if self.kind == "product_kmeans":
       cents = [self.arrays[f"centroids_{l}"] for l in range(len(self.grid))]
       return kmeans.product_assign(x_NxD, cents, top_k, batch_size=batch_size)
@@ -218,6 +224,52 @@ def _json_info(**info) -> dict[str, Any]:
   return {k: (v.item() if isinstance(v, np.generic) else v) for k, v in info.items()}
 
 
+def shard_sizes_info(counts_P, moved_off: float) -> dict[str, Any]:
+  """Documents per path on the router split (min/median/max) and the share moved off argmin."""
+  c_P = np.asarray(counts_P)
+  return _json_info(
+    docs_min=int(c_P.min()),
+    docs_median=float(np.median(c_P)),
+    docs_max=int(c_P.max()),
+    moved_off_label=float(moved_off),
+  )
+
+
+def _argmin_sizes(labels_N, num_paths: int) -> dict[str, Any]:
+  """Documents per path before any balancing (the argmin / best-path labels): min/median/max."""
+  c_P = np.bincount(np.asarray(labels_N), minlength=num_paths)
+  return _json_info(
+    argmin_docs_min=int(c_P.min()),
+    argmin_docs_median=float(np.median(c_P)),
+    argmin_docs_max=int(c_P.max()),
+  )
+
+
+def balance_bias(x_NxD, c_PxD, min_share: float, *, tol: float = 0.1) -> np.ndarray:
+  """Bias [P] (squared-distance units) that floors every cluster's share at min_share / P.
+
+  The shares to match are the nearest-centroid ones with that floor
+  (discriminative.target_distribution, water-filling), calibrated as the
+  discriminative router's bias (discriminative.calibrate_bias) on the negative
+  squared distances, divided by the median gap between each document's nearest
+  and second-nearest centroid so that the calibration's steps are O(1).
+  """
+  x_NxD = np.asarray(x_NxD, np.float32)
+  mean_D = x_NxD.mean(axis=0)  # Centred as in the fit: ||x||^2 - 2x.c + ||c||^2 stays accurate.
+  d_NxP = np.asarray(kmeans.sq_dists(x_NxD - mean_D, np.asarray(c_PxD, np.float32) - mean_D))
+  p = d_NxP.shape[1]
+  if p == 1:
+    return np.zeros(1, np.float32)
+  two_NxK = np.sort(d_NxP, axis=1)[:, :2]
+  gap = float(np.median(two_NxK[:, 1] - two_NxK[:, 0]))
+  scale = gap if gap > 0 else 1.0
+  t_P = discriminative.target_distribution(
+    "labels", np.argmin(d_NxP, axis=1), p, min_share=min_share
+  )
+  b_P, _ = discriminative.calibrate_bias(-d_NxP / scale, t_P, tol=tol)
+  return (b_P * scale).astype(np.float32)
+
+
 def fit_kmeans_router(
   x_NxD,
   grid: Sequence[int],
@@ -226,13 +278,35 @@ def fit_kmeans_router(
   iters: int = 100,
   tol: float = 1e-4,
   seed: int = 0,
+  min_share: float = 0.0,
 ) -> Router:
-  """k-means with prod(grid) clusters; cluster id = path id (§2.4.1)."""
+  """k-means with prod(grid) clusters; cluster id = path id (§2.4.1).
+
+  min_share > 0: a balanced router whose calibrated bias floors every path's share
+  of the documents at min_share / P (see balance_bias); 0 = plain nearest centroid.
+  The info reports the shard sizes on these documents and the share moved off the
+  nearest centroid.
+  """
   c_PxD = kmeans.fit_kmeans(
     x_NxD, math.prod(grid), restarts=restarts, iters=iters, tol=tol, seed=seed
   )
-  info = _json_info(inertia=kmeans.inertia(x_NxD, c_PxD), num_docs=len(x_NxD), seed=seed)
-  return Router("kmeans", tuple(grid), {"centroids": c_PxD}, info)
+  arrays = {"centroids": c_PxD}
+  if min_share > 0:
+    b_P = balance_bias(x_NxD, c_PxD, min_share)
+    if b_P.any():  # No cluster under the floor: the plain router (and its shards) as is.
+      arrays["bias"] = b_P
+  nearest_N = kmeans.assign(x_NxD, c_PxD)[:, 0]
+  router = Router("kmeans", tuple(grid), arrays)
+  routed_N = router.route(x_NxD)[:, 0]  # What the saved router does (float32, batched).
+  counts_P = np.bincount(routed_N, minlength=router.num_paths)
+  router.info.update(
+    _json_info(
+      inertia=kmeans.inertia(x_NxD, c_PxD), num_docs=len(x_NxD), seed=seed, min_share=min_share
+    ),
+    **shard_sizes_info(counts_P, np.mean(routed_N != nearest_N)),
+    **_argmin_sizes(nearest_N, router.num_paths),
+  )
+  return router
 
 
 def fit_product_kmeans_router(
