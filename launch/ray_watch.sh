@@ -11,7 +11,7 @@
 # stops the watching, not the run; after the run ends, stop it and run ray_delete.sh. Example:
 #   launch/ray_watch.sh --project=my-proj --zone=us-west4-a --name=dipaco-ray \
 #     --accelerator-type=v5litepod-4 --pool-size=2 --spot --config=configs/dipaco_2x4.py \
-#     --workdir=gs://my-bucket/runs/2x4-elastic -- --config.early_stopping.enabled=False
+#     --workdir=gs://my-bucket/runs/2x4-elastic -- --config.routing.discriminative_at_outer_step=-1
 
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"

@@ -386,6 +386,8 @@ def _doc_flags() -> list[tuple[str, str, bool, list[tuple[str, str | None]]]]:
         field, value = m.group(1).rstrip("."), m.group(2)
         if field in _PLACEHOLDERS or field != field.lower() or field.endswith("*"):
           continue
+        if value and ("$" in value or value.startswith("<")):
+          value = None  # Set at run time ($VAR, $(cmd)) or a <placeholder>: the name is checked.
         found.append((field, value.strip("'\"") if value and value[:1] in "'\"" else value))
       if found:
         out.append((f"{path}:{n}", config, bool(_COMMAND.search(line)), found))
