@@ -432,6 +432,12 @@ def test_elastic_matches_spmd_and_survives_kills(tmp_path, ray_cluster):
   events = storage.read_lines(storage.root(faulty) / "tasks.jsonl")
   done = [(e["phase"], e["worker"]) for e in events if e["event"] == "done"]
   assert sorted(done) == sorted(itertools.product(range(3), range(4)))  # Each accepted once.
+  # The kills landed (the log, not the schedule): a worker mid-task, a worker with its
+  # outputs half written (seed 0 draws the rerun's 4th dispatch, a training task), an executor.
+  kills = [(e["target"], e["how"]) for e in events if e["event"] == "kill"]
+  assert ("worker", "timed") in kills and ("worker", "write") in kills, kills
+  assert ("executor", "timed") in kills, kills
+  assert sum(e["event"] == "failed" for e in events) >= sum(t == "worker" for t, _ in kills)
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ running a task twice (a retry after a kill or a timeout) writes the same bytes.
 
 import functools
 import os
+import signal
 import time
 
 import jax
@@ -94,12 +95,17 @@ class PathWorker:
     weight = np.asarray(weight)
     return float(np.where(weight > 0, np.asarray(loss_sum) / np.maximum(weight, 1.0), np.nan)[0])
 
-  def run(self, phase: int, worker: int) -> dict:
-    """Task (phase, worker): validation at step phase*H if due, then H inner steps (none at T)."""
+  def run(self, phase: int, worker: int, die_in_write: int = 0) -> dict:
+    """Task (phase, worker): validation at step phase*H if due, then H inner steps (none at T).
+
+    `die_in_write` (fault injection): SIGKILL this process after that many of the task's
+    output files are written (0: never), i.e. with the task's outputs half written.
+    """
     start = time.time()
     wd, phase, worker = self.workdir, int(phase), int(worker)
     params = self._load_params(phase, worker)
     result = {"phase": phase, "worker": worker, "actor": self.index, "pid": os.getpid()}
+    clock = {"load": time.time() - start}
     step0 = phase * self.grid.H
     every = self.config.eval.every_steps
     if phase > 0 and (step0 % every == 0 or phase == self.grid.T):
@@ -114,6 +120,8 @@ class PathWorker:
         storage.worker_opt_file(wd, worker, phase), self.grid.inner_opt_template()
       )
       batcher.set_state(storage.load_json(storage.worker_data_file(wd, worker, phase)))
+    clock["load"] = time.time() - start
+    t0 = time.time()
     losses = []
     for i in range(self.grid.H):
       params, opt, m = self._step(params, opt, batcher.next_batch())
@@ -124,13 +132,32 @@ class PathWorker:
       if self._delay:
         time.sleep(self._delay)
     params, opt = jax.device_get((params, opt))
+    clock["steps"] = time.time() - t0
+    t0 = time.time()
     out = storage.worker_out_dir(wd, worker, phase + 1)
-    for g, _ in self.grid.modules_of_worker(worker):
-      storage.save_tree(out / f"{g}.npz", {g: params[g]})
-    storage.save_tree(storage.worker_opt_file(wd, worker, phase + 1), opt)
-    storage.save_json(storage.worker_data_file(wd, worker, phase + 1), batcher.get_state())
+    writes = [
+      functools.partial(storage.save_tree, out / f"{g}.npz", {g: params[g]})
+      for g, _ in self.grid.modules_of_worker(worker)
+    ]
+    writes.append(
+      functools.partial(storage.save_tree, storage.worker_opt_file(wd, worker, phase + 1), opt)
+    )
+    writes.append(
+      functools.partial(
+        storage.save_json, storage.worker_data_file(wd, worker, phase + 1), batcher.get_state()
+      )
+    )
+    for n, write in enumerate(writes, 1):
+      write()
+      if n == min(die_in_write, len(writes)):  # The last one: everything but done.json.
+        os.kill(os.getpid(), signal.SIGKILL)
+    clock["save"] = time.time() - t0
     result.update(
-      start=start, end=time.time(), loss=losses, grad_norm=float(np.asarray(m["grad_norm"])[0])
+      start=start,
+      end=time.time(),
+      clock=clock,
+      loss=losses,
+      grad_norm=float(np.asarray(m["grad_norm"])[0]),
     )
     storage.save_json(out / "done.json", result)
     return result
