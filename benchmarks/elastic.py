@@ -179,15 +179,15 @@ def _elastic_phase_walls(events, T):
   return [last[t] - last[t - 1] for t in range(1, T)]
 
 
-def _spmd_phase_walls(workdir, H, T, tokens_per_step):
-  """Seconds of phase t, 1 <= t < T, from the records' tokens/s (they add up to the wall)."""
+def _spmd_phase_walls(workdir, H, T, tokens_per_step, first=1):
+  """Seconds of phase t, first <= t < T, from the records' tokens/s (they add up to the wall)."""
   recs = [r for r in _records(workdir) if "tokens_per_s" in r]
   walls, prev = [0.0] * T, 0
   for r in recs:
     t = (r["step"] - 1) // H
     walls[t] += (r["step"] - prev) * tokens_per_step / r["tokens_per_s"]
     prev = r["step"]
-  return walls[1:]
+  return walls[first:]
 
 
 def _outer_latency(events, T):
@@ -400,6 +400,11 @@ def main():
     rs = _spmd_with_restarts(restarted, H, T, W, args.tasks_per_kill, args.seed)
     useful_el = W * T * H * step_s / A  # Per worker actor.
     useful_spmd = T * H * spmd_step
+    # Start-up before the first inner step (process, Ray, shards, θ̄; not the compile): paid
+    # once by any run, so also shown apart. spmd: command wall minus its records' intervals.
+    first = lambda c: min(e["t"] for e in _events(c.workdir) if e["event"] == "start")
+    up_el = {"clean": first(clean) - clean.launches[0], "preempted": first(pre) - pre.launches[0]}
+    up_spmd = spmd_wall - sum(_spmd_phase_walls(spmd.workdir, H, T, W * B * L, first=0))
     report["goodput"] = {
       "definition": "useful inner steps x clean step time / (worker actors x command wall)",
       "elastic_preempted": useful_el / pre_wall,
@@ -407,6 +412,13 @@ def main():
       "spmd_with_restart": useful_spmd / rs["wall_s"],
       "spmd_clean": useful_spmd / spmd_wall,
       "spmd_with_restart_is": "measured: SIGKILL of the spmd command, rerun from its checkpoint",
+      "after_startup": {
+        "elastic_preempted": useful_el / (pre_wall - up_el["preempted"]),
+        "elastic_clean": useful_el / (clean_wall - up_el["clean"]),
+        "spmd_with_restart": useful_spmd / (rs["wall_s"] - up_spmd),
+        "spmd_clean": useful_spmd / (spmd_wall - up_spmd),
+        "startup_s": {"elastic": up_el, "spmd": up_spmd},
+      },
       "preemptions_scheduled": kills,
       "elastic_kills_landed": audit["worker_kills_timed"] + audit["worker_kills_mid_write"],
       "elastic_task_log": audit,
