@@ -273,11 +273,11 @@ def _done_count(workdir) -> int:
     return 0
 
 
-def _spmd_with_restarts(cmd: _Command, H, T, W, tasks_per_kill, seed) -> dict:
-  """Runs the spmd command, SIGKILLs it once per ~tasks_per_kill path-tasks, reruns it."""
+def _spmd_with_restarts(cmd: _Command, H, T, kills, seed) -> dict:
+  """Runs the spmd command, SIGKILLs it `kills` times (one per 1/kills of the run), reruns it."""
   rng = random.Random(seed)
-  per = tasks_per_kill / W * H  # Lock-step steps per `tasks_per_kill` tasks.
-  targets = [int(rng.uniform(k * per, (k + 1) * per)) for k in range(int(T * H / per))]
+  per = T * H / kills  # Lock-step steps between preemptions: the elastic run's tasks per kill.
+  targets = [int(rng.uniform(k * per, (k + 1) * per)) for k in range(kills)]
   targets = [s for s in targets if 0 < s < T * H]
   t0, kills = time.time(), []
   cmd.start()
@@ -397,7 +397,7 @@ def main():
       r["step_s"] for r in _records(spmd.workdir) if r["step"] > H and "step_s" in r
     )
     restarted = _Command(tmp, "spmd_restarted", H, T, shards)
-    rs = _spmd_with_restarts(restarted, H, T, W, args.tasks_per_kill, args.seed)
+    rs = _spmd_with_restarts(restarted, H, T, kills, args.seed)
     useful_el = W * T * H * step_s / A  # Per worker actor.
     useful_spmd = T * H * spmd_step
     # Start-up before the first inner step (process, Ray, shards, θ̄; not the compile): paid

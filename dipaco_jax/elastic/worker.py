@@ -122,15 +122,25 @@ class PathWorker:
       batcher.set_state(storage.load_json(storage.worker_data_file(wd, worker, phase)))
     clock["load"] = time.time() - start
     t0 = time.time()
-    losses = []
-    for i in range(self.grid.H):
-      params, opt, m = self._step(params, opt, batcher.next_batch())
-      m = jax.device_get(m)  # Blocks every step (NOTES.md) and feeds the NaN guard.
-      step = phase * self.grid.H + i + 1
+    losses, m = [], None
+
+    def read(m):  # Blocks on a step's metrics and feeds the NaN guard.
+      m = jax.device_get(m)
+      step = phase * self.grid.H + len(losses) + 1
       metrics_lib.guard_losses(step, m["loss"], [f"worker {worker}"])
       losses.append(float(m["loss"][0]))
+      return m
+
+    for _ in range(self.grid.H):
+      # One step ahead: step i+1 is dispatched before step i's metrics are read, so the
+      # host's batch and bookkeeping overlap the step (one device: no collectives to starve).
+      params, opt, m_next = self._step(params, opt, batcher.next_batch())
+      if m is not None:
+        read(m)
+      m = m_next
       if self._delay:
         time.sleep(self._delay)
+    m = read(m)
     params, opt = jax.device_get((params, opt))
     clock["steps"] = time.time() - t0
     t0 = time.time()
