@@ -45,6 +45,9 @@ class PathWorker:
     self._eval = jax.jit(jax.vmap(functools.partial(inner_lib.eval_step, model=model)))
     self._val = {}  # worker -> its validation batches (the same at every evaluation).
     self._shards = data_lib.ShardSet(routing.shard_dir(config, workdir, 0))
+    from dipaco_jax import train  # pylint: disable=g-import-not-at-top
+
+    self._ahead = train.dispatch_ahead(config)  # As the spmd loop: on TPU/GPU, off on CPU.
     delays = tuple(config.elastic.step_delay_s)
     self._delay = float(delays[self.index]) if self.index < len(delays) else 0.0
 
@@ -122,7 +125,7 @@ class PathWorker:
       batcher.set_state(storage.load_json(storage.worker_data_file(wd, worker, phase)))
     clock["load"] = time.time() - start
     t0 = time.time()
-    losses, m = [], None
+    losses, pending, m = [], None, None  # pending: a dispatched step's metrics, unread.
 
     def read(m):  # Blocks on a step's metrics and feeds the NaN guard.
       m = jax.device_get(m)
@@ -132,15 +135,18 @@ class PathWorker:
       return m
 
     for _ in range(self.grid.H):
-      # One step ahead: step i+1 is dispatched before step i's metrics are read, so the
-      # host's batch and bookkeeping overlap the step (one device: no collectives to starve).
+      # config.dispatch_ahead (docs/performance.md): step i+1 is dispatched before step i's
+      # metrics are read, so the host's batch and bookkeeping overlap step i+1 on the device.
       params, opt, m_next = self._step(params, opt, batcher.next_batch())
-      if m is not None:
-        read(m)
-      m = m_next
+      if pending is not None:
+        m = read(pending)
+      pending = m_next
+      if not self._ahead:
+        m, pending = read(pending), None
       if self._delay:
         time.sleep(self._delay)
-    m = read(m)
+    if pending is not None:
+      m = read(pending)
     params, opt = jax.device_get((params, opt))
     clock["steps"] = time.time() - t0
     t0 = time.time()
