@@ -113,7 +113,10 @@ def _update_best(best, exp, grid: grid_lib.Grid, workdir: str, results: dict, t:
   after outer step t), so `early_stopping.BestPaths` takes the same inputs as
   in the synchronous loop.
   """
-  val_W = [results[f"{t}/{w}"].get("val_loss") for w in range(grid.W)]
+  # Held-out training documents' loss where early stopping reads it, else validation's.
+  val_W = [
+    results[f"{t}/{w}"].get("stop_loss", results[f"{t}/{w}"].get("val_loss")) for w in range(grid.W)
+  ]
   if any(v is None for v in val_W):  # No evaluation at this step.
     return
   params = paths_lib.assemble(_store_at(workdir, grid, t), grid.topo)

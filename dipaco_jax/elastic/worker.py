@@ -22,6 +22,7 @@ import jax
 import numpy as np
 
 from dipaco_jax import data as data_lib
+from dipaco_jax import early_stopping
 from dipaco_jax import inner as inner_lib
 from dipaco_jax import metrics as metrics_lib
 from dipaco_jax import model as model_lib
@@ -43,7 +44,9 @@ class PathWorker:
     )
     self._init_opt = jax.jit(jax.vmap(self.grid.inner_tx.init))
     self._eval = jax.jit(jax.vmap(functools.partial(inner_lib.eval_step, model=model)))
-    self._val = {}  # worker -> its validation batches (the same at every evaluation).
+    self._val = {}  # (split, worker) -> its evaluation batches (the same at every evaluation).
+    # Early stopping on held-out training documents (shard_plan's): trained on the rest only.
+    self._rest, self._heldout = early_stopping.holdouts(config)
     self._shards = data_lib.ShardSet(routing.shard_dir(config, workdir, 0))
     from dipaco_jax import train  # pylint: disable=g-import-not-at-top
 
@@ -57,7 +60,13 @@ class PathWorker:
   def _batcher(self, worker: int) -> data_lib.WorkerBatcher:
     d = self.config.data
     return data_lib.WorkerBatcher(
-      self._shards, "train", [worker], seq_len=d.seq_len, batch_size=d.batch_size, seed=d.seed
+      self._shards,
+      "train",
+      [worker],
+      seq_len=d.seq_len,
+      batch_size=d.batch_size,
+      seed=d.seed,
+      holdout=self._rest,
     )
 
   def _load_params(self, phase: int, worker: int):
@@ -70,29 +79,34 @@ class PathWorker:
       )
     return parts
 
-  def _val_batches(self, worker: int) -> list:
-    """The first eval.batches validation batches of the worker's shard (train.py's eval_batches)."""
-    if worker not in self._val:
+  def _val_batches(self, worker: int, split: str = "validation") -> list:
+    """The first eval.batches batches of the worker's validation shard, or of its held-out docs.
+
+    Split "validation": train.py's eval_batches; "heldout": shard_plan's stop_batches.
+    """
+    if (split, worker) not in self._val:
       d = self.config.data
-      if self._shards.num_docs("validation")[worker] == 0:  # allow_validation: loss reads NaN.
-        self._val[worker] = []
+      source = "train" if split == "heldout" else split
+      if self._shards.num_docs(source)[worker] == 0:  # allow_validation: loss reads NaN.
+        self._val[split, worker] = []
       else:
         it = data_lib.WorkerBatcher(
           self._shards,
-          "validation",
+          source,
           [worker],
           seq_len=d.seq_len,
           batch_size=d.batch_size,
           seed=d.seed,
           shuffle=False,
+          holdout=self._heldout if split == "heldout" else None,
         )
-        self._val[worker] = [it.next_batch() for _ in range(self.config.eval.batches)]
-    return self._val[worker]
+        self._val[split, worker] = [it.next_batch() for _ in range(self.config.eval.batches)]
+    return self._val[split, worker]
 
-  def _evaluate(self, params, worker: int) -> float:
-    """Token-weighted validation loss on the worker's own shard (Experiment.evaluate's)."""
+  def _evaluate(self, params, worker: int, split: str = "validation") -> float:
+    """Token-weighted loss on the worker's own shard (Experiment.evaluate's)."""
     loss_sum = weight = 0.0
-    for batch in self._val_batches(worker):
+    for batch in self._val_batches(worker, split):
       out = jax.device_get(self._eval(params, batch))
       loss_sum, weight = loss_sum + out["loss_sum"], weight + out["weight"]
     weight = np.asarray(weight)
@@ -113,6 +127,8 @@ class PathWorker:
     every = self.config.eval.every_steps
     if phase > 0 and (step0 % every == 0 or phase == self.grid.T):
       result["val_loss"] = self._evaluate(params, worker)  # After outer step `phase`, as train.py.
+      if self._heldout is not None:  # Early stopping's loss (shard_plan's stop_batches).
+        result["stop_loss"] = self._evaluate(params, worker, "heldout")
     if phase == self.grid.T:  # The last evaluation: nothing left to train.
       return {**result, "start": start, "end": time.time(), "loss": [], "grad_norm": None}
     batcher = self._batcher(worker)
