@@ -405,9 +405,10 @@ def test_elastic_matches_spmd_and_survives_kills(tmp_path, ray_cluster):
 
   # Faults: worker and executor SIGKILLs at random moments of their calls (tasks slowed
   # to ~1 s so kills land mid-task), and the driver stopping after 4 accepted tasks,
-  # then the same command again: the clean run's bytes.
+  # then the same command again: the clean run's bytes. Workers dispatch ahead here (the
+  # TPU/GPU default; the clean run reads every step): the same steps, the same bytes.
   faulty = str(tmp_path / "faulty")
-  slow = {"elastic.step_delay_s": (0.5, 0.5)}
+  slow = {"elastic.step_delay_s": (0.5, 0.5), "dispatch_ahead": "on"}
   first = train.train_and_evaluate(
     cfg(**{"elastic.chaos_worker_kills": 1, "elastic.stop_after_tasks": 4, **slow}), faulty
   )
@@ -432,6 +433,12 @@ def test_elastic_matches_spmd_and_survives_kills(tmp_path, ray_cluster):
   events = storage.read_lines(storage.root(faulty) / "tasks.jsonl")
   done = [(e["phase"], e["worker"]) for e in events if e["event"] == "done"]
   assert sorted(done) == sorted(itertools.product(range(3), range(4)))  # Each accepted once.
+  # The kills landed (the log, not the schedule): a worker mid-task, a worker with its
+  # outputs half written (seed 0 draws the rerun's 4th dispatch, a training task), an executor.
+  kills = [(e["target"], e["how"]) for e in events if e["event"] == "kill"]
+  assert ("worker", "timed") in kills and ("worker", "write") in kills, kills
+  assert ("executor", "timed") in kills, kills
+  assert sum(e["event"] == "failed" for e in events) >= sum(t == "worker" for t, _ in kills)
 
 
 @pytest.mark.slow

@@ -113,7 +113,10 @@ def _update_best(best, exp, grid: grid_lib.Grid, workdir: str, results: dict, t:
   after outer step t), so `early_stopping.BestPaths` takes the same inputs as
   in the synchronous loop.
   """
-  val_W = [results[f"{t}/{w}"].get("val_loss") for w in range(grid.W)]
+  # Held-out training documents' loss where early stopping reads it, else validation's.
+  val_W = [
+    results[f"{t}/{w}"].get("stop_loss", results[f"{t}/{w}"].get("val_loss")) for w in range(grid.W)
+  ]
   if any(v is None for v in val_W):  # No evaluation at this step.
     return
   params = paths_lib.assemble(_store_at(workdir, grid, t), grid.topo)
@@ -238,21 +241,44 @@ def _control_options(ray) -> dict:
 class _Chaos:
   """Fault injection: SIGKILLs of actor processes while they work (tests, benchmarks).
 
-  `kills` of the first `slots` dispatches (seeded) arm a kill at a random
-  moment of that call; if the call ends first, the actor's next call takes it.
+  `kills` of the first `slots` dispatches (seeded) arm a kill. Of those,
+  `in_write` make the worker SIGKILL itself with its outputs half written (the
+  dispatch's `die_in_write`); the others kill the actor at a random moment of
+  the call (mid-step, mid-load, mid-write alike); if the call ends first, the
+  actor's next call takes it. Each kill is logged (`log`) as event "kill".
   """
 
-  def __init__(self, kills: int, slots: int, seed: int):
+  def __init__(self, kills: int, slots: int, seed: int, log, target: str, in_write: int = 0):
     self.rng = random.Random(seed)
     self.at = set(self.rng.sample(range(slots), min(kills, slots))) if kills else set()
-    self.count, self.killed = 0, 0
+    self.write_at = set(self.rng.sample(sorted(self.at), min(in_write, len(self.at))))
+    self.count, self.killed, self.log, self.target = 0, 0, log, target
     self.due, self._carry = {}, set()  # actor index -> kill time; actors owed a kill.
+    self.armed = {}  # future -> (actor, die_in_write) of a dispatch told to die mid-write.
 
-  def on_dispatch(self, index: int, est_s: float) -> None:
+  def on_dispatch(self, index: int, est_s: float, writes: bool = True) -> int:
+    """Arms this dispatch's kill if drawn; returns its die_in_write (0: none).
+
+    A call that writes nothing (`writes` False: an evaluation-only task) takes a timed kill.
+    """
     n, self.count = self.count, self.count + 1
+    if n in self.write_at and writes:
+      return self.rng.randint(1, 3)
     if n in self.at or index in self._carry:
       self._carry.discard(index)
       self.due[index] = time.time() + self.rng.uniform(0, est_s)
+    return 0
+
+  def arm(self, future, index: int, die_in_write: int) -> None:
+    if die_in_write:
+      self.armed[future] = (index, die_in_write)
+
+  def failed(self, future) -> None:
+    """The call `future` died: counts and logs it if it was told to die mid-write."""
+    if future in self.armed:
+      index, after = self.armed.pop(future)
+      self.killed += 1
+      self.log(event="kill", target=self.target, actor=index, how="write", after_writes=after)
 
   def fire(self, ray, handles, busy) -> None:
     """Kills the actors whose time has come and that are still busy."""
@@ -267,6 +293,7 @@ class _Chaos:
         pid = ray.get(handles[index].pid.remote(), timeout=120)
         os.kill(pid, signal.SIGKILL)
         self.killed += 1
+        self.log(event="kill", target=self.target, actor=index, how="timed", pid=pid)
         logging.info("chaos: SIGKILL actor %d (pid %d)", index, pid)
       except Exception as e:  # pylint: disable=broad-except
         logging.warning("chaos: kill of actor %d failed (%s); owed to its next call", index, e)
@@ -364,8 +391,9 @@ def _loop(
   running, outer = {}, {}  # future -> (actor, task, start); future -> (executor, phase, worker)
   results = call(coord.results)
   left = (grid.T + 1) * grid.W - len(results)  # Kills are drawn among this invocation's tasks.
-  chaos_w = _Chaos(e.chaos_worker_kills, left, e.chaos_seed)
-  chaos_x = _Chaos(e.chaos_executor_kills, left * len(executors), e.chaos_seed + 1)
+  kills_w = e.chaos_worker_kills  # Half of them mid-write.
+  chaos_w = _Chaos(kills_w, left, e.chaos_seed, log, "worker", in_write=kills_w // 2)
+  chaos_x = _Chaos(e.chaos_executor_kills, left * len(executors), e.chaos_seed + 1, log, "executor")
   task_time = [1.0]
   accepted_here = 0
   probes = {}  # future of pid() -> worker actor coming back from a failure (busy until it answers).
@@ -425,9 +453,11 @@ def _loop(
         task = call(coord.lease, i)
         if task is None:
           break
-        running[workers[i].run.remote(*task)] = (i, tuple(task), time.time())
+        die_in_write = chaos_w.on_dispatch(i, task_time[0], task[0] < grid.T)
+        future = workers[i].run.remote(*task, die_in_write)
+        chaos_w.arm(future, i, die_in_write)
+        running[future] = (i, tuple(task), time.time())
         log(event="start", phase=task[0], worker=task[1], actor=i)
-        chaos_w.on_dispatch(i, task_time[0])
       if poll_s and time.time() >= next_poll:
         next_poll = time.time() + poll_s
         for j, ex in enumerate(executors):
@@ -468,6 +498,7 @@ def _loop(
           try:
             result = ray.get(f)
           except ray_errors.RayActorError as err:
+            chaos_w.failed(f)
             call(coord.failed, *task)
             log(
               event="failed", phase=task[0], worker=task[1], actor=actor, error=type(err).__name__

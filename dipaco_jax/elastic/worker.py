@@ -15,12 +15,14 @@ running a task twice (a retry after a kill or a timeout) writes the same bytes.
 
 import functools
 import os
+import signal
 import time
 
 import jax
 import numpy as np
 
 from dipaco_jax import data as data_lib
+from dipaco_jax import early_stopping
 from dipaco_jax import inner as inner_lib
 from dipaco_jax import metrics as metrics_lib
 from dipaco_jax import model as model_lib
@@ -42,8 +44,13 @@ class PathWorker:
     )
     self._init_opt = jax.jit(jax.vmap(self.grid.inner_tx.init))
     self._eval = jax.jit(jax.vmap(functools.partial(inner_lib.eval_step, model=model)))
-    self._val = {}  # worker -> its validation batches (the same at every evaluation).
+    self._val = {}  # (split, worker) -> its evaluation batches (the same at every evaluation).
+    # Early stopping on held-out training documents (shard_plan's): trained on the rest only.
+    self._rest, self._heldout = early_stopping.holdouts(config)
     self._shards = data_lib.ShardSet(routing.shard_dir(config, workdir, 0))
+    from dipaco_jax import train  # pylint: disable=g-import-not-at-top
+
+    self._ahead = train.dispatch_ahead(config)  # As the spmd loop: on TPU/GPU, off on CPU.
     delays = tuple(config.elastic.step_delay_s)
     self._delay = float(delays[self.index]) if self.index < len(delays) else 0.0
 
@@ -53,7 +60,13 @@ class PathWorker:
   def _batcher(self, worker: int) -> data_lib.WorkerBatcher:
     d = self.config.data
     return data_lib.WorkerBatcher(
-      self._shards, "train", [worker], seq_len=d.seq_len, batch_size=d.batch_size, seed=d.seed
+      self._shards,
+      "train",
+      [worker],
+      seq_len=d.seq_len,
+      batch_size=d.batch_size,
+      seed=d.seed,
+      holdout=self._rest,
     )
 
   def _load_params(self, phase: int, worker: int):
@@ -66,44 +79,56 @@ class PathWorker:
       )
     return parts
 
-  def _val_batches(self, worker: int) -> list:
-    """The first eval.batches validation batches of the worker's shard (train.py's eval_batches)."""
-    if worker not in self._val:
+  def _val_batches(self, worker: int, split: str = "validation") -> list:
+    """The first eval.batches batches of the worker's validation shard, or of its held-out docs.
+
+    Split "validation": train.py's eval_batches; "heldout": shard_plan's stop_batches.
+    """
+    if (split, worker) not in self._val:
       d = self.config.data
-      if self._shards.num_docs("validation")[worker] == 0:  # allow_validation: loss reads NaN.
-        self._val[worker] = []
+      source = "train" if split == "heldout" else split
+      if self._shards.num_docs(source)[worker] == 0:  # allow_validation: loss reads NaN.
+        self._val[split, worker] = []
       else:
         it = data_lib.WorkerBatcher(
           self._shards,
-          "validation",
+          source,
           [worker],
           seq_len=d.seq_len,
           batch_size=d.batch_size,
           seed=d.seed,
           shuffle=False,
+          holdout=self._heldout if split == "heldout" else None,
         )
-        self._val[worker] = [it.next_batch() for _ in range(self.config.eval.batches)]
-    return self._val[worker]
+        self._val[split, worker] = [it.next_batch() for _ in range(self.config.eval.batches)]
+    return self._val[split, worker]
 
-  def _evaluate(self, params, worker: int) -> float:
-    """Token-weighted validation loss on the worker's own shard (Experiment.evaluate's)."""
+  def _evaluate(self, params, worker: int, split: str = "validation") -> float:
+    """Token-weighted loss on the worker's own shard (Experiment.evaluate's)."""
     loss_sum = weight = 0.0
-    for batch in self._val_batches(worker):
+    for batch in self._val_batches(worker, split):
       out = jax.device_get(self._eval(params, batch))
       loss_sum, weight = loss_sum + out["loss_sum"], weight + out["weight"]
     weight = np.asarray(weight)
     return float(np.where(weight > 0, np.asarray(loss_sum) / np.maximum(weight, 1.0), np.nan)[0])
 
-  def run(self, phase: int, worker: int) -> dict:
-    """Task (phase, worker): validation at step phase*H if due, then H inner steps (none at T)."""
+  def run(self, phase: int, worker: int, die_in_write: int = 0) -> dict:
+    """Task (phase, worker): validation at step phase*H if due, then H inner steps (none at T).
+
+    `die_in_write` (fault injection): SIGKILL this process after that many of the task's
+    output files are written (0: never), i.e. with the task's outputs half written.
+    """
     start = time.time()
     wd, phase, worker = self.workdir, int(phase), int(worker)
     params = self._load_params(phase, worker)
     result = {"phase": phase, "worker": worker, "actor": self.index, "pid": os.getpid()}
+    clock = {"load": time.time() - start}
     step0 = phase * self.grid.H
     every = self.config.eval.every_steps
     if phase > 0 and (step0 % every == 0 or phase == self.grid.T):
       result["val_loss"] = self._evaluate(params, worker)  # After outer step `phase`, as train.py.
+      if self._heldout is not None:  # Early stopping's loss (shard_plan's stop_batches).
+        result["stop_loss"] = self._evaluate(params, worker, "heldout")
     if phase == self.grid.T:  # The last evaluation: nothing left to train.
       return {**result, "start": start, "end": time.time(), "loss": [], "grad_norm": None}
     batcher = self._batcher(worker)
@@ -114,23 +139,57 @@ class PathWorker:
         storage.worker_opt_file(wd, worker, phase), self.grid.inner_opt_template()
       )
       batcher.set_state(storage.load_json(storage.worker_data_file(wd, worker, phase)))
-    losses = []
-    for i in range(self.grid.H):
-      params, opt, m = self._step(params, opt, batcher.next_batch())
-      m = jax.device_get(m)  # Blocks every step (NOTES.md) and feeds the NaN guard.
-      step = phase * self.grid.H + i + 1
+    clock["load"] = time.time() - start
+    t0 = time.time()
+    losses, pending, m = [], None, None  # pending: a dispatched step's metrics, unread.
+
+    def read(m):  # Blocks on a step's metrics and feeds the NaN guard.
+      m = jax.device_get(m)
+      step = phase * self.grid.H + len(losses) + 1
       metrics_lib.guard_losses(step, m["loss"], [f"worker {worker}"])
       losses.append(float(m["loss"][0]))
+      return m
+
+    for _ in range(self.grid.H):
+      # config.dispatch_ahead (docs/performance.md): step i+1 is dispatched before step i's
+      # metrics are read, so the host's batch and bookkeeping overlap step i+1 on the device.
+      params, opt, m_next = self._step(params, opt, batcher.next_batch())
+      if pending is not None:
+        m = read(pending)
+      pending = m_next
+      if not self._ahead:
+        m, pending = read(pending), None
       if self._delay:
         time.sleep(self._delay)
+    if pending is not None:
+      m = read(pending)
     params, opt = jax.device_get((params, opt))
+    clock["steps"] = time.time() - t0
+    t0 = time.time()
     out = storage.worker_out_dir(wd, worker, phase + 1)
-    for g, _ in self.grid.modules_of_worker(worker):
-      storage.save_tree(out / f"{g}.npz", {g: params[g]})
-    storage.save_tree(storage.worker_opt_file(wd, worker, phase + 1), opt)
-    storage.save_json(storage.worker_data_file(wd, worker, phase + 1), batcher.get_state())
+    writes = [
+      functools.partial(storage.save_tree, out / f"{g}.npz", {g: params[g]})
+      for g, _ in self.grid.modules_of_worker(worker)
+    ]
+    writes.append(
+      functools.partial(storage.save_tree, storage.worker_opt_file(wd, worker, phase + 1), opt)
+    )
+    writes.append(
+      functools.partial(
+        storage.save_json, storage.worker_data_file(wd, worker, phase + 1), batcher.get_state()
+      )
+    )
+    for n, write in enumerate(writes, 1):
+      write()
+      if n == min(die_in_write, len(writes)):  # The last one: everything but done.json.
+        os.kill(os.getpid(), signal.SIGKILL)
+    clock["save"] = time.time() - t0
     result.update(
-      start=start, end=time.time(), loss=losses, grad_norm=float(np.asarray(m["grad_norm"])[0])
+      start=start,
+      end=time.time(),
+      clock=clock,
+      loss=losses,
+      grad_norm=float(np.asarray(m["grad_norm"])[0]),
     )
     storage.save_json(out / "done.json", result)
     return result
