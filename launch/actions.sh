@@ -330,3 +330,36 @@ restart_if_stalled() {
   "$restart"
   STALL_RESTARTED=1
 }
+
+# The watchers' loop (watch.sh, ray_watch.sh): poll_once every --poll-seconds until --max-polls,
+# or until --max-failures polls in a row fail. poll_once's exit status: 0 ready (the run started
+# if needed); 3 not ready: start again once ready, with RESTART=1 (what survived the outage is
+# out of step: the workers' trainers, or the driver of a head that was away); 4 the trainer was
+# restarted for want of new metrics. After 0 or 3 the watcher's poll_reached hook runs, if any.
+watch_polls() {
+  local poll rc failures=0
+  START_NEEDED=1 # the first ready look starts the run (a trainer that already runs is left alone)
+  STARTED_AT=0   # when this watcher last started the trainer: the stall check counts from there
+  for ((poll = 1; ; poll++)); do
+    set +e
+    poll_once
+    rc=$?
+    set -e
+    case $rc in
+      0)
+        if ((START_NEEDED)); then STARTED_AT=$(now_seconds); fi
+        START_NEEDED=0 failures=0
+        ;;
+      4) STARTED_AT=$(now_seconds) failures=0 ;;
+      3) START_NEEDED=1 failures=0 RESTART=1 ;;
+      *)
+        failures=$((failures + 1))
+        note "poll $poll failed (exit $rc); $failures in a row"
+        ((failures < MAX_FAILURES)) || die "$failures polls in a row failed; see the errors above"
+        ;;
+    esac
+    if ((rc == 0 || rc == 3)) && declare -F poll_reached >/dev/null; then poll_reached; fi
+    if ((DRY_RUN || (MAX_POLLS && poll >= MAX_POLLS))); then break; fi
+    sleep "$POLL_SECONDS"
+  done
+}

@@ -34,7 +34,7 @@ poll_once() {
     ensure_head
     ((HEAD_READY)) || exit 3
     ensure_pool 1
-    if ((start_needed)); then
+    if ((START_NEEDED)); then
       start_driver
     else
       restart_if_stalled start_driver "the driver on the head"
@@ -43,29 +43,6 @@ poll_once() {
   )
 }
 
-start_needed=1 firewall_done=0 failures=0
-STARTED_AT=0
-for ((poll = 1; ; poll++)); do
-  set +e
-  poll_once
-  rc=$?
-  set -e
-  case $rc in
-    0)
-      if ((start_needed)); then STARTED_AT=$(now_seconds); fi
-      start_needed=0 firewall_done=1 failures=0
-      ;;
-    4) STARTED_AT=$(now_seconds) failures=0 ;;
-    3)
-      start_needed=1 firewall_done=1 failures=0
-      RESTART=1  # a head that was away lost its driver: start a new one
-      ;;
-    *)
-      failures=$((failures + 1))
-      note "poll $poll failed (exit $rc); $failures in a row"
-      ((failures < MAX_FAILURES)) || die "$failures polls in a row failed; see the errors above"
-      ;;
-  esac
-  if ((DRY_RUN || (MAX_POLLS && poll >= MAX_POLLS))); then break; fi
-  sleep "$POLL_SECONDS"
-done
+firewall_done=0
+poll_reached() { firewall_done=1; }  # A poll got past ensure_firewall: it is not redone.
+watch_polls

@@ -30,7 +30,7 @@ poll_once() {
     set -e
     ensure_resource 1
     ((RESOURCE_READY)) || exit 3
-    if ((start_needed)); then
+    if ((START_NEEDED)); then
       setup_workers
       train_workers
     else
@@ -40,30 +40,4 @@ poll_once() {
   )
 }
 
-start_needed=1  # the first ready look starts the run (a trainer that already runs is left alone)
-failures=0
-STARTED_AT=0  # when this watcher last started the trainer: the stall check counts from there
-for ((poll = 1; ; poll++)); do
-  set +e
-  poll_once
-  rc=$?
-  set -e
-  case $rc in
-    0)
-      if ((start_needed)); then STARTED_AT=$(now_seconds); fi
-      start_needed=0 failures=0
-      ;;
-    4) STARTED_AT=$(now_seconds) failures=0 ;;
-    3)
-      start_needed=1 failures=0
-      RESTART=1  # what survived the outage is out of step: replace it on every worker
-      ;;
-    *)
-      failures=$((failures + 1))
-      note "poll $poll failed (exit $rc); $failures in a row"
-      ((failures < MAX_FAILURES)) || die "$failures polls in a row failed; see the errors above"
-      ;;
-  esac
-  if ((DRY_RUN || (MAX_POLLS && poll >= MAX_POLLS))); then break; fi
-  sleep "$POLL_SECONDS"
-done
+watch_polls
