@@ -283,6 +283,7 @@ def _rules() -> dict[str, Rule]:
     "routing.seed": count0,
     "routing.replica_shards": _choice(phases.REPLICA_SHARDS),
     "routing.router_max_docs": _integer(0, what=" (0 = all)"),
+    "routing.balance_docs": _integer(0, what=" (0 = calibrate on the router split)"),
     "routing.discriminative_at_outer_step": _integer(1, unset=-1),
     "routing.discriminative_phases": count,
     "routing.discriminative_every": count,

@@ -136,6 +136,10 @@ def base() -> ml_collections.ConfigDict:
   # Replicas of a path: "hash" (i.i.d.) | "router" (one cluster per worker: DiLoCo non-i.i.d.).
   c.routing.replica_shards = "hash"
   c.routing.router_max_docs = 0  # Router-split documents scored per discriminative phase (0 = all).
+  # The balanced routers' bias (kmeans_min_share, and every discriminative phase) is calibrated
+  # on the first N training documents, weighted by tokens: shares hold in training tokens.
+  # 0 = on the router split (its documents weighted by tokens).
+  c.routing.balance_docs = 65536
   # Re-shard after this outer step (1..T-1); -1 = never.
   c.routing.discriminative_at_outer_step = -1
   c.routing.discriminative_phases = 1  # Number of discriminative re-shards (paper: 1).

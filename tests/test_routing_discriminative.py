@@ -160,3 +160,38 @@ def test_min_share_gives_paths_that_won_no_label_documents_of_their_own():
   assert ((counts[2:] + 1) / 51 >= 1 / 1.1).all() and ((counts[2:] + 1) / 51 <= 1.1).all()
   _, info = dm.fit_discriminative(x, s, min_share=0.5)
   assert info["docs_min"] >= 0.5 * 100 / 1.1 - 1 and info["argmin_docs_min"] == 0
+
+
+def test_token_weighted_calibration_balances_tokens_not_documents():
+  # Four documents, margins (path 1 - path 0) -3, -1, 1, 3; tokens 6, 2, 2, 2 (12 in all).
+  # A uniform target in tokens is 6 per path: document 0 alone on path 0. By document
+  # count it is 2 + 2 (8 tokens against 4).
+  logits = np.array([[0.0, -3.0], [0.0, -1.0], [0.0, 1.0], [0.0, 3.0]])
+  w = np.array([6.0, 2.0, 2.0, 2.0])
+  t = np.array([0.5, 0.5])
+  b, info = dm.calibrate_bias(logits, t, tol=0.01, weights_N=w)
+  np.testing.assert_array_equal(np.argmax(logits + b, axis=1), [0, 1, 1, 1])
+  assert info["max_ratio_err"] == 0.0 and info["tv"] == 0.0
+  b, _ = dm.calibrate_bias(logits, t, tol=0.01)
+  np.testing.assert_array_equal(np.argmax(logits + b, axis=1), [0, 0, 1, 1])
+  # Weighted label frequencies: labels [0, 0, 0, 1] with tokens [1, 1, 2, 4] -> [4, 4] / 8
+  # (by count: [0.75, 0.25]).
+  np.testing.assert_allclose(
+    dm.target_distribution("labels", [0, 0, 0, 1], 2, weights_N=[1, 1, 2, 4]), [0.5, 0.5]
+  )
+  with pytest.raises(ValueError, match="positive finite"):
+    dm.calibrate_bias(logits, t, weights_N=[1.0, 0.0, 1.0, 1.0])
+
+
+def test_discriminative_bias_calibrates_on_the_given_sample():
+  # The router split is skewed, the calibration sample is what the shards are cut from:
+  # its token shares meet the floor, whatever the scored documents' counts do.
+  x, s = _skewed()
+  rng = np.random.default_rng(1)
+  cx = rng.normal(size=(3000, x.shape[1])).astype(np.float32)
+  cw = rng.integers(10, 2000, size=3000).astype(np.float64)
+  params, info = dm.fit_discriminative(x, s, min_share=0.8, calibration=(cx, cw))
+  got_P = np.bincount(dm.predict_top_k(cx, params)[:, 0], weights=cw, minlength=_P)
+  # Each path's token share >= min_share / P within the calibration tolerance (factor 1.1).
+  assert got_P.min() / got_P.sum() >= 0.8 / _P / 1.1
+  assert info["calib_min_over_mean"] == pytest.approx(got_P.min() / got_P.mean())

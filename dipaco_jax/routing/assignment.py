@@ -204,21 +204,27 @@ def make_assignment(
 def collect(
   extractor: features_lib.FeatureExtractor | None, documents, desc: str | None = None
 ) -> dict[str, np.ndarray]:
-  """Doc ids, domains and (if an extractor is given) features of a small split, in memory.
+  """Doc ids, domains, tokens per doc and (with an extractor) features of a small split.
 
   With `desc`, a progress bar of that name counts the documents.
   """
-  ids, domains, feats = [], [], []
+  ids, domains, tokens, feats = [], [], [], []
   if extractor is None:
     for d in documents if desc is None else progress.bar(documents, desc=desc, unit="doc"):
       ids.append(d.doc_id)
       domains.append(d.domain)
+      tokens.append(len(d.tokens))
   else:
     for docs, f in extractor.stream(documents, desc=desc):
       ids += [d.doc_id for d in docs]
       domains += [d.domain for d in docs]
+      tokens += [len(d.tokens) for d in docs]
       feats.append(f)
-  out = {"doc_ids": np.asarray(ids, np.int64), "domains": np.asarray(domains)}
+  out = {
+    "doc_ids": np.asarray(ids, np.int64),
+    "domains": np.asarray(domains),
+    "tokens": np.asarray(tokens, np.int64),
+  }
   if feats:
     out["features"] = np.concatenate(feats)
   return out

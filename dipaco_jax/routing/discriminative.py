@@ -119,9 +119,16 @@ def fit_logistic(
 
 
 def target_distribution(
-  target: str | Sequence[float], labels_N, num_paths: int, *, min_share: float = 0.0
+  target: str | Sequence[float],
+  labels_N,
+  num_paths: int,
+  *,
+  min_share: float = 0.0,
+  weights_N=None,
 ) -> np.ndarray:
   """'labels' (label frequencies), 'uniform', or given shard sizes -> fractions [P], none 0.
+
+  With `weights_N` (e.g. each document's tokens) the label frequencies are weighted.
 
   Each path's share is floored at one document (1/N) before normalising, so a
   path that won no label still gets a (tiny) shard instead of an empty one.
@@ -135,7 +142,8 @@ def target_distribution(
     if target not in TARGETS:
       raise ValueError(f"target must be one of {TARGETS} or P shard sizes; got {target!r}.")
     if target == "labels":
-      t_P = np.bincount(np.asarray(labels_N), minlength=num_paths).astype(np.float64)
+      w_N = None if weights_N is None else np.asarray(weights_N, np.float64)
+      t_P = np.bincount(np.asarray(labels_N), weights=w_N, minlength=num_paths).astype(np.float64)
     else:
       t_P = np.ones(num_paths)
   else:
@@ -162,9 +170,23 @@ def target_distribution(
   return t_P / t_P.sum()
 
 
-def _counts(logits_NxP: np.ndarray, b_P: np.ndarray) -> np.ndarray:
+def _counts(logits_NxP: np.ndarray, b_P: np.ndarray, w_N: np.ndarray | None = None) -> np.ndarray:
+  """Argmax shard sizes [P]: documents, or the sum of their weights w_N."""
   s_NxP = logits_NxP + b_P.astype(logits_NxP.dtype)
-  return np.bincount(np.argmax(s_NxP, axis=1), minlength=logits_NxP.shape[1])
+  return np.bincount(np.argmax(s_NxP, axis=1), weights=w_N, minlength=logits_NxP.shape[1])
+
+
+def check_weights(weights_N, n: int) -> np.ndarray | None:
+  """None, or n positive finite document weights as float64 (one clear error otherwise)."""
+  if weights_N is None:
+    return None
+  w_N = np.asarray(weights_N, np.float64)
+  if w_N.shape != (n,) or not np.all(np.isfinite(w_N)) or not np.all(w_N > 0):
+    raise ValueError(
+      f"document weights must be {n} positive finite numbers (e.g. tokens per document); "
+      f"got shape {w_N.shape}."
+    )
+  return w_N
 
 
 def _fill_empty(logits_NxP: np.ndarray, b_P: np.ndarray, max_rounds: int) -> np.ndarray:
@@ -192,25 +214,34 @@ def _fill_empty(logits_NxP: np.ndarray, b_P: np.ndarray, max_rounds: int) -> np.
   return b_P
 
 
-def _size_error(c_P: np.ndarray, want_P: np.ndarray) -> float:
-  """Worst shard's |log size ratio| to its target, +1 doc each side so tiny shards stay finite."""
-  return float(np.abs(np.log((c_P + 1.0) / (want_P + 1.0))).max())
+def _size_error(c_P: np.ndarray, want_P: np.ndarray, unit: float = 1.0) -> float:
+  """Worst shard's |log size ratio| to its target, +1 doc (`unit`) each side: tiny ones finite."""
+  return float(np.abs(np.log((c_P + unit) / (want_P + unit))).max())
 
 
-def shard_stats(c_P: np.ndarray, t_P: np.ndarray) -> dict[str, float]:
+def shard_stats(c_P: np.ndarray, t_P: np.ndarray, unit: float = 1.0) -> dict[str, float]:
   """How far shard sizes c_P are from target fractions t_P (see calibrate_bias)."""
   n = c_P.sum()
   return {
-    "max_ratio_err": _size_error(c_P, n * t_P),
+    "max_ratio_err": _size_error(c_P, n * t_P, unit),
     "tv": float(0.5 * np.abs(c_P / n - t_P).sum()),
     "empty": int((c_P == 0).sum()),
   }
 
 
 def calibrate_bias(
-  logits_NxP, target_P, *, tol: float = 0.1, max_iters: int = 500, step: float = 1.0
+  logits_NxP,
+  target_P,
+  *,
+  tol: float = 0.1,
+  max_iters: int = 500,
+  step: float = 1.0,
+  weights_N=None,
 ) -> tuple[np.ndarray, dict[str, float]]:
   """Bias shift [P] so argmax shard sizes match target_P and no path is empty.
+
+  Sizes count documents, or with `weights_N` the sum of their weights (tokens per
+  document: what a path trains on); "+1 document" below is then +1 mean weight.
 
   Iterates b_p += step * log(target_p / predicted_p) on the argmax shard sizes
   (+1 document each side, so an empty path takes a finite step), halving the
@@ -233,12 +264,14 @@ def calibrate_bias(
     )
   if n < p:
     raise ValueError(f"{n} documents cannot fill {p} paths; use more router data.")
-  want_P = n * t_P
+  w_N = check_weights(weights_N, n)
+  unit = 1.0 if w_N is None else float(w_N.mean())
+  want_P = (n if w_N is None else w_N.sum()) * t_P
   b_P = np.zeros(p)
   best_b, best_err, since_best, it = b_P, np.inf, 0, 0
   for it in range(1, max_iters + 1):  # noqa: B007  (`it` is reported after the loop)
-    c_P = _counts(logits_NxP, b_P)
-    err = _size_error(c_P, want_P)
+    c_P = _counts(logits_NxP, b_P, w_N)
+    err = _size_error(c_P, want_P, unit)
     if err < best_err:
       best_b, best_err, since_best = b_P, err, 0
     else:
@@ -247,9 +280,9 @@ def calibrate_bias(
         step, since_best, b_P = step / 2, 0, best_b
     if best_err <= np.log1p(tol):
       break
-    b_P = b_P + step * np.log((want_P + 1.0) / (c_P + 1.0))
+    b_P = b_P + step * np.log((want_P + unit) / (c_P + unit))
   b_P = _fill_empty(logits_NxP, best_b, max_rounds=4 * p)
-  info = {**shard_stats(_counts(logits_NxP, b_P), t_P), "iters": it}
+  info = {**shard_stats(_counts(logits_NxP, b_P, w_N), t_P, unit), "iters": it}
   if info["max_ratio_err"] > np.log1p(tol):
     logging.warning(
       "bias calibration: worst shard off its target by log-ratio %.3f > "
@@ -260,7 +293,18 @@ def calibrate_bias(
   return b_P.astype(np.float32), info
 
 
-def balanced_labels(scores_NxP, target_P, *, tol: float = 0.1) -> np.ndarray:
+def calibration_sizes(c_P) -> dict[str, float]:
+  """Shard sizes [P] (weight units) on the calibration documents: min, median, max, min/mean."""
+  c_P = np.asarray(c_P, np.float64)
+  return {
+    "calib_min": float(c_P.min()),
+    "calib_median": float(np.median(c_P)),
+    "calib_max": float(c_P.max()),
+    "calib_min_over_mean": float(c_P.min() / max(c_P.mean(), 1e-300)),
+  }
+
+
+def balanced_labels(scores_NxP, target_P, *, tol: float = 0.1, weights_N=None) -> np.ndarray:
   """Each document's path under a bias on its scores calibrated to target_P -> int32 [N].
 
   A capacity-constrained best path: documents move off their best path to their
@@ -271,7 +315,9 @@ def balanced_labels(scores_NxP, target_P, *, tol: float = 0.1) -> np.ndarray:
   two_NxK = np.sort(s_NxP, axis=1)[:, -2:]
   gap = float(np.median(two_NxK[:, 1] - two_NxK[:, 0]))
   z_NxP = s_NxP / (gap if gap > 0 else 1.0)
-  b_P, _ = calibrate_bias(z_NxP - z_NxP.max(axis=1, keepdims=True), target_P, tol=tol)
+  b_P, _ = calibrate_bias(
+    z_NxP - z_NxP.max(axis=1, keepdims=True), target_P, tol=tol, weights_N=weights_N
+  )
   return np.argmax(z_NxP + b_P, axis=1).astype(np.int32)
 
 
@@ -287,6 +333,8 @@ def fit_discriminative(
   learning_rate: float = 0.05,
   batch_size: int | None = None,
   seed: int = 0,
+  weights_N=None,
+  calibration: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> tuple[LinearParams, dict[str, float]]:
   """Labels from scores, logistic regression, bias calibration -> (params, info).
 
@@ -294,6 +342,13 @@ def fit_discriminative(
   under a bias on the scores calibrated to the floored target (`balanced_labels`),
   so every path has examples of its own. Best-path labels alone leave the paths
   that won none with identical classifier columns, which no bias can tell apart.
+
+  weights_N: each scored document's weight (its tokens) for the target and the
+  balanced labels. calibration: (features [M, D], weights [M]) of the documents
+  the bias is calibrated on (e.g. a sample of the training split, so that the
+  training shards' tokens, not the scored documents' count, meet the target);
+  None: the scored documents with weights_N. The info's `calib_*` entries give the
+  calibrated shard sizes (in weight units) on those documents.
   """
   kmeans.check_features(scores_NxP, name="scores")
   if scores_NxP.shape[0] != x_NxD.shape[0]:
@@ -303,8 +358,9 @@ def fit_discriminative(
     )
   num_paths = scores_NxP.shape[1]
   labels_N = labels_from_scores(scores_NxP)
-  t_P = target_distribution(target, labels_N, num_paths, min_share=min_share)
-  train_N = balanced_labels(scores_NxP, t_P, tol=tol) if min_share > 0 else labels_N
+  w_N = check_weights(weights_N, len(labels_N))
+  t_P = target_distribution(target, labels_N, num_paths, min_share=min_share, weights_N=w_N)
+  train_N = balanced_labels(scores_NxP, t_P, tol=tol, weights_N=w_N) if min_share > 0 else labels_N
   params = fit_logistic(
     x_NxD,
     train_N,
@@ -315,8 +371,13 @@ def fit_discriminative(
     batch_size=batch_size,
     seed=seed,
   )
-  shift_P, info = calibrate_bias(linear_logits(x_NxD, params), t_P, tol=tol)
+  cx_MxD, cw_M = (x_NxD, w_N) if calibration is None else calibration
+  kmeans.check_features(cx_MxD, x_NxD.shape[1], name="calibration features")
+  cw_M = check_weights(cw_M, cx_MxD.shape[0])
+  shift_P, info = calibrate_bias(linear_logits(cx_MxD, params), t_P, tol=tol, weights_N=cw_M)
+  info = {f"calib_{k}": v for k, v in info.items()}
   params["b"] = params["b"] + shift_P
+  calib_P = np.bincount(predict_top_k(cx_MxD, params)[:, 0], weights=cw_M, minlength=num_paths)
   # Report what the saved router does (float32, batched), not the numpy copy calibrated on.
   pred_N = predict_top_k(x_NxD, params)[:, 0]
   c_P = np.bincount(pred_N, minlength=num_paths)
@@ -324,6 +385,7 @@ def fit_discriminative(
   # Shard sizes on the router split, and the share of documents routed off their best path.
   info.update(
     shard_stats(c_P, t_P),
+    **calibration_sizes(calib_P),
     train_accuracy=float(np.mean(pred_N == labels_N)),
     moved_off_label=float(np.mean(pred_N != labels_N)),
     docs_min=int(c_P.min()),

@@ -12,6 +12,7 @@ phase k's shards in `<workdir>/shards_phase_<k>/` (phase 0: data.shard_dir or
 """
 # pylint: disable=invalid-name
 
+import itertools
 import sys
 import time
 
@@ -95,13 +96,49 @@ def phase0_grid(config, topo: topo_lib.Topology) -> tuple[int, ...]:
   return grid
 
 
-def fit_phase0(config, topo: topo_lib.Topology, feats_NxD: np.ndarray) -> router_lib.Router:
-  """k-means or product k-means with one cluster per path (or worker), on router features."""
+def calibration_sample(
+  config, extractor: features_lib.FeatureExtractor
+) -> tuple[np.ndarray, np.ndarray] | None:
+  """(θ̄ features [M, D], tokens [M]) of the first routing.balance_docs training documents.
+
+  The balanced routers calibrate their bias on these, weighted by tokens, so the floor
+  holds in what the paths train on: the router split alone is small (591 documents in
+  the embedded corpus, ~37 per path at 16 paths) and its document counts say little
+  about training tokens. None when balance_docs is 0 (calibrate on the router split).
+  C4's training split comes in random order; the embedded corpus's comes by domain,
+  and its 20,315 training documents fit under the default cap, so all are used.
+  """
+  m = config.routing.balance_docs
+  if m == 0:
+    return None
+  docs = itertools.islice(assign_lib.document_stream(config.data)("train"), m)
+  sample = assign_lib.collect(extractor, docs, desc="balance sample features (training split)")
+  if len(sample["doc_ids"]) == 0:
+    raise ConfigError(
+      "config.routing.balance_docs > 0 but the training split gave no document; "
+      "check config.data, or set balance_docs=0 to calibrate on the router split."
+    )
+  return sample["features"], np.maximum(sample["tokens"], 1).astype(np.float64)
+
+
+def fit_phase0(
+  config,
+  topo: topo_lib.Topology,
+  feats_NxD: np.ndarray,
+  calibration: tuple[np.ndarray, np.ndarray | None] | None = None,
+) -> router_lib.Router:
+  """k-means or product k-means with one cluster per path (or worker), on router features.
+
+  calibration: the documents a balanced k-means router (kmeans_min_share > 0) floors
+  the shares on, as (features, tokens); None: the router split's documents.
+  """
   r = config.routing
   kw = dict(restarts=r.kmeans_restarts, iters=r.kmeans_iters, seed=r.seed)
   grid = phase0_grid(config, topo)
   if r.router == "kmeans":
-    return router_lib.fit_kmeans_router(feats_NxD, grid, min_share=r.kmeans_min_share, **kw)
+    return router_lib.fit_kmeans_router(
+      feats_NxD, grid, min_share=r.kmeans_min_share, calibration=calibration, **kw
+    )
   if r.router == "product_kmeans":
     return router_lib.fit_product_kmeans_router(feats_NxD, grid, **kw)
   raise ValueError(
@@ -135,12 +172,27 @@ def phase0_router(
         f"{router.info.get('min_share', 0.0)}, but config.routing.kmeans_min_share="
         f"{min_share}; use a new --workdir (nothing was changed)."
       )
+    balance_docs = config.routing.balance_docs if min_share > 0 else None
+    if min_share > 0 and router.info.get("balance_docs") != balance_docs:
+      raise ConfigError(
+        f"{directory} holds a balanced k-means router calibrated with balance_docs="
+        f"{router.info.get('balance_docs')}, but config.routing.balance_docs="
+        f"{balance_docs}; use a new --workdir (nothing was changed)."
+      )
   else:
     split = assign_lib.collect(
       extractor, assign_lib.document_stream(config.data)("router"), desc="router split features"
     )
-    router = fit_phase0(config, topo, split["features"])
+    calibration = None
+    if kind == "kmeans" and config.routing.kmeans_min_share > 0:
+      calibration = calibration_sample(config, extractor) or (
+        split["features"],
+        np.maximum(split["tokens"], 1).astype(np.float64),
+      )
+    router = fit_phase0(config, topo, split["features"], calibration)
     router.info["features"] = extractor.fingerprint
+    if calibration is not None:
+      router.info["balance_docs"] = config.routing.balance_docs
     if jax.process_index() == 0:  # Every process fits the same router; one writes it.
       router.save(directory)
   return assign_lib.PathRouter(
@@ -203,11 +255,12 @@ def fit_discriminative_router(
   """Scores the router split with every path, labels = best path, fits the linear router."""
   L = extractor.prefix_len
   limit = config.routing.router_max_docs
-  feats, scores, batch = [], [], []
+  feats, scores, tokens, batch = [], [], [], []
 
   def flush():
     feats.append(extractor.prefix_features([d.tokens for d in batch]))
     scores.append(score_documents(scorer, batch, L))
+    tokens.extend(len(d.tokens) for d in batch)
     batch.clear()
 
   n = 0
@@ -243,8 +296,11 @@ def fit_discriminative_router(
     target=config.routing.discriminative_target,
     min_share=config.routing.discriminative_min_share,
     seed=config.routing.seed,
+    weights_N=np.asarray(tokens, np.float64),
+    calibration=calibration_sample(config, extractor),
   )
   router.info["features"] = extractor.fingerprint
+  router.info["balance_docs"] = config.routing.balance_docs
   return router
 
 

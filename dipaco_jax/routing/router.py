@@ -245,10 +245,11 @@ def _argmin_sizes(labels_N, num_paths: int) -> dict[str, Any]:
   )
 
 
-def balance_bias(x_NxD, c_PxD, min_share: float, *, tol: float = 0.1) -> np.ndarray:
+def balance_bias(x_NxD, c_PxD, min_share: float, *, tol: float = 0.1, weights_N=None) -> np.ndarray:
   """Bias [P] (squared-distance units) that floors every cluster's share at min_share / P.
 
-  The shares to match are the nearest-centroid ones with that floor
+  Shares count documents, or with `weights_N` (tokens per document) what the paths
+  train on. The shares to match are the nearest-centroid ones with that floor
   (discriminative.target_distribution, water-filling), calibrated as the
   discriminative router's bias (discriminative.calibrate_bias) on the negative
   squared distances, divided by the median gap between each document's nearest
@@ -264,9 +265,9 @@ def balance_bias(x_NxD, c_PxD, min_share: float, *, tol: float = 0.1) -> np.ndar
   gap = float(np.median(two_NxK[:, 1] - two_NxK[:, 0]))
   scale = gap if gap > 0 else 1.0
   t_P = discriminative.target_distribution(
-    "labels", np.argmin(d_NxP, axis=1), p, min_share=min_share
+    "labels", np.argmin(d_NxP, axis=1), p, min_share=min_share, weights_N=weights_N
   )
-  b_P, _ = discriminative.calibrate_bias(-d_NxP / scale, t_P, tol=tol)
+  b_P, _ = discriminative.calibrate_bias(-d_NxP / scale, t_P, tol=tol, weights_N=weights_N)
   return (b_P * scale).astype(np.float32)
 
 
@@ -279,20 +280,25 @@ def fit_kmeans_router(
   tol: float = 1e-4,
   seed: int = 0,
   min_share: float = 0.0,
+  calibration: tuple[np.ndarray, np.ndarray | None] | None = None,
 ) -> Router:
   """k-means with prod(grid) clusters; cluster id = path id (§2.4.1).
 
   min_share > 0: a balanced router whose calibrated bias floors every path's share
-  of the documents at min_share / P (see balance_bias); 0 = plain nearest centroid.
-  The info reports the shard sizes on these documents and the share moved off the
-  nearest centroid.
+  at min_share / P (see balance_bias); 0 = plain nearest centroid. The share is
+  measured on `calibration` = (features [M, D], weights [M] or None), e.g. a
+  sample of the training split weighted by tokens; None: x_NxD's documents.
+  The info reports the shard sizes on x_NxD's documents, the share moved off the
+  nearest centroid, and (calib_*) the sizes on the calibration documents.
   """
   c_PxD = kmeans.fit_kmeans(
     x_NxD, math.prod(grid), restarts=restarts, iters=iters, tol=tol, seed=seed
   )
   arrays = {"centroids": c_PxD}
+  cx_MxD, cw_M = (x_NxD, None) if calibration is None else calibration
+  kmeans.check_features(cx_MxD, c_PxD.shape[1], name="calibration features")
   if min_share > 0:
-    b_P = balance_bias(x_NxD, c_PxD, min_share)
+    b_P = balance_bias(cx_MxD, c_PxD, min_share, weights_N=cw_M)
     if b_P.any():  # No cluster under the floor: the plain router (and its shards) as is.
       arrays["bias"] = b_P
   nearest_N = kmeans.assign(x_NxD, c_PxD)[:, 0]
@@ -306,6 +312,12 @@ def fit_kmeans_router(
     **shard_sizes_info(counts_P, np.mean(routed_N != nearest_N)),
     **_argmin_sizes(nearest_N, router.num_paths),
   )
+  if calibration is not None:
+    w_M = discriminative.check_weights(cw_M, cx_MxD.shape[0])
+    calib_P = np.bincount(router.route(cx_MxD)[:, 0], weights=w_M, minlength=router.num_paths)
+    router.info.update(
+      _json_info(calib_docs=len(cx_MxD), **discriminative.calibration_sizes(calib_P))
+    )
   return router
 
 
