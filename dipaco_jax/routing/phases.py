@@ -111,6 +111,10 @@ def calibration_sample(
   m = config.routing.balance_docs
   if m == 0:
     return None
+  # θ̄ is the same for every phase of a run: one pass serves phase 0 and each re-shard.
+  key = (extractor.fingerprint, m, config.data.to_json())
+  if key in _SAMPLE_CACHE:
+    return _SAMPLE_CACHE[key]
   docs = itertools.islice(assign_lib.document_stream(config.data)("train"), m)
   sample = assign_lib.collect(extractor, docs, desc="balance sample features (training split)")
   if len(sample["doc_ids"]) == 0:
@@ -118,7 +122,12 @@ def calibration_sample(
       "config.routing.balance_docs > 0 but the training split gave no document; "
       "check config.data, or set balance_docs=0 to calibrate on the router split."
     )
-  return sample["features"], np.maximum(sample["tokens"], 1).astype(np.float64)
+  _SAMPLE_CACHE.clear()  # One sample held at a time.
+  _SAMPLE_CACHE[key] = (sample["features"], np.maximum(sample["tokens"], 1).astype(np.float64))
+  return _SAMPLE_CACHE[key]
+
+
+_SAMPLE_CACHE: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
 
 
 def fit_phase0(
