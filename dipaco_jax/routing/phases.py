@@ -112,7 +112,8 @@ def calibration_sample(
   if m == 0:
     return None
   # θ̄ is the same for every phase of a run: one pass serves phase 0 and each re-shard.
-  key = (extractor.fingerprint, m, config.data.to_json())
+  d = config.data  # What config_documents reads.
+  key = (extractor.fingerprint, m, d.task, d.tfds_data_dir, d.tfds_name, d.vocab_path, d.subsample)
   if key in _SAMPLE_CACHE:
     return _SAMPLE_CACHE[key]
   docs = itertools.islice(assign_lib.document_stream(config.data)("train"), m)
