@@ -536,15 +536,9 @@ def _reshard_matches_spmd_and_survives_kills(tmp_path, monkeypatch, stack):
     }
   )
   spmd, clean, faulty = (str(tmp_path / d) for d in ("spmd", "clean", "faulty"))
-  import time
 
-  t0 = time.time()
   ref = train.train_and_evaluate(cfg(**{"dipaco.mode": "spmd"}), spmd)
-  print("TIME spmd", time.time() - t0)
-  t0 = time.time()
   out = train.train_and_evaluate(cfg(), clean)
-  print("TIME clean", time.time() - t0)
-  t0 = time.time()
   assert out["status"]["done"] == 12 and out["status"]["reshards"] == [1]
   np.testing.assert_allclose(out["val_loss"], ref["val_loss"], rtol=1e-5)
   # The phase's router: fitted on paths within 1e-6 of spmd's, so the same up to float
@@ -593,8 +587,6 @@ def _reshard_matches_spmd_and_survives_kills(tmp_path, monkeypatch, stack):
   second = train.train_and_evaluate(cfg(**{"elastic.stop_after_tasks": 2, **kw}), faulty)
   assert first["stopped"] and second["stopped"] and second["status"]["reshards"] == [1]
   last = train.train_and_evaluate(cfg(**{**kw, "elastic.chaos_executor_kills": 1}), faulty)
-  print("TIME faulty", time.time() - t0)
-  t0 = time.time()
   assert last["step"] == 4 and last["status"]["done"] == 12
   kills = [r["status"]["worker_kills"] for r in (first, second, last)]
   assert sum(kills) >= 3, kills
