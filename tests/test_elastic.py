@@ -536,7 +536,6 @@ def _reshard_matches_spmd_and_survives_kills(tmp_path, monkeypatch, stack):
     }
   )
   spmd, clean, faulty = (str(tmp_path / d) for d in ("spmd", "clean", "faulty"))
-
   ref = train.train_and_evaluate(cfg(**{"dipaco.mode": "spmd"}), spmd)
   out = train.train_and_evaluate(cfg(), clean)
   assert out["status"]["done"] == 12 and out["status"]["reshards"] == [1]
