@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from etils import epath
 
 from dipaco_jax import checkpoint
 from dipaco_jax import config_defaults
@@ -291,6 +292,37 @@ def test_queue_holds_the_reshard_phase_until_its_shards_are_written(tmp_path):
   assert coord_lib.Coordinator(cfg, str(tmp_path)).reshards == [1]  # Snapshotted.
 
 
+def test_reshard_refits_after_a_save_cut_short_and_reloads_a_saved_router(tmp_path, monkeypatch):
+  from dipaco_jax.elastic import driver  # pylint: disable=g-import-not-at-top
+
+  class Plan:  # ShardPlan's part the driver calls.
+    alpha_W = np.asarray([1.0, 0.5, 0.25, 0.75], np.float32)
+    calls = []
+
+    def reshard(self, step, params):
+      self.calls.append((step, params))
+
+    def shard_record(self):
+      return {"shards/phase": len(self.calls)}
+
+  cfg = _config(**{"routing.discriminative_at_outer_step": 1, "dipaco.outer_steps": 3})
+  wd, plan, logs = str(tmp_path), Plan(), []
+  monkeypatch.setattr(driver, "_paths_at", lambda exp, grid, workdir, v: f"paths at {v}")
+  directory = epath.Path(routing.router_dir(wd, 1))
+  directory.mkdir(parents=True)
+  (directory / router_lib.ARRAYS_FILE).write_bytes(b"cut short")  # No router.json: not saved.
+  resharder = driver._Resharder(None, grid_lib.Grid(cfg), wd, plan, lambda **kw: logs.append(kw))
+  resharder.run(1)
+  # Fitted on the paths at version 1 (outer step 1 = inner step 2); the half save dropped.
+  assert plan.calls == [(2, "paths at 1")] and not (directory / router_lib.ARRAYS_FILE).exists()
+  assert storage.load_json(storage.alpha_file(wd, 1)) == [1.0, 0.5, 0.25, 0.75]
+  assert resharder.records == {2: {"shards/phase": 1}}
+  (directory / router_lib.META_FILE).write_text("{}")  # Saved: a rerun reloads it.
+  resharder.run(1)
+  assert plan.calls[-1] == (2, None)
+  assert [e["fitted"] for e in logs] == [True, False]
+
+
 def test_queue_timeout_requeues(tmp_path):
   q = coord_lib.Coordinator(_config(**{"elastic.task_timeout_s": 1e-9}), str(tmp_path))
   task = q.lease(0)
@@ -552,6 +584,13 @@ def _reshard_matches_spmd_and_survives_kills(tmp_path, monkeypatch, stack):
     for d in ("spmd", "clean")
   ]
   assert shard_meta[0] == shard_meta[1]
+  # The new phase's α differs from phase 0's, so the final state below checks the executors
+  # took it (the store matches spmd's only with each phase's α).
+  alpha = [
+    storage.load_json(storage.root(clean) / "meta.json")["alpha_W"],
+    storage.load_json(storage.alpha_file(clean, 1)),
+  ]
+  assert alpha[0] != alpha[1], alpha
   a, b = _final(spmd), _final(clean)
   for name in ("store", "outer_opt", "params", "inner_opt"):
     for x, y in zip(jax.tree.leaves(a[name]), jax.tree.leaves(b[name]), strict=True):
