@@ -109,9 +109,9 @@ BAD_INPUTS = [
     "config.dipaco.mode='ray' is invalid: it must be one of 'spmd', 'elastic'",
   ),
   (
-    ["--config.dipaco.mode=elastic", "--config.routing.discriminative_at_outer_step=2"],
-    "ElasticConfigError: config.routing.discriminative_at_outer_step=2: discriminative "
-    "re-shards are not implemented in elastic mode",
+    ["--config.dipaco.mode=elastic", "--config.stop_at_step=2"],
+    "ElasticConfigError: config.stop_at_step=2: elastic runs stop on "
+    "config.elastic.stop_after_tasks instead",
   ),
   (
     ["--config.data.task=c5"],

@@ -1,6 +1,7 @@
 """Elastic mode: queue, executors (order, restarts), bad input, and end to end on Ray with kills."""
 # pylint: disable=invalid-name
 
+import contextlib
 import itertools
 import json
 import os
@@ -10,12 +11,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from etils import epath
 
 from dipaco_jax import checkpoint
 from dipaco_jax import config_defaults
 from dipaco_jax import evaluation
+from dipaco_jax import experiment
+from dipaco_jax import metrics as metrics_lib
 from dipaco_jax import outer
 from dipaco_jax import paths
+from dipaco_jax import routing
 from dipaco_jax import serving
 from dipaco_jax import train
 from dipaco_jax.elastic import coordinator as coord_lib
@@ -23,8 +28,10 @@ from dipaco_jax.elastic import errors
 from dipaco_jax.elastic import executor as exec_lib
 from dipaco_jax.elastic import grid as grid_lib
 from dipaco_jax.elastic import storage
+from dipaco_jax.routing import router as router_lib
 
 import helpers
+import routing_testlib
 
 
 def _config(**kw):
@@ -269,6 +276,53 @@ def test_queue_rounds_requeue_idempotence_and_snapshot(tmp_path):
   assert quorum.unreported() == [(0, 0), (0, 1), (0, 2), (0, 3)]
 
 
+def test_queue_holds_the_reshard_phase_until_its_shards_are_written(tmp_path):
+  cfg = _config(**{"routing.discriminative_at_outer_step": 1, "dipaco.outer_steps": 3})
+  q = coord_lib.Coordinator(cfg, str(tmp_path))
+  assert q.reshard_due() == (None, [])
+  for _ in range(4):
+    q.complete(*q.lease(0), {})
+  keys = [grid_lib.module_key(g, e) for g, e in q.grid.used_modules()]
+  q.modules_updated(0, keys[:-1])
+  assert q.reshard_due() == (None, [])  # One module still at version 0.
+  q.modules_updated(0, keys[-1:])
+  assert q.pending == [] and q.reshard_due() == (1, [])  # Every module at 1: the barrier.
+  q.resharded(1)
+  assert q.pending == [(1, 0), (1, 1), (1, 2), (1, 3)] and q.reshard_due() == (None, [1])
+  assert coord_lib.Coordinator(cfg, str(tmp_path)).reshards == [1]  # Snapshotted.
+
+
+def test_reshard_refits_after_a_save_cut_short_and_reloads_a_saved_router(tmp_path, monkeypatch):
+  from dipaco_jax.elastic import driver  # pylint: disable=g-import-not-at-top
+
+  class Plan:  # ShardPlan's part the driver calls.
+    alpha_W = np.asarray([1.0, 0.5, 0.25, 0.75], np.float32)
+    calls = []
+
+    def reshard(self, step, params):
+      self.calls.append((step, params))
+
+    def shard_record(self):
+      return {"shards/phase": len(self.calls)}
+
+  cfg = _config(**{"routing.discriminative_at_outer_step": 1, "dipaco.outer_steps": 3})
+  wd, plan, logs = str(tmp_path), Plan(), []
+  monkeypatch.setattr(driver, "_paths_at", lambda exp, grid, workdir, v: f"paths at {v}")
+  directory = epath.Path(routing.router_dir(wd, 1))
+  directory.mkdir(parents=True)
+  (directory / router_lib.ARRAYS_FILE).write_bytes(b"cut short")  # No router.json: not saved.
+  resharder = driver._Resharder(None, grid_lib.Grid(cfg), wd, plan, lambda **kw: logs.append(kw))
+  resharder.run(1)
+  # Fitted on the paths at version 1 (outer step 1 = inner step 2); the half save dropped.
+  assert plan.calls == [(2, "paths at 1")] and not (directory / router_lib.ARRAYS_FILE).exists()
+  assert storage.load_json(storage.alpha_file(wd, 1)) == [1.0, 0.5, 0.25, 0.75]
+  assert resharder.records == {2: {"shards/phase": 1}}
+  (directory / router_lib.META_FILE).write_text("{}")  # Saved: a rerun reloads it.
+  resharder.run(1)
+  assert plan.calls[-1] == (2, None)
+  assert [e["fitted"] for e in logs] == [True, False]
+
+
 def test_queue_timeout_requeues(tmp_path):
   q = coord_lib.Coordinator(_config(**{"elastic.task_timeout_s": 1e-9}), str(tmp_path))
   task = q.lease(0)
@@ -283,7 +337,7 @@ def test_queue_timeout_requeues(tmp_path):
   [
     ("mesh.path", 2, "config.mesh.path=2"),
     ("elastic.num_workers", 0, "config.elastic.num_workers=0"),
-    ("routing.discriminative_at_outer_step", 1, "discriminative_at_outer_step"),
+    ("stop_at_step", 2, "config.stop_at_step=2"),
     ("elastic.late_deltas", "later", "config.elastic.late_deltas='later'"),
     ("elastic.worker_resources", "TPU=4", "worker_resources='TPU=4'"),
   ],
@@ -337,15 +391,26 @@ def test_actor_options_match_the_launch_scripts():
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
+def ray_cluster(tmp_path_factory):
   ray = pytest.importorskip("ray")
-  ray.init(
-    address="local",
-    num_cpus=4,
-    include_dashboard=False,
-    _node_ip_address="127.0.0.1",
-    log_to_driver=False,
-  )
+  # One persistent compilation cache for every actor (Ray's worker processes inherit the
+  # environment ray.init starts the node with), as benchmarks/elastic.py: a worker actor
+  # restarted after a kill, or the next run's, loads its executables instead of compiling.
+  cache = {
+    "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache")),
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+  }
+  with pytest.MonkeyPatch.context() as mp:
+    for k, v in cache.items():
+      mp.setenv(k, v)
+    ray.init(
+      address="local",
+      num_cpus=4,
+      include_dashboard=False,
+      _node_ip_address="127.0.0.1",
+      log_to_driver=False,
+    )
   yield ray
   ray.shutdown()
 
@@ -433,6 +498,9 @@ def test_elastic_matches_spmd_and_survives_kills(tmp_path, ray_cluster):
   events = storage.read_lines(storage.root(faulty) / "tasks.jsonl")
   done = [(e["phase"], e["worker"]) for e in events if e["event"] == "done"]
   assert sorted(done) == sorted(itertools.product(range(3), range(4)))  # Each accepted once.
+  kills = [(e["target"], e["how"]) for e in events if e["event"] == "kill"]
+  assert ("worker", "timed") in kills and ("worker", "write") in kills, kills
+  assert ("executor", "timed") in kills, kills
   # The kills landed (the log, not the schedule): a worker mid-task, a worker with its
   # outputs half written (seed 0 draws the rerun's 4th dispatch, a training task), an executor.
   kills = [(e["target"], e["how"]) for e in events if e["event"] == "kill"]
@@ -470,3 +538,106 @@ def test_quorum_end_to_end_with_a_slow_worker(tmp_path, ray_cluster):
   events = storage.read_lines(storage.root(wd) / "tasks.jsonl")
   done = [(e["phase"], e["worker"]) for e in events if e["event"] == "done"]
   assert sorted(done) == sorted(itertools.product(range(3), range(4)))
+
+
+def _tree_files(root) -> dict:
+  return {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+@pytest.mark.slow
+def test_elastic_reshard_matches_spmd_and_survives_kills(tmp_path, ray_cluster, monkeypatch):
+  with contextlib.ExitStack() as stack:
+    _reshard_matches_spmd_and_survives_kills(tmp_path, monkeypatch, stack)
+
+
+def _reshard_matches_spmd_and_survives_kills(tmp_path, monkeypatch, stack):
+  # k-means phase 0, a discriminative re-shard after outer step 1 of 2; the driver scores
+  # the router split on the paths at version 1 (200 documents: only the driver and the
+  # spmd loop read the corpus; workers open the shards written for them).
+  routing_testlib.small_corpus(monkeypatch, 200)
+  stack.enter_context(helpers.compile_cache(tmp_path / "jax_cache"))  # The driver's and spmd's.
+  cfg = lambda **kw: _config(
+    **{
+      "early_stopping.enabled": True,
+      "routing.router": "kmeans",
+      "routing.kmeans_restarts": 2,
+      "routing.kmeans_iters": 20,
+      "routing.discriminative_at_outer_step": 1,
+      **_EVAL,
+      **kw,
+    }
+  )
+  spmd, clean, faulty = (str(tmp_path / d) for d in ("spmd", "clean", "faulty"))
+  ref = train.train_and_evaluate(cfg(**{"dipaco.mode": "spmd"}), spmd)
+  out = train.train_and_evaluate(cfg(), clean)
+  assert out["status"]["done"] == 12 and out["status"]["reshards"] == [1]
+  np.testing.assert_allclose(out["val_loss"], ref["val_loss"], rtol=1e-5)
+  # The phase's router: fitted on paths within 1e-6 of spmd's, so the same up to float
+  # rounding; its shards (and so α and every batch) the same.
+  for phase in (0, 1):
+    r = [router_lib.Router.load(routing.router_dir(d, phase), grid=(2, 2)) for d in (spmd, clean)]
+    assert r[0].kind == r[1].kind == ("kmeans", "linear")[phase]
+    for k in r[0].arrays:
+      np.testing.assert_allclose(r[0].arrays[k], r[1].arrays[k], rtol=1e-4, atol=1e-5)
+  shard_meta = [
+    json.loads((tmp_path / d / "shards_phase_1" / "train" / "meta.json").read_text())
+    for d in ("spmd", "clean")
+  ]
+  assert shard_meta[0] == shard_meta[1]
+  # The new phase's α differs from phase 0's, so the final state below checks the executors
+  # took it (the store matches spmd's only with each phase's α).
+  alpha = [
+    storage.load_json(storage.root(clean) / "meta.json")["alpha_W"],
+    storage.load_json(storage.alpha_file(clean, 1)),
+  ]
+  assert alpha[0] != alpha[1], alpha
+  a, b = _final(spmd), _final(clean)
+  for name in ("store", "outer_opt", "params", "inner_opt"):
+    for x, y in zip(jax.tree.leaves(a[name]), jax.tree.leaves(b[name]), strict=True):
+      # Not bit-identical, as in test_elastic_matches_spmd_and_survives_kills: one device's
+      # program against the 4-device SPMD one (last float32 bits of AdamW's updates).
+      np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=1e-6)
+  # The data state names the phase; the positions after it are spmd's new feed's.
+  exp = experiment.Experiment(cfg(**{"dipaco.mode": "spmd"}))
+  states = [checkpoint.Checkpointer(d).restore(exp.abstract_state)[1] for d in (spmd, clean)]
+  assert states[0] == states[1] and states[1]["routing"]["phase"] == 1
+  # Early stopping's records restarted with the phase: the same per-path records as spmd.
+  rec_a, rec_b = (checkpoint.read_best_records(d) for d in (spmd, clean))
+  assert rec_a["phase"] == rec_b["phase"] == 1 and rec_a["step"] == rec_b["step"]
+  np.testing.assert_allclose(rec_a["loss"], rec_b["loss"], rtol=1e-5)
+  shards_rec = [
+    [r for r in metrics_lib.read_records(d) if r.get("step") == 2][-1] for d in (spmd, clean)
+  ]
+  assert shards_rec[1]["shards/phase"] == 1
+  assert {k: v for k, v in shards_rec[0].items() if k.startswith("shards/")} == {
+    k: v for k, v in shards_rec[1].items() if k.startswith("shards/")
+  }
+
+  # Faults around the re-shard: the driver stops after phase 0's 4 tasks (the re-shard
+  # due or not yet), then after 2 more (the router fitted and its tasks running), then
+  # runs to the end; worker and executor SIGKILLs on the way. The clean run's bytes.
+  # Seed 2 draws, of 2 kills each: the 1st invocation's dispatches 0 (killed mid-write) and 1
+  # (at a random moment), the 2nd's dispatch 0 (task (1, ·): the new phase's first, mid-write),
+  # the 3rd's dispatch 0 (mid-write) and 5.
+  slow = {"elastic.step_delay_s": (0.3, 0.3), "dispatch_ahead": "on"}
+  kw = {"elastic.chaos_worker_kills": 2, "elastic.chaos_seed": 2, **slow}
+  first = train.train_and_evaluate(cfg(**{"elastic.stop_after_tasks": 4, **kw}), faulty)
+  second = train.train_and_evaluate(cfg(**{"elastic.stop_after_tasks": 2, **kw}), faulty)
+  assert first["stopped"] and second["stopped"] and second["status"]["reshards"] == [1]
+  last = train.train_and_evaluate(cfg(**{**kw, "elastic.chaos_executor_kills": 1}), faulty)
+  assert last["step"] == 4 and last["status"]["done"] == 12
+  kills = [r["status"]["worker_kills"] for r in (first, second, last)]
+  assert sum(kills) >= 3, kills
+  c = _final(faulty)
+  for x, y in zip(jax.tree.leaves(b), jax.tree.leaves(c), strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  assert checkpoint.read_best_records(faulty) == rec_b
+  for sub in ("router", "shards_phase_1"):
+    assert _tree_files(tmp_path / "faulty" / sub) == _tree_files(tmp_path / "clean" / sub)
+  events = storage.read_lines(storage.root(faulty) / "tasks.jsonl")
+  assert [e["fitted"] for e in events if e["event"] == "reshard"] == [True]  # Fitted once.
+  done = [(e["phase"], e["worker"]) for e in events if e["event"] == "done"]
+  assert sorted(done) == sorted(itertools.product(range(3), range(4)))  # Each accepted once.
+  kills = [(e["target"], e["how"]) for e in events if e["event"] == "kill"]
+  assert ("worker", "timed") in kills and ("worker", "write") in kills, kills
+  assert ("executor", "timed") in kills, kills

@@ -2,7 +2,10 @@
 
 Task (t, w) runs worker w's H inner steps of phase t (t < T; tasks (T, w)
 only evaluate the final params); it becomes ready when
-every module worker w reads holds version t (t outer updates applied). Tasks
+every module worker w reads holds version t (t outer updates applied) and,
+from a discriminative re-shard step t_r on (t >= t_r), once the driver has
+written that re-shard's router and shards (`resharded`): a barrier at t_r, as
+every module must hold version t_r before the router is fitted. Tasks
 are leased to worker actors; a lease whose actor dies or passes its deadline
 goes back to the FRONT of the queue. A result is accepted once per (t, w);
 a duplicate (a timed-out task that finished after all) is refused. Every
@@ -40,9 +43,10 @@ class Coordinator:
       self.done = dict(s["done"])
       self.pending = [tuple(t) for t in s["pending"]] + [tuple(t) for t in s["leased"]]
       self.requeued = int(s.get("requeued", 0)) + len(s["leased"])
+      self.reshards = [int(x) for x in s.get("reshards", [])]
     else:
       self.versions = {grid_lib.module_key(g, e): 0 for g, e in self.grid.used_modules()}
-      self.done, self.pending, self.requeued = {}, [], 0
+      self.done, self.pending, self.requeued, self.reshards = {}, [], 0, []
     self.leases = {}  # task key -> (task, actor, deadline); not snapshotted.
     self._enqueue_ready()
     self._save()
@@ -59,10 +63,13 @@ class Coordinator:
         "pending": [list(t) for t in self.pending],
         "leased": [list(v[0]) for v in self.leases.values()],
         "requeued": self.requeued,
+        "reshards": self.reshards,
       },
     )
 
   def _ready(self, phase: int, worker: int) -> bool:
+    if any(s <= phase and s not in self.reshards for s in self.grid.reshard_steps):
+      return False  # Its routing phase's shards are not written yet.
     return all(
       self.versions[grid_lib.module_key(g, e)] >= phase
       for g, e in self.grid.modules_of_worker(worker)
@@ -129,6 +136,23 @@ class Coordinator:
       self._enqueue_ready()
       self._save()
 
+  def reshard_due(self):
+    """(step, done steps): the first re-shard step not yet done once every module holds it.
+
+    step is None when no re-shard is due now; done lists the re-shards already done.
+    """
+    due = next((s for s in self.grid.reshard_steps if s not in self.reshards), None)
+    if due is not None and min(self.versions.values()) < due:
+      due = None
+    return due, list(self.reshards)
+
+  def resharded(self, step: int) -> None:
+    """The driver wrote re-shard `step`'s router, shards and α: its tasks may run."""
+    if int(step) not in self.reshards:
+      self.reshards.append(int(step))
+      self._enqueue_ready()
+      self._save()
+
   def unreported(self) -> list:
     """Accepted tasks whose modules have not all stepped yet (to re-report after a restart)."""
     out = []
@@ -153,6 +177,7 @@ class Coordinator:
       "leased": len(self.leases),
       "requeued": self.requeued,
       "min_version": min(self.versions.values()),
+      "reshards": list(self.reshards),
     }
 
   def results(self) -> dict:

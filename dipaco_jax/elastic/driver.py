@@ -8,6 +8,10 @@ early stopping's best set) are written as one orbax checkpoint in the
 synchronous mode's layout, so evaluation and serving read an elastic workdir
 like any other. Evaluation runs as part of the tasks on the pool (worker.py);
 early stopping runs in the driver after each evaluation phase completes.
+Discriminative re-shards run in the driver too (`_Resharder`): once every
+module holds the re-shard's version, it fits the router on those paths (the
+synchronous `ShardPlan.reshard`), writes the shards and the phase's α, and
+only then lets the coordinator hand out the phase's tasks.
 """
 # pylint: disable=invalid-name
 
@@ -29,6 +33,7 @@ from dipaco_jax import early_stopping
 from dipaco_jax import experiment as exp_lib
 from dipaco_jax import metrics as metrics_lib
 from dipaco_jax import paths as paths_lib
+from dipaco_jax import routing
 from dipaco_jax import shard_plan
 from dipaco_jax import sharding
 from dipaco_jax.elastic import coordinator as coord_lib
@@ -39,6 +44,7 @@ from dipaco_jax.elastic import worker as worker_lib
 from dipaco_jax.elastic.errors import ElasticConfigError
 from dipaco_jax.elastic.errors import check_config
 from dipaco_jax.elastic.errors import check_workdir_mode
+from dipaco_jax.routing import router as router_lib
 
 META = "meta.json"  # Under <workdir>/elastic (errors.META).
 
@@ -119,9 +125,55 @@ def _update_best(best, exp, grid: grid_lib.Grid, workdir: str, results: dict, t:
   ]
   if any(v is None for v in val_W):  # No evaluation at this step.
     return
-  params = paths_lib.assemble(_store_at(workdir, grid, t), grid.topo)
-  params = jax.device_put(params, exp.state_sharding.params)
-  best.update(t * grid.H, np.asarray(val_W, np.float64), params, phase=0)
+  params = _paths_at(exp, grid, workdir, t)
+  # Records restart with a routing phase (task t evaluated on its phase's shards).
+  best.update(t * grid.H, np.asarray(val_W, np.float64), params, phase=grid.routing_phase(t))
+
+
+def _paths_at(exp, grid: grid_lib.Grid, workdir: str, version: int):
+  """Every worker's params at module version `version`, on the driver's device."""
+  params = paths_lib.assemble(_store_at(workdir, grid, version), grid.topo)
+  return jax.device_put(params, exp.state_sharding.params)
+
+
+class _Resharder:
+  """Discriminative re-shards: the synchronous loop's `ShardPlan.reshard`, once per step.
+
+  Re-shard step t_r (an outer step) runs once every module holds version t_r
+  (the coordinator's `reshard_due`; it holds tasks (t_r, ·) until `resharded`):
+  the router is fitted on the paths at version t_r (or reloaded: a rerun finds
+  it), the phase's shards written (or reopened), its α saved for the executors,
+  and only then is the coordinator told. Each step is idempotent, so a driver
+  killed anywhere in it redoes it to the same bytes.
+  """
+
+  def __init__(self, exp, grid: grid_lib.Grid, workdir: str, plan, log):
+    self.exp, self.grid, self.workdir, self.plan, self.log = exp, grid, workdir, plan, log
+    # Step -> metrics record of the active shards (train.py writes them at each re-shard).
+    self.records = {grid.H: plan.shard_record()}
+
+  def reopen(self, step: int) -> None:
+    """A re-shard done before a restart: its router and shards are reopened, not refitted."""
+    self.plan.reshard(step * self.grid.H, None)  # The router exists: params are not read.
+    self.records[step * self.grid.H] = self.plan.shard_record()
+
+  def run(self, step: int) -> None:
+    k = self.grid.reshard_steps.index(step) + 1
+    directory = routing.router_dir(self.workdir, k)
+    fitted = not routing.Router.exists(directory)
+    params = None
+    if fitted:
+      # A save cut short (arrays written, metadata not) would refuse the new save: drop it.
+      part = epath.Path(directory) / router_lib.ARRAYS_FILE
+      if part.exists():
+        part.unlink()
+      params = _paths_at(self.exp, self.grid, self.workdir, step)
+    self.plan.reshard(step * self.grid.H, params)
+    alpha = np.asarray(jax.device_get(self.plan.alpha_W), np.float32)
+    storage.save_json(storage.alpha_file(self.workdir, k), [float(a) for a in alpha])
+    self.records[step * self.grid.H] = self.plan.shard_record()
+    self.log(event="reshard", step=step, phase=k, fitted=fitted)
+    logging.info("elastic: re-shard after outer step %d: routing phase %d", step, k)
 
 
 def _final_state(config, workdir: str, exp, grid: grid_lib.Grid):
@@ -361,7 +413,7 @@ def run(config, workdir: str) -> dict:
     ]
     actors += executors + workers
     return _loop(
-      config, workdir, grid, coord, executors, owned, workers, log_path, ray, ray_errors, exp
+      config, workdir, grid, coord, executors, owned, workers, log_path, ray, ray_errors, exp, plan
     )
   finally:
     for a in actors:
@@ -382,7 +434,7 @@ def _call(ray, ray_errors, method, *args):
 
 
 def _loop(
-  config, workdir, grid, coord, executors, owned, workers, log_path, ray, ray_errors, exp
+  config, workdir, grid, coord, executors, owned, workers, log_path, ray, ray_errors, exp, plan
 ) -> dict:
   """Leases tasks to idle workers, forwards results to executors, versions to the queue."""
   e = config.elastic
@@ -414,6 +466,10 @@ def _loop(
   if config.early_stopping.enabled:
     best = early_stopping.BestPaths(exp.state_sharding.params, grid.W)
   best_next = [1]  # The next phase whose evaluation early stopping takes.
+  resharder = _Resharder(exp, grid, workdir, plan, log)
+  for step in sorted(call(coord.reshard_due)[1]):  # Done before a restart: reopened.
+    resharder.reopen(step)
+  reshard_check = [True]  # Module versions changed: a re-shard may be due.
 
   def early_stop(results):
     while best is not None and best_next[0] <= grid.T and complete(best_next[0]):
@@ -434,6 +490,7 @@ def _loop(
       call(coord.modules_updated, phase, mods)
       if mods:
         log(event="outer", phase=phase, executor=j, modules=mods)
+        reshard_check[0] = True
 
   # Quorum with a grace window: executors step on the clock too, so the driver polls them.
   polls, waiting, next_poll = {}, {}, 0.0
@@ -443,6 +500,12 @@ def _loop(
     report(phase, worker)
   try:
     while True:
+      while reshard_check[0]:  # The barrier: tasks of the phase wait for its shards.
+        due = call(coord.reshard_due)[0]
+        reshard_check[0] = due is not None
+        if due is not None:
+          resharder.run(due)
+          call(coord.resharded, due)
       for task, actor in call(coord.expired):
         log(event="timeout", phase=task[0], worker=task[1], actor=actor)
         ray.kill(workers[actor], no_restart=False)  # Comes back; its future raises.
@@ -544,7 +607,8 @@ def _loop(
       early_stop(results)
       while phases_logged < grid.T and complete(phases_logged) and complete(phases_logged + 1):
         t = phases_logged
-        mlog.write((t + 1) * grid.H, _record(grid, results, t))
+        rec = _record(grid, results, t)
+        mlog.write((t + 1) * grid.H, {**rec, **resharder.records.get((t + 1) * grid.H, {})})
         phases_logged += 1
       if 0 <= e.stop_after_tasks <= accepted_here:
         logging.info("elastic: stopping after %d accepted tasks (stop_after_tasks)", accepted_here)
@@ -558,7 +622,9 @@ def _loop(
   ckpt = ckpt_lib.Checkpointer(workdir, max_to_keep=config.ckpt.max_to_keep, async_save=False)
   if ckpt.latest_step() != grid.H * grid.T:
     state, data = _final_state(config, workdir, exp, grid)
-    data_state = {"train": data, "routing": {"phase": 0}}
+    assert plan.phase == grid.routing_phase(grid.T), (plan.phase, grid.reshard_steps)
+    routing_state = {"phase": plan.phase, "assignment": plan.shard_set.meta.get("assignment")}
+    data_state = {"train": data, "routing": routing_state}
     ckpt.save(grid.H * grid.T, state, data_state, best=best.saved() if best else None)
   ckpt.close()
   status = call(coord.status)

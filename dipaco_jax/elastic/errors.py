@@ -50,12 +50,6 @@ def check_config(config) -> None:
       )
   if e.task_timeout_s <= 0:
     raise ElasticConfigError(f"config.elastic.task_timeout_s={e.task_timeout_s}: must be > 0.")
-  if config.routing.discriminative_at_outer_step >= 0:
-    raise ElasticConfigError(
-      "config.routing.discriminative_at_outer_step="
-      f"{config.routing.discriminative_at_outer_step}: discriminative re-shards are not "
-      "implemented in elastic mode; set it to -1 or use --config.dipaco.mode=spmd."
-    )
   if config.stop_at_step >= 0:
     raise ElasticConfigError(
       f"config.stop_at_step={config.stop_at_step}: elastic runs stop on "

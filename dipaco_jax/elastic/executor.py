@@ -18,6 +18,11 @@ missed, so it counts its own Δ against its own starting version) or is dropped
 report through the module is in. In "next" mode the last step (phase T-1) waits
 for every report: there is no later step to carry a late delta to.
 
+α: phase t's step weighs its workers with the α of t's routing phase (phase 0:
+the constructor's; after a discriminative re-shard: the file the driver wrote
+before any task of that phase ran, storage.alpha_file). A late delta carried
+across a re-shard takes the new phase's α.
+
 The executor's own state (reports received, modules stepped and with whom,
 when quorums were reached) is snapshotted before each call returns, so an
 executor killed mid-phase comes back (Ray restarts it without state) and
@@ -57,6 +62,7 @@ class OuterExecutor:
     self.grid = grid_lib.Grid(config)
     self.workdir, self.index, self.groups = str(workdir), int(index), list(groups)
     self.alpha_W = np.asarray(alpha_W, np.float32)
+    self._alphas = {0: self.alpha_W}  # Routing phase -> its α (phases >= 1 read lazily).
     self.outer_enabled = config.outer.enabled
     e = config.elastic
     self.quorum, self.grace_s, self.late = float(e.quorum), float(e.grace_s), e.late_deltas
@@ -88,6 +94,14 @@ class OuterExecutor:
         carried={str(k): v for k, v in self.carried.items()},
       )
     storage.save_json(self._snap, state)
+
+  def _alpha(self, phase: int) -> np.ndarray:
+    """α of the routing phase outer phase `phase` trains in."""
+    k = self.grid.routing_phase(phase)
+    if k not in self._alphas:
+      alpha = storage.load_json(storage.alpha_file(self.workdir, k))
+      self._alphas[k] = np.asarray(alpha, np.float32)
+    return self._alphas[k]
 
   def _step_fn(self, group: str):
     if group not in self._steps:
@@ -133,7 +147,7 @@ class OuterExecutor:
         p = self._worker_params(phase - 1, group, w)
         parts.append(jax.tree.map(lambda t, b, x: t - (b - x), theta, before, p))
     params_N = jax.tree.map(lambda *xs: np.concatenate(xs), *parts)
-    alpha_N = self.alpha_W[list(workers) + list(late)]
+    alpha_N = self._alpha(phase)[list(workers) + list(late)]
     if self.outer_enabled:
       theta, opt, _ = jax.device_get(self._step_fn(group)(theta, opt, params_N, alpha_N))
     else:  # No outer step: the module mirrors its first worker (train.py's sync_store).
@@ -168,7 +182,7 @@ class OuterExecutor:
       last = phase == self.grid.T - 1 and self.late == "next"
       if self.quorum >= 1.0 or last:
         return False
-      a = np.asarray(self.alpha_W, np.float64)
+      a = np.asarray(self._alpha(phase), np.float64)
       if a[got].sum() < self.quorum * a[workers].sum():
         return False
       reached = self.quorum_at.setdefault(phase, {})

@@ -15,6 +15,7 @@ from dipaco_jax import experiment as exp_lib
 from dipaco_jax import inner as inner_lib
 from dipaco_jax import model as model_lib
 from dipaco_jax import outer as outer_lib
+from dipaco_jax import routing
 from dipaco_jax import topology
 from dipaco_jax.types import PyTree
 
@@ -33,6 +34,9 @@ class Grid:
     self.group = {s.name: s for s in self.groups}
     self.W = self.topo.num_workers
     self.H, self.T = config.dipaco.inner_steps, config.dipaco.outer_steps
+    # Outer steps after which a discriminative re-shard runs: tasks (t, ·) with t >= the k-th
+    # read routing phase k's shards, and the outer steps of those phases use its α.
+    self.reshard_steps = routing.discriminative_steps(config)
     self.model_cfg = exp_lib.model_config(config)
     self.inner_tx = inner_lib.optimizer(exp_lib.inner_config(config))
     self.outer_cfg = exp_lib.outer_config(config)
@@ -40,6 +44,10 @@ class Grid:
     self.theta = jax.eval_shape(
       functools.partial(model_lib.init_params, self.model_cfg), jax.random.key(0)
     )
+
+  def routing_phase(self, phase: int) -> int:
+    """The routing phase whose shards task `phase` trains on (re-shards at or before it)."""
+    return sum(s <= phase for s in self.reshard_steps)
 
   def modules_of_worker(self, w: int) -> list[tuple[str, int]]:
     return [(s.name, int(s.module_of_worker[w])) for s in self.groups]

@@ -12,6 +12,7 @@ here unpickles. Layout (t = outer steps applied, i.e. the phase that reads it):
   workers/w<w>/data<t>.json        its data position at the start of phase t
   workers/w<w>/out<t>/<group>.npz  its params after phase t-1's inner steps
   workers/w<w>/out<t>/done.json    written last: the task's outputs are complete
+  alpha_phase<k>.json              routing phase k's α (k >= 1; phase 0's is in meta.json)
   coordinator.json, executors/x<i>.json, meta.json, tasks.jsonl
 """
 
@@ -52,6 +53,11 @@ def worker_data_file(workdir: str, worker: int, phase: int) -> epath.Path:
 def worker_out_dir(workdir: str, worker: int, phase: int) -> epath.Path:
   """Outputs of task (phase - 1, worker): the params that start phase `phase`."""
   return worker_dir(workdir, worker) / f"out{phase:05d}"
+
+
+def alpha_file(workdir: str, routing_phase: int) -> epath.Path:
+  """α of discriminative routing phase k >= 1 (the driver writes it at the re-shard)."""
+  return root(workdir) / f"alpha_phase{routing_phase}.json"
 
 
 def _write_atomic(path: epath.Path, data: bytes) -> None:

@@ -10,6 +10,13 @@ reuses it for every task of every path. A task reads only versioned inputs
 (the path's modules at version `phase`, the worker's AdamW state and data
 position at `phase`) and writes versioned outputs for `phase + 1`, so
 running a task twice (a retry after a kill or a timeout) writes the same bytes.
+
+Discriminative re-shards: task t reads routing phase k's shards (k = the
+re-shards at or before t; the coordinator runs no such task before the driver
+wrote them). The first task of a phase (t = its re-shard step) starts its data
+position fresh on the new shards, as the synchronous loop's new feed, and
+restarts the schedule of the AdamW state it loads (routing.restart_schedule,
+as train.py); the inputs in storage stay as written, so a retry is the same.
 """
 # pylint: disable=invalid-name
 
@@ -44,10 +51,11 @@ class PathWorker:
     )
     self._init_opt = jax.jit(jax.vmap(self.grid.inner_tx.init))
     self._eval = jax.jit(jax.vmap(functools.partial(inner_lib.eval_step, model=model)))
-    self._val = {}  # (split, worker) -> its evaluation batches (the same at every evaluation).
+    # (split, routing phase, worker) -> its evaluation batches (the same at every evaluation).
+    self._val = {}
     # Early stopping on held-out training documents (shard_plan's): trained on the rest only.
     self._rest, self._heldout = early_stopping.holdouts(config)
-    self._shards = data_lib.ShardSet(routing.shard_dir(config, workdir, 0))
+    self._shard_sets = {}  # Routing phase -> its shards, opened on first use.
     from dipaco_jax import train  # pylint: disable=g-import-not-at-top
 
     self._ahead = train.dispatch_ahead(config)  # As the spmd loop: on TPU/GPU, off on CPU.
@@ -57,10 +65,16 @@ class PathWorker:
   def pid(self) -> int:
     return os.getpid()
 
-  def _batcher(self, worker: int) -> data_lib.WorkerBatcher:
+  def _shards(self, k: int) -> data_lib.ShardSet:
+    """Routing phase k's shard set."""
+    if k not in self._shard_sets:
+      self._shard_sets[k] = data_lib.ShardSet(routing.shard_dir(self.config, self.workdir, k))
+    return self._shard_sets[k]
+
+  def _batcher(self, worker: int, k: int) -> data_lib.WorkerBatcher:
     d = self.config.data
     return data_lib.WorkerBatcher(
-      self._shards,
+      self._shards(k),
       "train",
       [worker],
       seq_len=d.seq_len,
@@ -79,19 +93,21 @@ class PathWorker:
       )
     return parts
 
-  def _val_batches(self, worker: int, split: str = "validation") -> list:
+  def _val_batches(self, worker: int, k: int, split: str = "validation") -> list:
     """The first eval.batches batches of the worker's validation shard, or of its held-out docs.
 
-    Split "validation": train.py's eval_batches; "heldout": shard_plan's stop_batches.
+    Of routing phase k's shards. Split "validation": train.py's eval_batches; "heldout":
+    shard_plan's stop_batches.
     """
-    if (split, worker) not in self._val:
+    key = (split, k, worker)
+    if key not in self._val:
       d = self.config.data
       source = "train" if split == "heldout" else split
-      if self._shards.num_docs(source)[worker] == 0:  # allow_validation: loss reads NaN.
-        self._val[split, worker] = []
+      if self._shards(k).num_docs(source)[worker] == 0:  # allow_validation: loss reads NaN.
+        self._val[key] = []
       else:
         it = data_lib.WorkerBatcher(
-          self._shards,
+          self._shards(k),
           source,
           [worker],
           seq_len=d.seq_len,
@@ -100,13 +116,13 @@ class PathWorker:
           shuffle=False,
           holdout=self._heldout if split == "heldout" else None,
         )
-        self._val[split, worker] = [it.next_batch() for _ in range(self.config.eval.batches)]
-    return self._val[split, worker]
+        self._val[key] = [it.next_batch() for _ in range(self.config.eval.batches)]
+    return self._val[key]
 
-  def _evaluate(self, params, worker: int, split: str = "validation") -> float:
-    """Token-weighted loss on the worker's own shard (Experiment.evaluate's)."""
+  def _evaluate(self, params, worker: int, k: int, split: str = "validation") -> float:
+    """Token-weighted loss on the worker's own shard of routing phase k (Experiment.evaluate's)."""
     loss_sum = weight = 0.0
-    for batch in self._val_batches(worker, split):
+    for batch in self._val_batches(worker, k, split):
       out = jax.device_get(self._eval(params, batch))
       loss_sum, weight = loss_sum + out["loss_sum"], weight + out["weight"]
     weight = np.asarray(weight)
@@ -125,20 +141,27 @@ class PathWorker:
     clock = {"load": time.time() - start}
     step0 = phase * self.grid.H
     every = self.config.eval.every_steps
+    k = self.grid.routing_phase(phase)  # After a re-shard at `phase`: its new shards already.
     if phase > 0 and (step0 % every == 0 or phase == self.grid.T):
-      result["val_loss"] = self._evaluate(params, worker)  # After outer step `phase`, as train.py.
+      # After outer step `phase` (and its re-shard), as train.py.
+      result["val_loss"] = self._evaluate(params, worker, k)
       if self._heldout is not None:  # Early stopping's loss (shard_plan's stop_batches).
-        result["stop_loss"] = self._evaluate(params, worker, "heldout")
+        result["stop_loss"] = self._evaluate(params, worker, k, "heldout")
     if phase == self.grid.T:  # The last evaluation: nothing left to train.
       return {**result, "start": start, "end": time.time(), "loss": [], "grad_norm": None}
-    batcher = self._batcher(worker)
+    batcher = self._batcher(worker, k)
     if phase == 0:
       opt = self._init_opt(params)
     else:
       opt = storage.load_tree(
         storage.worker_opt_file(wd, worker, phase), self.grid.inner_opt_template()
       )
-      batcher.set_state(storage.load_json(storage.worker_data_file(wd, worker, phase)))
+      if phase in self.grid.reshard_steps:  # A new routing phase: a fresh feed of its shards.
+        if self.config.routing.restart_schedule:  # Paper Fig. 10: the cosine starts over.
+          # Back on the host, as every other task's loaded state (the step's jit cache key).
+          opt = jax.device_get(inner_lib.restart_schedule(jax.device_put(opt)))
+      else:
+        batcher.set_state(storage.load_json(storage.worker_data_file(wd, worker, phase)))
     clock["load"] = time.time() - start
     t0 = time.time()
     losses, pending, m = [], None, None  # pending: a dispatched step's metrics, unread.
