@@ -154,6 +154,12 @@ def _events(workdir):
   return storage.read_lines(storage.root(workdir) / "tasks.jsonl")
 
 
+def _startup(workdir) -> dict:
+  """The driver's start-up event (driver.run): seconds of Ray's start and of its preparation."""
+  e = next(e for e in _events(workdir) if e["event"] == "startup")
+  return {"ray_s": e["ray_s"], "prepare_s": e["prepare_s"]}
+
+
 def _results(workdir) -> dict:
   with open(os.path.join(workdir, "elastic", "coordinator.json")) as f:
     return json.load(f)["done"]
@@ -325,6 +331,7 @@ def main():
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
   W = 4  # Paths of GRID and HETERO.
   el = {"dipaco.mode": "elastic", "elastic.num_workers": A}
+  el["elastic.compile_cache"] = "auto" if args.compile_cache else "off"  # "auto": the env's.
   report = {
     "command": " ".join(["python benchmarks/elastic.py"] + sys.argv[1:]),
     "inner_steps": H,
@@ -418,6 +425,8 @@ def main():
         "spmd_with_restart": useful_spmd / (rs["wall_s"] - up_spmd),
         "spmd_clean": useful_spmd / (spmd_wall - up_spmd),
         "startup_s": {"elastic": up_el, "spmd": up_spmd},
+        # The clean command's driver: Ray's start, then its θ̄/shards/store (actors importing).
+        "elastic_driver_startup_s": _startup(clean.workdir),
       },
       "preemptions_scheduled": kills,
       "elastic_kills_landed": audit["worker_kills_timed"] + audit["worker_kills_mid_write"],

@@ -320,6 +320,10 @@ def _rules() -> dict[str, Rule]:
     "elastic.num_executors": count,
     "elastic.worker_resources": _string(),  # Its JSON: elastic check_config.
     "elastic.task_timeout_s": _number(0),
+    "elastic.compile_cache": (
+      _names_a_folder,
+      "'auto' ($JAX_COMPILATION_CACHE_DIR or the user's cache dir), 'off', or a folder",
+    ),
     "elastic.step_delay_s": _tuple(_number(0, above=False), "a tuple of seconds >= 0"),
     "elastic.chaos_worker_kills": count0,
     "elastic.chaos_executor_kills": count0,

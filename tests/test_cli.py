@@ -128,6 +128,10 @@ BAD_INPUTS = [
     "config.data.shard_cache='' is invalid: it must be 'auto' (the user's cache dir), 'off'",
   ),
   (["--config.dipaco.init_from=None"], "config.dipaco.init_from='None' is invalid"),
+  (
+    ["--config.elastic.compile_cache="],
+    "config.elastic.compile_cache='' is invalid: it must be 'auto' ($JAX_COMPILATION_CACHE_DIR",
+  ),
   # Relations.
   (["--config.model.vocab_size=9000"], "config.model.vocab_size=9000 but the tokenizer"),
   (["--config.model.vocab_size=4096"], "config.model.vocab_size=4096 but the tokenizer"),

@@ -27,6 +27,7 @@ from dipaco_jax.elastic import coordinator as coord_lib
 from dipaco_jax.elastic import errors
 from dipaco_jax.elastic import executor as exec_lib
 from dipaco_jax.elastic import grid as grid_lib
+from dipaco_jax.elastic import jit_cache
 from dipaco_jax.elastic import storage
 from dipaco_jax.routing import router as router_lib
 
@@ -385,6 +386,16 @@ def test_actor_options_match_the_launch_scripts():
   fake_ray = type("Ray", (), {"get_runtime_context": staticmethod(lambda: context)})
   strategy = driver._control_options(fake_ray)["scheduling_strategy"]
   assert (strategy.node_id, strategy.soft) == ("ab" * 28, False)
+
+
+def test_compile_cache_folder_of_each_setting(tmp_path, monkeypatch):
+  monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+  monkeypatch.setenv("DIPACO_CACHE_DIR", str(tmp_path / "user"))
+  assert jit_cache.directory("auto") == str(tmp_path / "user" / "jax_cache")
+  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "env"))  # The user's own wins.
+  assert jit_cache.directory("auto") == str(tmp_path / "env")
+  assert jit_cache.directory("gs://b/jit") == "gs://b/jit"
+  assert jit_cache.directory("off") is None
 
 
 # ---- End to end on a local Ray cluster. ----

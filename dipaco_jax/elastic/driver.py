@@ -370,28 +370,12 @@ def run(config, workdir: str) -> dict:
   check_workdir_mode(workdir, "elastic")
   train.check_config_matches(epath.Path(workdir), config)
   e = config.elastic
+  t0, actors, log_path = time.time(), [], storage.root(workdir) / "tasks.jsonl"
   started = _connect(config, num_cpus=e.num_workers + 1)  # A bad address fails before any work.
-  actors, log_path = [], storage.root(workdir) / "tasks.jsonl"
   try:
-    # The driver's Experiment on one device: it builds θ̄, the shards, α and the final state.
-    exp = exp_lib.Experiment(
-      config,
-      mesh=sharding.make_mesh(
-        {"path": 1, "data": 1, "model": 1, "num_slices": 1}, 1, devices=jax.devices()[:1]
-      ),
-    )
-    grid = grid_lib.Grid(config)
-    plan = shard_plan.ShardPlan(config, workdir, exp)  # Phase-0 shards and α, as the SPMD loop.
-    train.write_config(epath.Path(workdir), config)
-    alpha_W = np.asarray(jax.device_get(plan.alpha_W), np.float32)
-    if not (storage.root(workdir) / META).exists():
-      _init_storage(config, workdir, exp, grid, alpha_W)
-    logging.info(
-      "elastic: %s; %d worker actors, %d executors",
-      grid.topo.describe(),
-      e.num_workers,
-      e.num_executors,
-    )
+    t_ray = time.time()
+    # The queue and the worker actors first: while their processes import JAX (seconds), the
+    # driver prepares θ̄, the shards and the store; no task is leased before that is done.
     worker_opts = _worker_options(e.worker_resources)
     control = _control_options(ray)
     coord = (
@@ -400,18 +384,32 @@ def run(config, workdir: str) -> dict:
       .remote(config, workdir)
     )
     actors.append(coord)
+    workers = [
+      ray.remote(worker_lib.PathWorker)
+      .options(**worker_opts)
+      .remote(config, workdir, i, e.compile_cache)
+      for i in range(e.num_workers)
+    ]
+    actors += workers
+    exp, grid, plan, alpha_W = _prepare(config, workdir)
+    t_prepared = time.time()
+    logging.info(
+      "elastic: %s; %d worker actors, %d executors",
+      grid.topo.describe(),
+      e.num_workers,
+      e.num_executors,
+    )
     owned = exec_lib.assign_groups([s.name for s in grid.groups], e.num_executors)
     executors = [
       ray.remote(exec_lib.OuterExecutor)
       .options(max_restarts=-1, max_concurrency=2, num_cpus=0, **control)
-      .remote(config, workdir, j, owned[j], alpha_W.tolist())
+      .remote(config, workdir, j, owned[j], alpha_W.tolist(), e.compile_cache)
       for j in range(e.num_executors)
     ]
-    workers = [
-      ray.remote(worker_lib.PathWorker).options(**worker_opts).remote(config, workdir, i)
-      for i in range(e.num_workers)
-    ]
-    actors += executors + workers
+    actors += executors
+    # Where the command's start-up went (docs/elastic.md); the actors' own is in their results.
+    event = {"t": time.time(), "event": "startup", "ray_s": t_ray - t0}
+    storage.append_line(log_path, {**event, "prepare_s": t_prepared - t_ray})
     return _loop(
       config, workdir, grid, coord, executors, owned, workers, log_path, ray, ray_errors, exp, plan
     )
@@ -420,6 +418,26 @@ def run(config, workdir: str) -> dict:
       ray.kill(a, no_restart=True)
     if started:
       ray.shutdown()
+
+
+def _prepare(config, workdir: str):
+  """The driver's Experiment, grid, phase-0 shards and α, and version 0 of the store."""
+  from dipaco_jax import train  # pylint: disable=g-import-not-at-top
+
+  # The driver's Experiment on one device: it builds θ̄, the shards, α and the final state.
+  exp = exp_lib.Experiment(
+    config,
+    mesh=sharding.make_mesh(
+      {"path": 1, "data": 1, "model": 1, "num_slices": 1}, 1, devices=jax.devices()[:1]
+    ),
+  )
+  grid = grid_lib.Grid(config)
+  plan = shard_plan.ShardPlan(config, workdir, exp)  # Phase-0 shards and α, as the SPMD loop.
+  train.write_config(epath.Path(workdir), config)
+  alpha_W = np.asarray(jax.device_get(plan.alpha_W), np.float32)
+  if not (storage.root(workdir) / META).exists():
+    _init_storage(config, workdir, exp, grid, alpha_W)
+  return exp, grid, plan, alpha_W
 
 
 def _call(ray, ray_errors, method, *args):

@@ -40,6 +40,7 @@ import numpy as np
 
 from dipaco_jax import outer as outer_lib
 from dipaco_jax.elastic import grid as grid_lib
+from dipaco_jax.elastic import jit_cache
 from dipaco_jax.elastic import storage
 
 
@@ -58,7 +59,10 @@ def assign_groups(group_names, num_executors: int) -> list[list[str]]:
 class OuterExecutor:
   """Owns `groups`; applies each module's outer step when its phase is complete (or has quorum)."""
 
-  def __init__(self, config, workdir: str, index: int, groups, alpha_W):
+  def __init__(self, config, workdir: str, index: int, groups, alpha_W, compile_cache=None):
+    """`compile_cache`: config.elastic.compile_cache for this process (None: leave JAX's)."""
+    if compile_cache is not None:
+      jit_cache.use(compile_cache)
     self.grid = grid_lib.Grid(config)
     self.workdir, self.index, self.groups = str(workdir), int(index), list(groups)
     self.alpha_W = np.asarray(alpha_W, np.float32)

@@ -35,13 +35,17 @@ from dipaco_jax import metrics as metrics_lib
 from dipaco_jax import model as model_lib
 from dipaco_jax import routing
 from dipaco_jax.elastic import grid as grid_lib
+from dipaco_jax.elastic import jit_cache
 from dipaco_jax.elastic import storage
 
 
 class PathWorker:
   """One worker actor: any (phase, worker) task, one at a time."""
 
-  def __init__(self, config, workdir: str, index: int):
+  def __init__(self, config, workdir: str, index: int, compile_cache: str | None = None):
+    """`compile_cache`: config.elastic.compile_cache for this process (None: leave JAX's)."""
+    if compile_cache is not None:
+      jit_cache.use(compile_cache)
     self.config, self.workdir, self.index = config, str(workdir), int(index)
     self.grid = grid_lib.Grid(config)
     model = model_lib.Transformer(self.grid.model_cfg)
