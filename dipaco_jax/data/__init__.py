@@ -72,15 +72,18 @@ def iter_documents(
   )
 
 
+def document_source(data_cfg) -> dict:
+  """The config.data fields that decide which documents config_documents yields (a cache key)."""
+  return {
+    "data_dir": data_cfg.tfds_data_dir,
+    "vocab_path": data_cfg.vocab_path,
+    "subsample": data_cfg.subsample,
+    "tfds_name": data_cfg.tfds_name,
+  }
+
+
 def config_documents(data_cfg, split: str, *, part: int = 0, num_parts: int = 1):
   """iter_documents of a run's config.data (task, tfds dir and name, vocabulary, subsample)."""
   return iter_documents(
-    data_cfg.task,
-    split,
-    data_dir=data_cfg.tfds_data_dir,
-    vocab_path=data_cfg.vocab_path,
-    subsample=data_cfg.subsample,
-    tfds_name=data_cfg.tfds_name,
-    part=part,
-    num_parts=num_parts,
+    data_cfg.task, split, **document_source(data_cfg), part=part, num_parts=num_parts
   )

@@ -112,8 +112,8 @@ def calibration_sample(
   if m == 0:
     return None
   # θ̄ is the same for every phase of a run: one pass serves phase 0 and each re-shard.
-  d = config.data  # What config_documents reads.
-  key = (extractor.fingerprint, m, d.task, d.tfds_data_dir, d.tfds_name, d.vocab_path, d.subsample)
+  source = data_lib.document_source(config.data)
+  key = (extractor.fingerprint, m, config.data.task, *sorted(source.items()))
   if key in _SAMPLE_CACHE:
     return _SAMPLE_CACHE[key]
   docs = itertools.islice(assign_lib.document_stream(config.data)("train"), m)
@@ -124,8 +124,13 @@ def calibration_sample(
       "check config.data, or set balance_docs=0 to calibrate on the router split."
     )
   _SAMPLE_CACHE.clear()  # One sample held at a time.
-  _SAMPLE_CACHE[key] = (sample["features"], np.maximum(sample["tokens"], 1).astype(np.float64))
+  _SAMPLE_CACHE[key] = _weighted(sample)
   return _SAMPLE_CACHE[key]
+
+
+def _weighted(sample: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+  """(features, tokens per document as weights >= 1) of an assign_lib.collect sample."""
+  return sample["features"], np.maximum(sample["tokens"], 1).astype(np.float64)
 
 
 _SAMPLE_CACHE: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
@@ -182,7 +187,7 @@ def phase0_router(
         f"{router.info.get('min_share', 0.0)}, but config.routing.kmeans_min_share="
         f"{min_share}; use a new --workdir (nothing was changed)."
       )
-    balance_docs = config.routing.balance_docs if min_share > 0 else None
+    balance_docs = config.routing.balance_docs
     if min_share > 0 and router.info.get("balance_docs") != balance_docs:
       raise ConfigError(
         f"{directory} holds a balanced k-means router calibrated with balance_docs="
@@ -195,10 +200,7 @@ def phase0_router(
     )
     calibration = None
     if kind == "kmeans" and config.routing.kmeans_min_share > 0:
-      calibration = calibration_sample(config, extractor) or (
-        split["features"],
-        np.maximum(split["tokens"], 1).astype(np.float64),
-      )
+      calibration = calibration_sample(config, extractor) or _weighted(split)
     router = fit_phase0(config, topo, split["features"], calibration)
     router.info["features"] = extractor.fingerprint
     if calibration is not None:
