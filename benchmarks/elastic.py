@@ -266,6 +266,13 @@ def _task_log_audit(events, results, W, T) -> dict:
     "tasks_failed": sum(e["event"] == "failed" for e in events),
     "worker_kills_timed": sum(k["target"] == "worker" and k["how"] == "timed" for k in kills),
     "worker_kills_mid_write": sum(k["target"] == "worker" and k["how"] == "write" for k in kills),
+    "worker_kills_mid_progress_save": sum(
+      k["target"] == "worker" and k["how"] == "progress" for k in kills
+    ),
+    # Retries that resumed from a mid-task save (elastic.progress_every_steps), and the steps
+    # they did not redo.
+    "tasks_resumed": sum("resumed_at_step" in e for e in events if e["event"] == "done"),
+    "steps_not_redone": sum(e.get("resumed_at_step", 0) for e in events if e["event"] == "done"),
     "executor_kills": sum(k["target"] == "executor" for k in kills),
     "executor_calls_failed": sum(e["event"] == "executor_failed" for e in events),
     "worker_back_after_failure_s": statistics.median(back) if back else None,
@@ -316,6 +323,9 @@ def main():
   p.add_argument("--outer_steps", type=int, default=6, help="outer steps of the grid runs")
   p.add_argument("--workers", type=int, default=2, help="worker actors of the grid runs")
   p.add_argument("--tasks_per_kill", type=int, default=10)
+  p.add_argument(
+    "--progress_every", type=int, default=0, help="elastic.progress_every_steps of elastic runs"
+  )
   p.add_argument("--chaos_worker_kills", type=int, default=20, help="per invocation (2 of them)")
   p.add_argument("--chaos_executor_kills", type=int, default=2, help="per invocation")
   p.add_argument("--slowdown", type=float, default=3.0, help="of worker actor 0, hetero run")
@@ -332,11 +342,13 @@ def main():
   W = 4  # Paths of GRID and HETERO.
   el = {"dipaco.mode": "elastic", "elastic.num_workers": A}
   el["elastic.compile_cache"] = "auto" if args.compile_cache else "off"  # "auto": the env's.
+  el["elastic.progress_every_steps"] = args.progress_every  # Clean runs pay the saves too.
   report = {
     "command": " ".join(["python benchmarks/elastic.py"] + sys.argv[1:]),
     "inner_steps": H,
     "outer_steps": T,
     "worker_actors": A,
+    "progress_every_steps": args.progress_every,
     "compile_cache": args.compile_cache,
     "machine": f"{os.cpu_count()} CPU cores, load {os.getloadavg()[0]:.1f} at start",
   }
@@ -429,7 +441,9 @@ def main():
         "elastic_driver_startup_s": _startup(clean.workdir),
       },
       "preemptions_scheduled": kills,
-      "elastic_kills_landed": audit["worker_kills_timed"] + audit["worker_kills_mid_write"],
+      "elastic_kills_landed": audit["worker_kills_timed"]
+      + audit["worker_kills_mid_write"]
+      + audit["worker_kills_mid_progress_save"],
       "elastic_task_log": audit,
       "elastic_identical_to_clean": _same(clean.workdir, pre.workdir),
       "spmd_restarts": rs,
@@ -477,7 +491,9 @@ def main():
       "driver_sigkills": 1,
       "driver_killed_after_done_tasks": done_at_kill,
       "processes_left_after_driver_kill": survivors,
-      "worker_kills_landed": audit["worker_kills_timed"] + audit["worker_kills_mid_write"],
+      "worker_kills_landed": audit["worker_kills_timed"]
+      + audit["worker_kills_mid_write"]
+      + audit["worker_kills_mid_progress_save"],
       "executor_kills_landed": audit["executor_kills"],
       "task_log": audit,
       "identical_to_clean": _same(clean.workdir, chaos.workdir),

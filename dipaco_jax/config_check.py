@@ -320,6 +320,7 @@ def _rules() -> dict[str, Rule]:
     "elastic.num_executors": count,
     "elastic.worker_resources": _string(),  # Its JSON: elastic check_config.
     "elastic.task_timeout_s": _number(0),
+    "elastic.progress_every_steps": _integer(0, what=" (0 = off)"),
     "elastic.compile_cache": (
       _names_a_folder,
       "'auto' ($JAX_COMPILATION_CACHE_DIR or the user's cache dir), 'off', or a folder",

@@ -186,6 +186,9 @@ def base() -> ml_collections.ConfigDict:
   c.elastic.worker_resources = ""
   # A task not reported after this long goes back on the queue (its worker restarts).
   c.elastic.task_timeout_s = 600.0
+  # A task saves its progress (params, AdamW state, data position) every this many inner steps;
+  # a retry after a kill or timeout resumes there instead of from the phase's start. 0 = off.
+  c.elastic.progress_every_steps = 0
   # The actors' persistent JAX compilation cache (restarted actors load, not compile): "auto" =
   # $JAX_COMPILATION_CACHE_DIR, else jax_cache/ in data.shard_cache's "auto" dir; "off"; a folder.
   c.elastic.compile_cache = "auto"

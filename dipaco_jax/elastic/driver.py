@@ -294,10 +294,12 @@ class _Chaos:
   """Fault injection: SIGKILLs of actor processes while they work (tests, benchmarks).
 
   `kills` of the first `slots` dispatches (seeded) arm a kill. Of those,
-  `in_write` make the worker SIGKILL itself with its outputs half written (the
-  dispatch's `die_in_write`); the others kill the actor at a random moment of
-  the call (mid-step, mid-load, mid-write alike); if the call ends first, the
-  actor's next call takes it. Each kill is logged (`log`) as event "kill".
+  `in_write` make the worker SIGKILL itself with files half written: the task's
+  outputs (`die_in_write`), or, for tasks that save progress, every other one
+  its first mid-task save (`die_in_progress`); the others kill the actor at a
+  random moment of the call (mid-step, mid-load, mid-write alike); if the call
+  ends first, the actor's next call takes it. Each kill is logged (`log`) as
+  event "kill".
   """
 
   def __init__(self, kills: int, slots: int, seed: int, log, target: str, in_write: int = 0):
@@ -306,31 +308,35 @@ class _Chaos:
     self.write_at = set(self.rng.sample(sorted(self.at), min(in_write, len(self.at))))
     self.count, self.killed, self.log, self.target = 0, 0, log, target
     self.due, self._carry = {}, set()  # actor index -> kill time; actors owed a kill.
-    self.armed = {}  # future -> (actor, die_in_write) of a dispatch told to die mid-write.
+    self.armed = {}  # future -> (actor, how, after) of a dispatch told to die mid-write.
+    self._writes = 0  # Mid-write kills armed so far (alternating outputs and progress).
 
-  def on_dispatch(self, index: int, est_s: float, writes: bool = True) -> int:
-    """Arms this dispatch's kill if drawn; returns its die_in_write (0: none).
+  def on_dispatch(self, index: int, est_s: float, writes: bool = True, progress=False) -> dict:
+    """Arms this dispatch's kill if drawn; returns the task's fault arguments ({}: none).
 
-    A call that writes nothing (`writes` False: an evaluation-only task) takes a timed kill.
+    A call that writes nothing (`writes` False: an evaluation-only task) takes a
+    timed kill; `progress`: the task makes a mid-task save.
     """
     n, self.count = self.count, self.count + 1
     if n in self.write_at and writes:
-      return self.rng.randint(1, 3)
+      self._writes += 1
+      key = "die_in_progress" if progress and self._writes % 2 == 0 else "die_in_write"
+      return {key: self.rng.randint(1, 3)}
     if n in self.at or index in self._carry:
       self._carry.discard(index)
       self.due[index] = time.time() + self.rng.uniform(0, est_s)
-    return 0
+    return {}
 
-  def arm(self, future, index: int, die_in_write: int) -> None:
-    if die_in_write:
-      self.armed[future] = (index, die_in_write)
+  def arm(self, future, index: int, faults: dict) -> None:
+    for key, after in faults.items():
+      self.armed[future] = (index, "progress" if key == "die_in_progress" else "write", after)
 
   def failed(self, future) -> None:
     """The call `future` died: counts and logs it if it was told to die mid-write."""
     if future in self.armed:
-      index, after = self.armed.pop(future)
+      index, how, after = self.armed.pop(future)
       self.killed += 1
-      self.log(event="kill", target=self.target, actor=index, how="write", after_writes=after)
+      self.log(event="kill", target=self.target, actor=index, how=how, after_writes=after)
 
   def fire(self, ray, handles, busy) -> None:
     """Kills the actors whose time has come and that are still busy."""
@@ -466,6 +472,7 @@ def _loop(
   chaos_x = _Chaos(e.chaos_executor_kills, left * len(executors), e.chaos_seed + 1, log, "executor")
   task_time = [1.0]
   accepted_here = 0
+  saves_progress = 0 < e.progress_every_steps < grid.H
   probes = {}  # future of pid() -> worker actor coming back from a failure (busy until it answers).
   ex_probes, held = {}, {}  # The same for executors; reports held for a restarting executor.
   # Record of step (t+1)*H: phase t's training losses and tasks t+1's validation (train.py's).
@@ -534,9 +541,9 @@ def _loop(
         task = call(coord.lease, i)
         if task is None:
           break
-        die_in_write = chaos_w.on_dispatch(i, task_time[0], task[0] < grid.T)
-        future = workers[i].run.remote(*task, die_in_write)
-        chaos_w.arm(future, i, die_in_write)
+        faults = chaos_w.on_dispatch(i, task_time[0], task[0] < grid.T, saves_progress)
+        future = workers[i].run.remote(*task, **faults)
+        chaos_w.arm(future, i, faults)
         running[future] = (i, tuple(task), time.time())
         log(event="start", phase=task[0], worker=task[1], actor=i)
       if poll_s and time.time() >= next_poll:
@@ -598,6 +605,7 @@ def _loop(
               actor=actor,
               seconds=result["end"] - result["start"],
               pid=result["pid"],
+              **{k: result[k] for k in ("resumed_at_step",) if k in result},
             )
             report(*task)
           else:

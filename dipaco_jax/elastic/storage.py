@@ -12,6 +12,8 @@ here unpickles. Layout (t = outer steps applied, i.e. the phase that reads it):
   workers/w<w>/data<t>.json        its data position at the start of phase t
   workers/w<w>/out<t>/<group>.npz  its params after phase t-1's inner steps
   workers/w<w>/out<t>/done.json    written last: the task's outputs are complete
+  workers/w<w>/progress<t>/s<i>/   task (t, w)'s params, AdamW state, data after i of H steps
+  workers/w<w>/progress<t>/at.json written last: the newest complete s<i> (removed when done)
   alpha_phase<k>.json              routing phase k's α (k >= 1; phase 0's is in meta.json)
   coordinator.json, executors/x<i>.json, meta.json, tasks.jsonl
 """
@@ -53,6 +55,11 @@ def worker_data_file(workdir: str, worker: int, phase: int) -> epath.Path:
 def worker_out_dir(workdir: str, worker: int, phase: int) -> epath.Path:
   """Outputs of task (phase - 1, worker): the params that start phase `phase`."""
   return worker_dir(workdir, worker) / f"out{phase:05d}"
+
+
+def progress_dir(workdir: str, worker: int, phase: int) -> epath.Path:
+  """Task (phase, worker)'s mid-task saves (elastic.progress_every_steps)."""
+  return worker_dir(workdir, worker) / f"progress{phase:05d}"
 
 
 def alpha_file(workdir: str, routing_phase: int) -> epath.Path:

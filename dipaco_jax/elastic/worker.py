@@ -132,66 +132,128 @@ class PathWorker:
     weight = np.asarray(weight)
     return float(np.where(weight > 0, np.asarray(loss_sum) / np.maximum(weight, 1.0), np.nan)[0])
 
-  def run(self, phase: int, worker: int, die_in_write: int = 0) -> dict:
+  def _saved_progress(self, phase: int, worker: int):
+    """Task (phase, worker)'s newest complete mid-task save: (record, folder), or None."""
+    at = storage.progress_dir(self.workdir, worker, phase) / "at.json"
+    if not at.exists():
+      return None
+    rec = storage.load_json(at)
+    if rec.get("H") != self.grid.H or not 0 < rec.get("step", 0) < self.grid.H:
+      raise ValueError(
+        f"{at} records step {rec.get('step')} of a task of {rec.get('H')} inner steps, but "
+        f"dipaco.inner_steps is {self.grid.H}: rerun with the config that wrote this workdir, "
+        "or use a new --workdir."
+      )
+    return rec, at.parent / f"s{rec['step']:06d}"
+
+  def _save_progress(self, phase, worker, rec, params, opt, batcher, die_after: int) -> None:
+    """A mid-task save after rec["step"] inner steps; at.json names it once it is complete.
+
+    `die_after` (fault injection): SIGKILL this process after that many of its files.
+    """
+    top = storage.progress_dir(self.workdir, worker, phase)
+    folder = top / f"s{rec['step']:06d}"
+    params, opt = jax.device_get((params, opt))
+    writes = [
+      functools.partial(storage.save_tree, folder / f"{g}.npz", {g: params[g]})
+      for g, _ in self.grid.modules_of_worker(worker)
+    ]
+    writes.append(functools.partial(storage.save_tree, folder / "opt.npz", opt))
+    writes.append(functools.partial(storage.save_json, folder / "data.json", batcher.get_state()))
+    writes.append(functools.partial(storage.save_json, top / "at.json", rec))
+    for n, write in enumerate(writes, 1):
+      write()
+      if n == min(die_after, len(writes)):
+        os.kill(os.getpid(), signal.SIGKILL)
+    for old in top.glob("s*"):  # The saves before this one.
+      if old.name != folder.name:
+        old.rmtree(missing_ok=True)
+
+  def run(self, phase: int, worker: int, die_in_write: int = 0, die_in_progress: int = 0) -> dict:
     """Task (phase, worker): validation at step phase*H if due, then H inner steps (none at T).
 
-    `die_in_write` (fault injection): SIGKILL this process after that many of the task's
-    output files are written (0: never), i.e. with the task's outputs half written.
+    With elastic.progress_every_steps = n > 0 the task saves its progress every n
+    inner steps, and an attempt that finds a save resumes there (the same bytes
+    as one attempt from the start: the state saved is all the steps read).
+    Fault injection: `die_in_write` SIGKILLs this process after that many of the
+    task's output files are written (0: never), i.e. with its outputs half
+    written; `die_in_progress` after that many files of its first mid-task save.
     """
     start = time.time()
     wd, phase, worker = self.workdir, int(phase), int(worker)
-    params = self._load_params(phase, worker)
     result = {"phase": phase, "worker": worker, "actor": self.index, "pid": os.getpid()}
-    clock = {"load": time.time() - start}
-    step0 = phase * self.grid.H
-    every = self.config.eval.every_steps
+    H, every = self.grid.H, int(self.config.elastic.progress_every_steps)
     k = self.grid.routing_phase(phase)  # After a re-shard at `phase`: its new shards already.
-    if phase > 0 and (step0 % every == 0 or phase == self.grid.T):
-      # After outer step `phase` (and its re-shard), as train.py.
-      result["val_loss"] = self._evaluate(params, worker, k)
-      if self._heldout is not None:  # Early stopping's loss (shard_plan's stop_batches).
-        result["stop_loss"] = self._evaluate(params, worker, k, "heldout")
-    if phase == self.grid.T:  # The last evaluation: nothing left to train.
-      return {**result, "start": start, "end": time.time(), "loss": [], "grad_norm": None}
-    batcher = self._batcher(worker, k)
-    if phase == 0:
-      opt = self._init_opt(params)
+    saved = self._saved_progress(phase, worker) if phase < self.grid.T else None
+    batcher = self._batcher(worker, k) if phase < self.grid.T else None
+    losses = []
+    if saved is not None:  # A retry: the evaluation and the first steps are in the save.
+      rec, folder = saved
+      params = {}
+      for g, _ in self.grid.modules_of_worker(worker):
+        params.update(storage.load_tree(folder / f"{g}.npz", self.grid.module_template(g)))
+      opt = storage.load_tree(folder / "opt.npz", self.grid.inner_opt_template())
+      batcher.set_state(storage.load_json(folder / "data.json"))
+      losses = list(rec["loss"])
+      result.update({key: rec[key] for key in ("val_loss", "stop_loss") if key in rec})
+      result["resumed_at_step"] = rec["step"]
     else:
-      opt = storage.load_tree(
-        storage.worker_opt_file(wd, worker, phase), self.grid.inner_opt_template()
-      )
-      if phase in self.grid.reshard_steps:  # A new routing phase: a fresh feed of its shards.
-        if self.config.routing.restart_schedule:  # Paper Fig. 10: the cosine starts over.
-          # Back on the host, as every other task's loaded state (the step's jit cache key).
-          opt = jax.device_get(inner_lib.restart_schedule(jax.device_put(opt)))
+      params = self._load_params(phase, worker)
+      step0 = phase * H
+      eval_every = self.config.eval.every_steps
+      if phase > 0 and (step0 % eval_every == 0 or phase == self.grid.T):
+        # After outer step `phase` (and its re-shard), as train.py.
+        result["val_loss"] = self._evaluate(params, worker, k)
+        if self._heldout is not None:  # Early stopping's loss (shard_plan's stop_batches).
+          result["stop_loss"] = self._evaluate(params, worker, k, "heldout")
+      if phase == self.grid.T:  # The last evaluation: nothing left to train.
+        return {**result, "start": start, "end": time.time(), "loss": [], "grad_norm": None}
+      if phase == 0:
+        opt = self._init_opt(params)
       else:
-        batcher.set_state(storage.load_json(storage.worker_data_file(wd, worker, phase)))
-    clock["load"] = time.time() - start
+        opt = storage.load_tree(
+          storage.worker_opt_file(wd, worker, phase), self.grid.inner_opt_template()
+        )
+        if phase in self.grid.reshard_steps:  # A new routing phase: a fresh feed of its shards.
+          if self.config.routing.restart_schedule:  # Paper Fig. 10: the cosine starts over.
+            # Back on the host, as every other task's loaded state (the step's jit cache key).
+            opt = jax.device_get(inner_lib.restart_schedule(jax.device_put(opt)))
+        else:
+          batcher.set_state(storage.load_json(storage.worker_data_file(wd, worker, phase)))
+    clock = {"load": time.time() - start, "progress_save": 0.0}
     t0 = time.time()
-    losses, pending, m = [], None, None  # pending: a dispatched step's metrics, unread.
+    pending, m = None, None  # pending: a dispatched step's metrics, unread.
 
     def read(m):  # Blocks on a step's metrics and feeds the NaN guard.
       m = jax.device_get(m)
-      step = phase * self.grid.H + len(losses) + 1
+      step = phase * H + len(losses) + 1
       metrics_lib.guard_losses(step, m["loss"], [f"worker {worker}"])
       losses.append(float(m["loss"][0]))
       return m
 
-    for _ in range(self.grid.H):
+    for i in range(len(losses), H):
       # config.dispatch_ahead (docs/performance.md): step i+1 is dispatched before step i's
       # metrics are read, so the host's batch and bookkeeping overlap step i+1 on the device.
       params, opt, m_next = self._step(params, opt, batcher.next_batch())
       if pending is not None:
         m = read(pending)
       pending = m_next
-      if not self._ahead:
+      save = every and (i + 1) % every == 0 and i + 1 < H
+      if save or not self._ahead:
         m, pending = read(pending), None
+      if save:
+        s0 = time.time()
+        rec = {"H": H, "step": i + 1, "loss": losses, "grad_norm": float(m["grad_norm"][0])}
+        rec.update({key: result[key] for key in ("val_loss", "stop_loss") if key in result})
+        self._save_progress(phase, worker, rec, params, opt, batcher, die_in_progress)
+        die_in_progress = 0
+        clock["progress_save"] += time.time() - s0
       if self._delay:
         time.sleep(self._delay)
     if pending is not None:
       m = read(pending)
     params, opt = jax.device_get((params, opt))
-    clock["steps"] = time.time() - t0
+    clock["steps"] = time.time() - t0 - clock["progress_save"]
     t0 = time.time()
     out = storage.worker_out_dir(wd, worker, phase + 1)
     writes = [
@@ -219,4 +281,5 @@ class PathWorker:
       grad_norm=float(np.asarray(m["grad_norm"])[0]),
     )
     storage.save_json(out / "done.json", result)
+    storage.progress_dir(wd, worker, phase).rmtree(missing_ok=True)  # Done: saves not needed.
     return result
