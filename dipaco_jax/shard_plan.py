@@ -116,13 +116,22 @@ class ShardPlan:
     """Whether a discriminative re-shard follows the outer step at inner step `step`."""
     return step in self.reshard_steps
 
-  def reshard(self, step: int, params_W: PyTree) -> None:
-    """The next discriminative phase: fit (or reload) its router on `params_W`; open its shards."""
+  def reshard(self, step: int, params_W: PyTree, scores_NxP=None) -> None:
+    """The next discriminative phase: fit (or reload) its router on `params_W`; open its shards.
+
+    `scores_NxP`: every path's scores of the router split, already computed
+    (elastic mode's scoring tasks), in place of scoring with `params_W`.
+    """
     phase = self.reshard_steps.index(step) + 1
     directory = routing.router_dir(self.workdir, phase)
     if not routing.Router.exists(directory):
-      scorer = routing.PathScorer(self.exp, params_W, seq_len=routing.score_len(self.config))
-      router = routing.fit_discriminative_router(self.config, scorer, self.extractor)
+      if scores_NxP is None:
+        scorer = routing.PathScorer(self.exp, params_W, seq_len=routing.score_len(self.config))
+        router = routing.fit_discriminative_router(self.config, scorer, self.extractor)
+      else:
+        router = routing.fit_discriminative_router(
+          self.config, None, self.extractor, scores_NxP=scores_NxP, topo=self.exp.topo
+        )
       if jax.process_index() == 0:
         router.save(directory)
       logging.info("discriminative phase %d at step %d: %s", phase, step, router.info)

@@ -401,6 +401,58 @@ def test_worker_resumes_from_its_progress_save_with_the_same_bytes(tmp_path, mon
   assert storage.progress_dir(wd, 1, 0).exists()
 
 
+def test_scoring_tasks_give_the_drivers_scores_and_router(tmp_path, monkeypatch):
+  """A re-shard's scoring tasks (one path each, on a worker) = the driver's own scoring."""
+  from dipaco_jax.elastic import driver  # pylint: disable=g-import-not-at-top
+  from dipaco_jax.elastic import worker as worker_lib  # pylint: disable=g-import-not-at-top
+  from dipaco_jax.routing import phases  # pylint: disable=g-import-not-at-top
+
+  routing_testlib.small_corpus(monkeypatch, 200)
+  cfg = _config(
+    **{
+      "data.shard_dir": str(tmp_path / "s"),
+      "routing.router": "kmeans",
+      "routing.kmeans_restarts": 2,
+      "routing.kmeans_iters": 20,
+      "routing.discriminative_at_outer_step": 1,
+      "routing.router_max_docs": 40,
+      "routing.prefix_len": 4,
+    }
+  )
+  wd = str(tmp_path / "wd")
+  exp, grid, plan, _ = driver._prepare(cfg, wd)  # pylint: disable=protected-access
+  rng = np.random.default_rng(0)
+  for s in grid.groups:  # Version 1 (the re-shard's): version 0 (θ̄ everywhere) + noise.
+    for e in range(s.num_modules):
+      m = storage.load_tree(storage.module_file(wd, s.name, e, 0), grid.module_template(s.name))
+      m = jax.tree.map(lambda x: x + 0.05 * rng.normal(size=x.shape).astype(x.dtype), m)
+      storage.save_tree(storage.module_file(wd, s.name, e, 1), m)
+  w = worker_lib.PathWorker(cfg, wd, 0)
+  P = grid.topo.num_paths
+  assert [w.score(1, p)["docs"] for p in range(P)] == [40] * P
+  cols = np.stack([storage.load_array(storage.scores_file(wd, 1, p)) for p in range(P)], 1)
+  # The spmd loop's scoring: every path at once, on the driver's mesh.
+  scorer = routing.PathScorer(
+    exp,
+    driver._paths_at(exp, grid, wd, 1),
+    seq_len=routing.score_len(cfg),  # pylint: disable=protected-access
+  )
+  L = cfg.routing.prefix_len
+  ref = np.concatenate(
+    [phases.score_documents(scorer, docs, L) for docs in routing.router_split_blocks(cfg, L)]
+  )
+  assert ref.shape == (40, P) and len(set(ref.argmax(1).tolist())) > 1
+  np.testing.assert_allclose(cols, ref, rtol=1e-5)  # One device's program against the mesh's.
+  # A fit on given scores is the fit that scores: the same scores, the same router.
+  a = routing.fit_discriminative_router(cfg, scorer, plan.extractor)
+  b = routing.fit_discriminative_router(cfg, None, plan.extractor, scores_NxP=ref, topo=exp.topo)
+  assert a.arrays.keys() == b.arrays.keys()
+  for k in a.arrays:
+    np.testing.assert_array_equal(a.arrays[k], b.arrays[k])
+  with pytest.raises(ValueError, match="39 documents scored but the router split has 40"):
+    routing.fit_discriminative_router(cfg, None, plan.extractor, scores_NxP=ref[:39], topo=exp.topo)
+
+
 def test_queue_timeout_requeues(tmp_path):
   q = coord_lib.Coordinator(_config(**{"elastic.task_timeout_s": 1e-9}), str(tmp_path))
   task = q.lease(0)
@@ -638,9 +690,11 @@ def test_elastic_reshard_matches_spmd_and_survives_kills(tmp_path, ray_cluster, 
 
 
 def _reshard_matches_spmd_and_survives_kills(tmp_path, monkeypatch, stack):
-  # k-means phase 0, a discriminative re-shard after outer step 1 of 2; the driver scores
-  # the router split on the paths at version 1 (200 documents: only the driver and the
-  # spmd loop read the corpus; workers open the shards written for them).
+  # k-means phase 0, a discriminative re-shard after outer step 1 of 2; scoring tasks on the
+  # pool score the router split with the paths at version 1, the driver fits the router.
+  # The driver and the spmd loop see the corpus's first 200 documents per split; the
+  # worker actors (other processes) the whole corpus: they read only the router split,
+  # whose first routing.router_max_docs = 200 labelled documents are those 200.
   routing_testlib.small_corpus(monkeypatch, 200)
   stack.enter_context(helpers.compile_cache(tmp_path / "jax_cache"))  # The driver's and spmd's.
   cfg = lambda **kw: _config(
@@ -650,6 +704,7 @@ def _reshard_matches_spmd_and_survives_kills(tmp_path, monkeypatch, stack):
       "routing.kmeans_restarts": 2,
       "routing.kmeans_iters": 20,
       "routing.discriminative_at_outer_step": 1,
+      "routing.router_max_docs": 200,
       **_EVAL,
       **kw,
     }
@@ -723,6 +778,10 @@ def _reshard_matches_spmd_and_survives_kills(tmp_path, monkeypatch, stack):
     assert _tree_files(tmp_path / "faulty" / sub) == _tree_files(tmp_path / "clean" / sub)
   events = storage.read_lines(storage.root(faulty) / "tasks.jsonl")
   assert [e["fitted"] for e in events if e["event"] == "reshard"] == [True]  # Fitted once.
+  # Scored on the pool, one task per path; the one killed before its write was scored again.
+  scored = [e["path"] for e in events if e["event"] == "scored"]
+  assert sorted(scored) == [0, 1, 2, 3] and all(e["docs"] == 200 for e in events if "docs" in e)
+  assert sum(e["event"] == "failed_score" for e in events) >= 1
   done = [(e["phase"], e["worker"]) for e in events if e["event"] == "done"]
   assert sorted(done) == sorted(itertools.product(range(3), range(4)))  # Each accepted once.
   kills = [(e["target"], e["how"]) for e in events if e["event"] == "kill"]

@@ -139,11 +139,14 @@ def _paths_at(exp, grid: grid_lib.Grid, workdir: str, version: int):
 class _Resharder:
   """Discriminative re-shards: the synchronous loop's `ShardPlan.reshard`, once per step.
 
-  Re-shard step t_r (an outer step) runs once every module holds version t_r
-  (the coordinator's `reshard_due`; it holds tasks (t_r, ·) until `resharded`):
-  the router is fitted on the paths at version t_r (or reloaded: a rerun finds
-  it), the phase's shards written (or reopened), its α saved for the executors,
-  and only then is the coordinator told. Each step is idempotent, so a driver
+  Re-shard step t_r (an outer step) is due once every module holds version t_r
+  (the coordinator's `reshard_due`; it holds tasks (t_r, ·) until `resharded`).
+  `begin` lists the paths whose scores of the router split are still missing:
+  the driver leases them as scoring tasks to idle workers (`PathWorker.score`,
+  path p at version t_r: the expensive half of the fit, on the pool). Once all
+  are in, `finish` fits the router on them (or reloads it: a rerun finds it),
+  writes the phase's shards (or reopens them) and its α for the executors, and
+  only then is the coordinator told. Each step is idempotent, so a driver
   killed anywhere in it redoes it to the same bytes.
   """
 
@@ -151,29 +154,53 @@ class _Resharder:
     self.exp, self.grid, self.workdir, self.plan, self.log = exp, grid, workdir, plan, log
     # Step -> metrics record of the active shards (train.py writes them at each re-shard).
     self.records = {grid.H: plan.shard_record()}
+    self.due, self.todo = None, []  # The re-shard under way; its paths still to score.
 
   def reopen(self, step: int) -> None:
     """A re-shard done before a restart: its router and shards are reopened, not refitted."""
     self.plan.reshard(step * self.grid.H, None)  # The router exists: params are not read.
     self.records[step * self.grid.H] = self.plan.shard_record()
 
-  def run(self, step: int) -> None:
-    k = self.grid.reshard_steps.index(step) + 1
+  def _k(self, step: int) -> int:
+    return self.grid.reshard_steps.index(step) + 1
+
+  def begin(self, step: int) -> None:
+    """Re-shard `step` is due: the paths to score (none where the router exists already)."""
+    k, self.due = self._k(step), step
+    self.todo = []
+    if not routing.Router.exists(routing.router_dir(self.workdir, k)):
+      P = self.grid.topo.num_paths
+      self.todo = [p for p in range(P) if not storage.scores_file(self.workdir, k, p).exists()]
+    self.log(event="reshard_due", step=step, phase=k, to_score=list(self.todo))
+
+  def finish(self) -> int:
+    """Fits (or reloads) the router on the paths' scores; shards, α. Returns the step."""
+    step, k = self.due, self._k(self.due)
     directory = routing.router_dir(self.workdir, k)
     fitted = not routing.Router.exists(directory)
-    params = None
+    scores = None
     if fitted:
       # A save cut short (arrays written, metadata not) would refuse the new save: drop it.
       part = epath.Path(directory) / router_lib.ARRAYS_FILE
       if part.exists():
         part.unlink()
-      params = _paths_at(self.exp, self.grid, self.workdir, step)
-    self.plan.reshard(step * self.grid.H, params)
+      files = [storage.scores_file(self.workdir, k, p) for p in range(self.grid.topo.num_paths)]
+      cols = [storage.load_array(f) for f in files]
+      if len({c.shape for c in cols}) != 1:
+        raise ValueError(
+          f"the scoring tasks' files under {files[0].parent} hold different document counts "
+          f"({[c.shape for c in cols]}): written by runs of different configs; delete that "
+          "folder and rerun the same command to score again."
+        )
+      scores = np.stack(cols, 1)
+    self.plan.reshard(step * self.grid.H, None, scores_NxP=scores)
     alpha = np.asarray(jax.device_get(self.plan.alpha_W), np.float32)
     storage.save_json(storage.alpha_file(self.workdir, k), [float(a) for a in alpha])
     self.records[step * self.grid.H] = self.plan.shard_record()
     self.log(event="reshard", step=step, phase=k, fitted=fitted)
     logging.info("elastic: re-shard after outer step %d: routing phase %d", step, k)
+    self.due = None
+    return step
 
 
 def _final_state(config, workdir: str, exp, grid: grid_lib.Grid):
@@ -465,11 +492,16 @@ def _loop(
   call = lambda m, *a: _call(ray, ray_errors, m, *a)
   log = lambda **kw: storage.append_line(log_path, {"t": time.time(), **kw})
   running, outer = {}, {}  # future -> (actor, task, start); future -> (executor, phase, worker)
+  scoring = {}  # future -> (actor, path, start): a re-shard's scoring tasks (the driver's queue).
+  timed_out = set()  # Scoring futures whose actor was killed for the task timeout.
   results = call(coord.results)
   left = (grid.T + 1) * grid.W - len(results)  # Kills are drawn among this invocation's tasks.
   kills_w = e.chaos_worker_kills  # Half of them mid-write.
   chaos_w = _Chaos(kills_w, left, e.chaos_seed, log, "worker", in_write=kills_w // 2)
   chaos_x = _Chaos(e.chaos_executor_kills, left * len(executors), e.chaos_seed + 1, log, "executor")
+  # With worker kills on, one re-shard scoring task per invocation dies before its write.
+  P, one = grid.topo.num_paths, int(kills_w > 0)
+  chaos_s = _Chaos(one, P, e.chaos_seed + 2, log, "worker", in_write=one)
   task_time = [1.0]
   accepted_here = 0
   saves_progress = 0 < e.progress_every_steps < grid.H
@@ -501,6 +533,8 @@ def _loop(
       _update_best(best, exp, grid, workdir, results, best_next[0])
       best_next[0] += 1
 
+  scoring_actors = lambda: [a for a, _, _ in scoring.values()]
+
   def report(phase, worker):
     if phase == grid.T:  # Evaluation only: nothing to average.
       return
@@ -525,18 +559,35 @@ def _loop(
     report(phase, worker)
   try:
     while True:
-      while reshard_check[0]:  # The barrier: tasks of the phase wait for its shards.
+      # The barrier: tasks of the re-shard's phase wait for its scores, router and shards.
+      if reshard_check[0] and resharder.due is None:
+        reshard_check[0] = False
         due = call(coord.reshard_due)[0]
-        reshard_check[0] = due is not None
         if due is not None:
-          resharder.run(due)
-          call(coord.resharded, due)
+          resharder.begin(due)
+      if resharder.due is not None and not (resharder.todo or scoring):
+        call(coord.resharded, resharder.finish())
+        reshard_check[0] = True
       for task, actor in call(coord.expired):
         log(event="timeout", phase=task[0], worker=task[1], actor=actor)
         ray.kill(workers[actor], no_restart=False)  # Comes back; its future raises.
+      for f, (actor, path, start) in scoring.items():
+        if f not in timed_out and time.time() - start > e.task_timeout_s:
+          timed_out.add(f)  # Killed once; rescored when its future raises.
+          log(event="timeout_score", path=path, actor=actor)
+          ray.kill(workers[actor], no_restart=False)
       busy = {a for a, _, _ in running.values()} | set(probes.values())
+      busy |= set(scoring_actors())
       for i in range(len(workers)):
         if i in busy:
+          continue
+        if resharder.todo:  # Scoring first: the re-shard's phase waits for it.
+          path = resharder.todo.pop(0)
+          faults = chaos_s.on_dispatch(i, task_time[0])
+          future = workers[i].score.remote(resharder.due, path, **faults)
+          chaos_s.arm(future, i, faults)
+          scoring[future] = (i, path, time.time())
+          log(event="start_score", step=resharder.due, path=path, actor=i)
           continue
         task = call(coord.lease, i)
         if task is None:
@@ -551,15 +602,15 @@ def _loop(
         for j, ex in enumerate(executors):
           if owned[j] and j not in polls.values():
             polls[ex.poll.remote()] = j
-      if not (running or outer or probes or ex_probes):
+      if not (running or outer or probes or ex_probes or scoring or resharder.due is not None):
         if call(coord.finished):
           break
         if not (polls or any(waiting.values())):  # Nothing can make a task ready any more.
           raise RuntimeError(f"elastic: no task ready and none running: {call(coord.status)}")
-      chaos_w.fire(ray, workers, {a for a, _, _ in running.values()})
+      chaos_w.fire(ray, workers, {a for a, _, _ in running.values()} | set(scoring_actors()))
       chaos_x.fire(ray, executors, {j for j, _, _ in outer.values()})
       ready, _ = ray.wait(
-        list(running) + list(outer) + list(probes) + list(ex_probes) + list(polls),
+        list(running) + list(outer) + list(probes) + list(ex_probes) + list(polls) + list(scoring),
         num_returns=1,
         timeout=0.05 if chaos_w.due or chaos_x.due else (poll_s or 1.0),
       )
@@ -581,6 +632,19 @@ def _loop(
           except ray_errors.RayActorError:  # Still restarting: ask again shortly.
             time.sleep(0.2)
             probes[workers[actor].pid.remote()] = actor
+        elif f in scoring:
+          actor, path, _ = scoring.pop(f)
+          try:
+            done = ray.get(f)
+          except ray_errors.RayActorError as err:  # Scored again, on the next idle worker.
+            chaos_s.failed(f)
+            resharder.todo.insert(0, path)
+            log(event="failed_score", path=path, actor=actor, error=type(err).__name__)
+            probes[workers[actor].pid.remote()] = actor
+            continue
+          except ray_errors.RayTaskError as err:
+            raise err.as_instanceof_cause() from None
+          log(event="scored", path=path, actor=actor, docs=done["docs"], seconds=done["seconds"])
         elif f in running:
           actor, task, start = running.pop(f)
           try:
@@ -639,7 +703,7 @@ def _loop(
       if 0 <= e.stop_after_tasks <= accepted_here:
         logging.info("elastic: stopping after %d accepted tasks (stop_after_tasks)", accepted_here)
         status = call(coord.status)
-        status.update(worker_kills=chaos_w.killed, executor_kills=chaos_x.killed)
+        status.update(worker_kills=chaos_w.killed + chaos_s.killed, executor_kills=chaos_x.killed)
         return {"stopped": True, "status": status}
   finally:
     mlog.close()
@@ -654,7 +718,7 @@ def _loop(
     ckpt.save(grid.H * grid.T, state, data_state, best=best.saved() if best else None)
   ckpt.close()
   status = call(coord.status)
-  status.update(worker_kills=chaos_w.killed, executor_kills=chaos_x.killed)
+  status.update(worker_kills=chaos_w.killed + chaos_s.killed, executor_kills=chaos_x.killed)
   return {**out, "status": status}
 
 

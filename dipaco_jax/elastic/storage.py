@@ -15,6 +15,7 @@ here unpickles. Layout (t = outer steps applied, i.e. the phase that reads it):
   workers/w<w>/progress<t>/s<i>/   task (t, w)'s params, AdamW state, data after i of H steps
   workers/w<w>/progress<t>/at.json written last: the newest complete s<i> (removed when done)
   alpha_phase<k>.json              routing phase k's α (k >= 1; phase 0's is in meta.json)
+  scores_phase<k>/p<p>.npz         path p's scores of the router split for re-shard k (its task)
   coordinator.json, executors/x<i>.json, meta.json, tasks.jsonl
 """
 
@@ -67,6 +68,11 @@ def alpha_file(workdir: str, routing_phase: int) -> epath.Path:
   return root(workdir) / f"alpha_phase{routing_phase}.json"
 
 
+def scores_file(workdir: str, routing_phase: int, path: int) -> epath.Path:
+  """Path `path`'s scores of the router split, for the re-shard into routing phase k."""
+  return root(workdir) / f"scores_phase{routing_phase}" / f"p{path:05d}.npz"
+
+
 def _write_atomic(path: epath.Path, data: bytes) -> None:
   files.write_bytes(path, data)  # Whole; several writers of the same bytes are fine.
 
@@ -101,6 +107,18 @@ def load_tree(path: epath.Path, template: PyTree) -> PyTree:
       )
     leaves.append(x)
   return jax.tree.unflatten(jax.tree.structure(template), leaves)
+
+
+def save_array(path: epath.Path, x: np.ndarray) -> None:
+  """One array to an .npz (any shape: the reader takes what is there)."""
+  buf = io.BytesIO()
+  np.savez(buf, x=np.asarray(x))
+  _write_atomic(path, buf.getvalue())
+
+
+def load_array(path: epath.Path) -> np.ndarray:
+  with np.load(io.BytesIO(path.read_bytes()), allow_pickle=False) as z:
+    return z["x"]
 
 
 def save_json(path: epath.Path, obj) -> None:

@@ -37,6 +37,7 @@ from dipaco_jax import routing
 from dipaco_jax.elastic import grid as grid_lib
 from dipaco_jax.elastic import jit_cache
 from dipaco_jax.elastic import storage
+from dipaco_jax.routing import scoring
 
 
 class PathWorker:
@@ -55,6 +56,8 @@ class PathWorker:
     )
     self._init_opt = jax.jit(jax.vmap(self.grid.inner_tx.init))
     self._eval = jax.jit(jax.vmap(functools.partial(inner_lib.eval_step, model=model)))
+    # Re-shard scoring tasks: per-token log p of one path, the batch layout [1, B, T].
+    self._logp = jax.jit(jax.vmap(functools.partial(scoring.token_logprobs, model=model)))
     # (split, routing phase, worker) -> its evaluation batches (the same at every evaluation).
     self._val = {}
     # Early stopping on held-out training documents (shard_plan's): trained on the rest only.
@@ -131,6 +134,39 @@ class PathWorker:
       loss_sum, weight = loss_sum + out["loss_sum"], weight + out["weight"]
     weight = np.asarray(weight)
     return float(np.where(weight > 0, np.asarray(loss_sum) / np.maximum(weight, 1.0), np.nan)[0])
+
+  def score(self, step: int, path: int, die_in_write: int = 0) -> dict:
+    """Re-shard scoring task: path `path` at module version `step` scores the router split.
+
+    The expensive half of a discriminative re-shard (every path's log-likelihood
+    of up to routing.router_max_docs documents) runs on the pool, one task per
+    path; the driver fits the router on the gathered columns. Writes
+    `storage.scores_file` (whole, or not at all), so a retry writes the same
+    bytes. `die_in_write` (fault injection): SIGKILL this process before the write.
+    """
+    start = time.time()
+    worker = int(np.flatnonzero(self.grid.topo.path_of_worker == path)[0])
+    params = self._load_params(int(step), worker)
+    T, B = routing.score_len(self.config), self.config.data.batch_size
+
+    def units(tokens):  # scoring.PathScorer.score's contract, for this one path.
+      out = []
+      for i in range(0, len(tokens), B):
+        rows = tokens[i : i + B]
+        targets = np.zeros((1, B, T), np.int32)
+        for b, t in enumerate(rows):
+          targets[0, b, : len(t)] = t
+        inputs = np.concatenate([np.zeros((1, B, 1), np.int32), targets[:, :, :-1]], -1)
+        logp = np.asarray(jax.device_get(self._logp(params, inputs, targets)))
+        out += [logp[0, b, : len(t)] for b, t in enumerate(rows)]
+      return out
+
+    s_N = routing.score_router_split(self.config, units, self.config.routing.prefix_len)
+    if die_in_write:
+      os.kill(os.getpid(), signal.SIGKILL)
+    k = self.grid.reshard_steps.index(int(step)) + 1
+    storage.save_array(storage.scores_file(self.workdir, k, int(path)), s_N)
+    return {"path": int(path), "docs": len(s_N), "seconds": time.time() - start}
 
   def _saved_progress(self, phase: int, worker: int):
     """Task (phase, worker)'s newest complete mid-task save: (record, folder), or None."""

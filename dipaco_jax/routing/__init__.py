@@ -36,7 +36,9 @@ from dipaco_jax.routing.phases import phase0_grid
 from dipaco_jax.routing.phases import phase0_router
 from dipaco_jax.routing.phases import route_run
 from dipaco_jax.routing.phases import router_dir
+from dipaco_jax.routing.phases import router_split_blocks
 from dipaco_jax.routing.phases import score_len
+from dipaco_jax.routing.phases import score_router_split
 from dipaco_jax.routing.phases import shard_dir
 from dipaco_jax.routing.router import Router
 from dipaco_jax.routing.scoring import PathScorer

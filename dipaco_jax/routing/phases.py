@@ -261,50 +261,97 @@ def score_documents(scorer: scoring.PathScorer, docs, prefix_len: int) -> np.nda
   return s_NxTxP[:, prefix_len:].sum(1)
 
 
-def fit_discriminative_router(
-  config, scorer: scoring.PathScorer, extractor: features_lib.FeatureExtractor, *, block: int = 256
-) -> router_lib.Router:
-  """Scores the router split with every path, labels = best path, fits the linear router."""
-  L = extractor.prefix_len
+def router_split_blocks(config, prefix_len: int, block: int = 256):
+  """The router split's documents that a discriminative fit labels, in blocks of `block`.
+
+  Documents longer than the prefix (nothing after it: no label), at most
+  routing.router_max_docs of them; the same list, in the same order, wherever
+  it is read (the fit, and elastic mode's scoring tasks on the pool).
+  """
   limit = config.routing.router_max_docs
-  feats, scores, tokens, batch = [], [], [], []
+  batch, n = [], 0
+  for doc in assign_lib.document_stream(config.data)("router"):
+    if limit and n >= limit:
+      break
+    if len(doc.tokens) <= prefix_len:
+      continue
+    batch.append(doc)
+    n += 1
+    if len(batch) == block:
+      yield batch
+      batch = []
+  if batch:
+    yield batch
 
-  def flush():
-    feats.append(extractor.prefix_features([d.tokens for d in batch]))
-    scores.append(score_documents(scorer, batch, L))
-    tokens.extend(len(d.tokens) for d in batch)
-    batch.clear()
 
-  n = 0
+def score_router_split(config, score_units, prefix_len: int, *, block: int = 256) -> np.ndarray:
+  """One path's log-likelihood of each labelled router document after its prefix -> [N].
+
+  `score_units(tokens)`: per-token log p of each token array under the path
+  (scoring.PathScorer.score's contract for one path). Elastic mode's scoring
+  tasks run this on the pool, one path each; the fit takes their columns.
+  """
+  T, out = score_len(config), []
+  for docs in router_split_blocks(config, prefix_len, block):
+    logp = score_units([d.tokens[:T] for d in docs])
+    s_NxT = np.zeros((len(docs), T), np.float32)
+    for i, lp in enumerate(logp):
+      s_NxT[i, : len(lp)] = lp
+    out.append(s_NxT[:, prefix_len:].sum(1))
+  return np.concatenate(out) if out else np.zeros((0,), np.float32)
+
+
+def fit_discriminative_router(
+  config,
+  scorer: scoring.PathScorer | None,
+  extractor: features_lib.FeatureExtractor,
+  *,
+  block: int = 256,
+  scores_NxP: np.ndarray | None = None,
+  topo: topo_lib.Topology | None = None,
+) -> router_lib.Router:
+  """Scores the router split with every path, labels = best path, fits the linear router.
+
+  `scores_NxP`: the paths' scores already computed (`score_router_split` per
+  path, elastic mode's pool), in place of `scorer` (then `topo` names the grid).
+  """
+  L = extractor.prefix_len
+  feats, scores, tokens = [], [], []
+  total = config.routing.router_max_docs or None
+  if scores_NxP is not None:
+    total = len(scores_NxP)
   bar = progress.bar(
-    total=limit or None,
-    desc="discriminative router: every path scores the router split",
+    total=total,
+    desc="discriminative router: "
+    + ("every path scores the router split" if scores_NxP is None else "prefix features"),
     unit="doc",
   )
   with bar:
-    for doc in assign_lib.document_stream(config.data)("router"):
-      if limit and n >= limit:
-        break
-      if len(doc.tokens) <= L:  # Nothing after the prefix: no label.
-        continue
-      batch.append(doc)
-      n += 1
-      if len(batch) == block:
-        flush()
-        bar.update(block)
-    if batch:
-      m = len(batch)
-      flush()
-      bar.update(m)
+    for docs in router_split_blocks(config, L, block):
+      feats.append(extractor.prefix_features([d.tokens for d in docs]))
+      if scores_NxP is None:
+        scores.append(score_documents(scorer, docs, L))
+      tokens.extend(len(d.tokens) for d in docs)
+      bar.update(len(docs))
   if not feats:
     raise ValueError(
       f"the router split has no document longer than the {L}-token prefix; nothing to label."
     )
-  x_NxD, s_NxP = np.concatenate(feats), np.concatenate(scores)
+  x_NxD = np.concatenate(feats)
+  if scores_NxP is None:
+    s_NxP = np.concatenate(scores)
+  else:
+    s_NxP = np.asarray(scores_NxP)
+    if s_NxP.shape[0] != len(x_NxD):
+      raise ValueError(
+        f"{s_NxP.shape[0]} documents scored but the router split has {len(x_NxD)} to label: "
+        "the scores were computed with another data or routing config; rerun with the config "
+        "that wrote them, or delete them to score again."
+      )
   router = router_lib.fit_linear_router(
     x_NxD,
     s_NxP,
-    assign_lib.router_grid(scorer.topo),
+    assign_lib.router_grid(scorer.topo if scorer is not None else topo),
     target=config.routing.discriminative_target,
     min_share=config.routing.discriminative_min_share,
     seed=config.routing.seed,

@@ -23,7 +23,7 @@ from dipaco_jax import progress
 from dipaco_jax.types import PyTree
 
 
-def _token_logprobs(params, inputs_BxT, targets_BxT, *, model):
+def token_logprobs(params, inputs_BxT, targets_BxT, *, model):
   """log p(target_t | inputs_<=t) for one path: [B, T] float32."""
   logits_BxTxV = model.apply({"params": params}, inputs_BxT)
   return -optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, targets_BxT)
@@ -44,7 +44,7 @@ class PathScorer:
     sh = exp.batch_sharding
     self._sharding = sh
     self._fn = jax.jit(
-      jax.vmap(functools.partial(_token_logprobs, model=exp.model)),
+      jax.vmap(functools.partial(token_logprobs, model=exp.model)),
       in_shardings=(exp.state_sharding.params, sh, sh),
       out_shardings=sh,
     )
