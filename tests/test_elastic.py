@@ -293,35 +293,49 @@ def test_queue_holds_the_reshard_phase_until_its_shards_are_written(tmp_path):
   assert coord_lib.Coordinator(cfg, str(tmp_path)).reshards == [1]  # Snapshotted.
 
 
-def test_reshard_refits_after_a_save_cut_short_and_reloads_a_saved_router(tmp_path, monkeypatch):
+def test_reshard_fits_on_the_pools_scores_refits_after_a_cut_save_reloads_a_saved_router(tmp_path):
   from dipaco_jax.elastic import driver  # pylint: disable=g-import-not-at-top
 
   class Plan:  # ShardPlan's part the driver calls.
     alpha_W = np.asarray([1.0, 0.5, 0.25, 0.75], np.float32)
     calls = []
 
-    def reshard(self, step, params):
-      self.calls.append((step, params))
+    def reshard(self, step, params, scores_NxP=None):
+      self.calls.append((step, params, scores_NxP))
 
     def shard_record(self):
       return {"shards/phase": len(self.calls)}
 
   cfg = _config(**{"routing.discriminative_at_outer_step": 1, "dipaco.outer_steps": 3})
   wd, plan, logs = str(tmp_path), Plan(), []
-  monkeypatch.setattr(driver, "_paths_at", lambda exp, grid, workdir, v: f"paths at {v}")
   directory = epath.Path(routing.router_dir(wd, 1))
   directory.mkdir(parents=True)
   (directory / router_lib.ARRAYS_FILE).write_bytes(b"cut short")  # No router.json: not saved.
   resharder = driver._Resharder(None, grid_lib.Grid(cfg), wd, plan, lambda **kw: logs.append(kw))
-  resharder.run(1)
-  # Fitted on the paths at version 1 (outer step 1 = inner step 2); the half save dropped.
-  assert plan.calls == [(2, "paths at 1")] and not (directory / router_lib.ARRAYS_FILE).exists()
+  col = lambda p, n=3: np.arange(n, dtype=np.float32) - 10.0 * p  # Path p's scores of n docs.
+  for p in (0, 2):  # Scored before a restart.
+    storage.save_array(storage.scores_file(wd, 1, p), col(p))
+  resharder.begin(1)
+  assert resharder.due == 1 and resharder.todo == [1, 3]  # Only the missing paths go out.
+  storage.save_array(storage.scores_file(wd, 1, 1), col(1))
+  storage.save_array(storage.scores_file(wd, 1, 3), col(3, n=2))  # Another config's count.
+  with pytest.raises(ValueError, match="different document counts"):
+    resharder.finish()
+  storage.save_array(storage.scores_file(wd, 1, 3), col(3))
+  assert resharder.finish() == 1 and resharder.due is None
+  # Fitted on the 4 columns, in path order (outer step 1 = inner step 2); the half save dropped.
+  ((step, params, scores),) = plan.calls
+  assert step == 2 and params is None and not (directory / router_lib.ARRAYS_FILE).exists()
+  np.testing.assert_array_equal(scores, [[0, -10, -20, -30], [1, -9, -19, -29], [2, -8, -18, -28]])
   assert storage.load_json(storage.alpha_file(wd, 1)) == [1.0, 0.5, 0.25, 0.75]
   assert resharder.records == {2: {"shards/phase": 1}}
-  (directory / router_lib.META_FILE).write_text("{}")  # Saved: a rerun reloads it.
-  resharder.run(1)
-  assert plan.calls[-1] == (2, None)
-  assert [e["fitted"] for e in logs] == [True, False]
+  (directory / router_lib.META_FILE).write_text("{}")  # Saved: a rerun reloads it, scores none.
+  storage.root(wd).joinpath("scores_phase1").rmtree()
+  resharder.begin(1)
+  assert resharder.todo == []
+  resharder.finish()
+  assert plan.calls[-1] == (2, None, None)
+  assert [e["fitted"] for e in logs if e["event"] == "reshard"] == [True, False]
 
 
 # ---- Workers: mid-task progress saves (elastic.progress_every_steps). ----
