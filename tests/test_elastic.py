@@ -15,6 +15,7 @@ from etils import epath
 
 from dipaco_jax import checkpoint
 from dipaco_jax import config_defaults
+from dipaco_jax import data as data_lib
 from dipaco_jax import evaluation
 from dipaco_jax import experiment
 from dipaco_jax import metrics as metrics_lib
@@ -407,6 +408,11 @@ def test_worker_resumes_from_its_progress_save_with_the_same_bytes(tmp_path, mon
     assert out.get("val_loss") == ref[t].get("val_loss")  # Task 1's evaluation, from the save.
     assert _task_outputs(wd, 1, t + 1) == want[t]
     assert not storage.progress_dir(wd, 1, t).exists()
+
+  # A shard too small to spare a held-out document: early stopping's loss reads NaN, as spmd's
+  # padding-only batches give (data.Feed), rather than an error.
+  w._heldout = data_lib.Holdout(docs=64, fraction=0.0, part="heldout")  # pylint: disable=protected-access
+  assert np.isnan(w._evaluate(jax.device_get(w._load_params(1, 1)), 1, 0, "heldout"))  # pylint: disable=protected-access
 
   # A save of another H is refused with one error, and left where it is.
   storage.save_json(storage.progress_dir(wd, 1, 0) / "at.json", {"H": 4, "step": 2})

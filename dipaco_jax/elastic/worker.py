@@ -110,7 +110,12 @@ class PathWorker:
     if key not in self._val:
       d = self.config.data
       source = "train" if split == "heldout" else split
-      if self._shards(k).num_docs(source)[worker] == 0:  # allow_validation: loss reads NaN.
+      n = self._shards(k).num_docs(source)[worker]
+      if split == "heldout":
+        n = self._heldout.count(int(n))
+      # An empty validation shard (allow_validation), or a training shard too small to spare a
+      # held-out document: the loss reads NaN, as the synchronous Feed's padding-only batches.
+      if n == 0:
         self._val[key] = []
       else:
         it = data_lib.WorkerBatcher(
@@ -128,8 +133,11 @@ class PathWorker:
 
   def _evaluate(self, params, worker: int, k: int, split: str = "validation") -> float:
     """Token-weighted loss on the worker's own shard of routing phase k (Experiment.evaluate's)."""
+    batches = self._val_batches(worker, k, split)
+    if not batches:  # No document to score (see _val_batches).
+      return float("nan")
     loss_sum = weight = 0.0
-    for batch in self._val_batches(worker, k, split):
+    for batch in batches:
       out = jax.device_get(self._eval(params, batch))
       loss_sum, weight = loss_sum + out["loss_sum"], weight + out["weight"]
     weight = np.asarray(weight)
