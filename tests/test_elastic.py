@@ -633,9 +633,7 @@ def test_elastic_matches_spmd_and_survives_kills(tmp_path, ray_cluster):
   # then the same command again: the clean run's bytes. Workers dispatch ahead here (the
   # TPU/GPU default; the clean run reads every step): the same steps, the same bytes.
   faulty = str(tmp_path / "faulty")
-  # Progress saved after each step: a kill after step 1 resumes there, with the same bytes.
   slow = {"elastic.step_delay_s": (0.5, 0.5), "dispatch_ahead": "on"}
-  slow["elastic.progress_every_steps"] = 1
   first = train.train_and_evaluate(
     cfg(**{"elastic.chaos_worker_kills": 1, "elastic.stop_after_tasks": 4, **slow}), faulty
   )
