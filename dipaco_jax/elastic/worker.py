@@ -40,6 +40,14 @@ from dipaco_jax.elastic import storage
 from dipaco_jax.routing import scoring
 
 
+def _write_all(writes, die_after: int) -> None:
+  """Runs `writes` in order; fault injection: SIGKILL this process after `die_after` of them."""
+  for n, write in enumerate(writes, 1):
+    write()
+    if n == min(die_after, len(writes)):
+      os.kill(os.getpid(), signal.SIGKILL)
+
+
 class PathWorker:
   """One worker actor: any (phase, worker) task, one at a time."""
 
@@ -205,10 +213,7 @@ class PathWorker:
     writes.append(functools.partial(storage.save_tree, folder / "opt.npz", opt))
     writes.append(functools.partial(storage.save_json, folder / "data.json", batcher.get_state()))
     writes.append(functools.partial(storage.save_json, top / "at.json", rec))
-    for n, write in enumerate(writes, 1):
-      write()
-      if n == min(die_after, len(writes)):
-        os.kill(os.getpid(), signal.SIGKILL)
+    _write_all(writes, die_after)
     for old in top.glob("s*"):  # The saves before this one.
       if old.name != folder.name:
         old.rmtree(missing_ok=True)
@@ -312,10 +317,7 @@ class PathWorker:
         storage.save_json, storage.worker_data_file(wd, worker, phase + 1), batcher.get_state()
       )
     )
-    for n, write in enumerate(writes, 1):
-      write()
-      if n == min(die_in_write, len(writes)):  # The last one: everything but done.json.
-        os.kill(os.getpid(), signal.SIGKILL)
+    _write_all(writes, die_in_write)  # The last one: everything but done.json.
     clock["save"] = time.time() - t0
     result.update(
       start=start,
