@@ -319,6 +319,7 @@ def _rules() -> dict[str, Rule]:
     "elastic.num_workers": count,
     "elastic.num_executors": count,
     "elastic.worker_resources": _string(),  # Its JSON: elastic check_config.
+    "elastic.pin_cpus": _bool(),
     "elastic.task_timeout_s": _number(0),
     "elastic.progress_every_steps": _integer(0, what=" (0 = off)"),
     "elastic.compile_cache": (

@@ -184,6 +184,9 @@ def base() -> ml_collections.ConfigDict:
   c.elastic.num_executors = 1  # Outer executors; store groups are dealt to them round-robin.
   # JSON of Ray resources one worker actor needs, e.g. '{"TPU": 4}' ("" = 1 CPU).
   c.elastic.worker_resources = ""
+  # On the command's own local cluster (address ""), worker actor i runs on its own share of this
+  # machine's cores (CPU affinity, which XLA's CPU thread pool follows), not all of them each.
+  c.elastic.pin_cpus = True
   # A task not reported after this long goes back on the queue (its worker restarts).
   c.elastic.task_timeout_s = 600.0
   # A task saves its progress (params, AdamW state, data position) every this many inner steps;

@@ -25,6 +25,7 @@ from dipaco_jax import routing
 from dipaco_jax import serving
 from dipaco_jax import train
 from dipaco_jax.elastic import coordinator as coord_lib
+from dipaco_jax.elastic import driver as elastic_driver
 from dipaco_jax.elastic import errors
 from dipaco_jax.elastic import executor as exec_lib
 from dipaco_jax.elastic import grid as grid_lib
@@ -537,6 +538,15 @@ def test_actor_options_match_the_launch_scripts():
   assert (strategy.node_id, strategy.soft) == ("ab" * 28, False)
 
 
+def test_cpu_sets_share_the_machines_cores_among_the_worker_actors():
+  cpu_sets = elastic_driver.cpu_sets
+  assert cpu_sets({0, 1}, 2) == [[0], [1]]
+  assert cpu_sets({0, 1}, 1) == [[0, 1]]
+  # 8 cores (one missing from the affinity), 3 actors: 2 each, the 7th core left over.
+  assert cpu_sets({0, 1, 2, 3, 4, 6, 7}, 3) == [[0, 1], [2, 3], [4, 6]]
+  assert cpu_sets({5, 9}, 3) == [[5], [9], [5]]  # More actors than cores: in turn.
+
+
 def test_compile_cache_folder_of_each_setting(tmp_path, monkeypatch):
   monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
   monkeypatch.setenv("DIPACO_CACHE_DIR", str(tmp_path / "user"))
@@ -593,6 +603,11 @@ def test_elastic_matches_spmd_and_survives_kills(tmp_path, ray_cluster):
   ref = train.train_and_evaluate(spmd, str(tmp_path / "spmd"))
   out = train.train_and_evaluate(cfg(), str(tmp_path / "clean"))
   assert out["status"]["done"] == 12 and out["status"]["requeued"] == 0  # 2 phases + eval.
+  # elastic.pin_cpus: the command's local cluster gives each worker actor its own cores.
+  log = storage.root(str(tmp_path / "clean")) / "tasks.jsonl"
+  done = [json.loads(x) for x in log.read_text().splitlines() if '"done"' in x]
+  cores = elastic_driver.cpu_sets(os.sched_getaffinity(0), 2)
+  assert {e["actor"]: e["cpus"] for e in done} == dict(enumerate(cores))
   # Validation as tasks on the pool, at the steps train.py evaluates (after each outer step).
   np.testing.assert_allclose(out["val_loss"], ref["val_loss"], rtol=1e-5)
   np.testing.assert_allclose(out["train_loss_mean"], ref["train_loss_mean"], rtol=1e-5)

@@ -302,6 +302,19 @@ def _worker_options(worker_resources: str) -> dict:
   }
 
 
+def cpu_sets(cores, n: int) -> list:
+  """Worker actor i's cores of `cores` (elastic.pin_cpus).
+
+  n disjoint equal shares, the remainder left to the driver and Ray; with more
+  actors than cores, one core each in turn.
+  """
+  cores = sorted(cores)
+  if n <= len(cores):
+    per = len(cores) // n
+    return [cores[i * per : (i + 1) * per] for i in range(n)]
+  return [[cores[i % len(cores)]] for i in range(n)]
+
+
 def _control_options(ray) -> dict:
   """Ray options that keep the coordinator and executors on the driver's node.
 
@@ -411,6 +424,11 @@ def run(config, workdir: str) -> dict:
     # driver prepares θ̄, the shards and the store; no task is leased before that is done.
     worker_opts = _worker_options(e.worker_resources)
     control = _control_options(ray)
+    # The command's own cluster is this machine: each worker actor on its own cores.
+    pins = [None] * e.num_workers
+    if e.pin_cpus and not e.address and hasattr(os, "sched_getaffinity"):
+      node = ray.get_runtime_context().get_node_id()
+      pins = [(node, c) for c in cpu_sets(os.sched_getaffinity(0), e.num_workers)]
     coord = (
       ray.remote(coord_lib.Coordinator)
       .options(max_restarts=-1, num_cpus=0, **control)
@@ -420,7 +438,7 @@ def run(config, workdir: str) -> dict:
     workers = [
       ray.remote(worker_lib.PathWorker)
       .options(**worker_opts)
-      .remote(config, workdir, i, e.compile_cache)
+      .remote(config, workdir, i, e.compile_cache, pins[i])
       for i in range(e.num_workers)
     ]
     actors += workers
@@ -669,7 +687,7 @@ def _loop(
               actor=actor,
               seconds=result["end"] - result["start"],
               pid=result["pid"],
-              **{k: result[k] for k in ("resumed_at_step",) if k in result},
+              **{k: result[k] for k in ("resumed_at_step", "cpus") if k in result},
             )
             report(*task)
           else:

@@ -48,11 +48,31 @@ def _write_all(writes, die_after: int) -> None:
       os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _pin_cpus(node: str, cpus) -> None:
+  """Every thread of this process onto `cpus`, if it runs on Ray node `node` (Linux)."""
+  import ray  # pylint: disable=g-import-not-at-top
+
+  if ray.get_runtime_context().get_node_id() != node or not hasattr(os, "sched_setaffinity"):
+    return
+  for tid in os.listdir("/proc/self/task"):  # Threads Ray started already; later ones inherit.
+    try:
+      os.sched_setaffinity(int(tid), cpus)
+    except ProcessLookupError:  # The thread ended meanwhile.
+      pass
+
+
 class PathWorker:
   """One worker actor: any (phase, worker) task, one at a time."""
 
-  def __init__(self, config, workdir: str, index: int, compile_cache: str | None = None):
-    """`compile_cache`: config.elastic.compile_cache for this process (None: leave JAX's)."""
+  def __init__(self, config, workdir: str, index: int, compile_cache: str | None = None, pin=None):
+    """`compile_cache`: config.elastic.compile_cache for this process (None: leave JAX's).
+
+    `pin`: (node id, CPU cores) from the driver (elastic.pin_cpus): on that Ray node this
+    process runs on those cores only, from here on, so XLA's CPU thread pool (sized from
+    the affinity when the backend starts, on the first compile) spans them alone.
+    """
+    if pin is not None:
+      _pin_cpus(*pin)
     if compile_cache is not None:
       jit_cache.use(compile_cache)
     self.config, self.workdir, self.index = config, str(workdir), int(index)
@@ -231,6 +251,8 @@ class PathWorker:
     start = time.time()
     wd, phase, worker = self.workdir, int(phase), int(worker)
     result = {"phase": phase, "worker": worker, "actor": self.index, "pid": os.getpid()}
+    if hasattr(os, "sched_getaffinity"):  # The cores it ran on (elastic.pin_cpus).
+      result["cpus"] = sorted(os.sched_getaffinity(0))
     H, every = self.grid.H, int(self.config.elastic.progress_every_steps)
     k = self.grid.routing_phase(phase)  # After a re-shard at `phase`: its new shards already.
     saved = self._saved_progress(phase, worker) if phase < self.grid.T else None
