@@ -12,6 +12,8 @@ compiling them again. Figures (docs/elastic.md "Figures"):
     (steady phases: phase >= 1, eval, outer step and spmd's checkpoint included), plus
     the task's fixed-cost breakdown from the task log;
   outer latency: per phase, last task report of the phase -> its last module updated;
+  pin (not in the default --only): the clean grid run with elastic.pin_cpus on and off, in
+    pairs (which goes first alternates): command walls and median step seconds;
   heterogeneous: a grid whose paths share only some modules, worker actor 0 slowed
     (elastic.step_delay_s) to ~3x the others' step time: how many phases ahead the
     other actors started tasks while the slow one still trained;
@@ -161,8 +163,9 @@ def _startup(workdir) -> dict:
 
 
 def _results(workdir) -> dict:
-  with open(os.path.join(workdir, "elastic", "coordinator.json")) as f:
-    return json.load(f)["done"]
+  from dipaco_jax.elastic import coordinator  # pylint: disable=g-import-not-at-top
+
+  return coordinator.read_results(workdir)
 
 
 def _records(workdir) -> list:
@@ -330,6 +333,7 @@ def main():
   p.add_argument("--chaos_executor_kills", type=int, default=2, help="per invocation")
   p.add_argument("--slowdown", type=float, default=3.0, help="of worker actor 0, hetero run")
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--pairs", type=int, default=2, help="pin_cpus on/off pairs (--only pin)")
   p.add_argument("--compile_cache", default=True, action=argparse.BooleanOptionalAction)
   p.add_argument("--only", default="overhead,hetero,chaos,goodput")
   args = p.parse_args()
@@ -549,6 +553,26 @@ def main():
       "load": round(os.getloadavg()[0], 1),
     }
     print(json.dumps(report["hetero"]), flush=True)
+    save()
+
+  if "pin" in only:  # 6. elastic.pin_cpus on vs off: the clean grid run, pairs in turn.
+    pin_shards = os.path.join(tmp, "shards_pin")
+    _Command(tmp, "warm_pin", H, T, pin_shards, **el, **{"elastic.stop_after_tasks": A}).run()
+    walls, steps = {True: [], False: []}, {True: [], False: []}
+    for r in range(args.pairs):
+      for pin in (r % 2 == 0, r % 2 == 1):  # Alternating which goes first.
+        c = _Command(tmp, f"pin_{pin}_{r}", H, T, pin_shards, **el, **{"elastic.pin_cpus": pin})
+        walls[pin].append(c.run()[1])
+        steps[pin].append(_step_s(c.workdir, H, T))
+    report["pin_cpus"] = {
+      "pairs": args.pairs,
+      "wall_command_s": {"on": walls[True], "off": walls[False]},
+      "median_step_s": {"on": steps[True], "off": steps[False]},
+      "wall_off_over_on": statistics.median(walls[False]) / statistics.median(walls[True]),
+      "step_off_over_on": statistics.median(steps[False]) / statistics.median(steps[True]),
+      "load": round(os.getloadavg()[0], 1),
+    }
+    print(json.dumps(report["pin_cpus"]), flush=True)
     save()
   print(f"wrote {args.out}")
 

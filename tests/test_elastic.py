@@ -142,6 +142,34 @@ def test_executor_restarted_mid_phase_applies_every_delta_once(tmp_path):
   assert _stepped(wd, grid) == _stepped(ref, grid)
 
 
+def test_executor_forgets_settled_phases_and_still_answers_for_them(tmp_path):
+  cfg = _config(**{"dipaco.outer_steps": 4})
+  grid = grid_lib.Grid(cfg)
+  wd = str(tmp_path)
+  _random_phase(wd, grid, np.random.default_rng(2))
+  for t in (1, 2):
+    _constant_phase(wd, grid, t, {w: 0.5 * w for w in range(4)})
+  groups = [s.name for s in grid.groups]
+  everything = sorted(grid_lib.module_key(g, e) for g, e in grid.used_modules())
+  ex = exec_lib.OuterExecutor(cfg, wd, 0, groups, [1.0] * 4)
+  for t in range(3):
+    for w in range(4):
+      ex.report(t, w)
+  # Phases 0, 1, 2 complete: 0 and 1 settled (their next phase is complete too), 2 kept.
+  snap = storage.load_json(exec_lib.snapshot_file(wd, 0))
+  assert snap["settled"] == 2 and set(snap["received"]) == {"2"}
+  assert {t for t, keys in snap["applied"].items() if keys} == {"2"}
+  written = {
+    p: p.read_bytes() for p in (storage.root(wd) / "store").glob("*/*/*.npz")
+  }  # Versions 0..3 of every module and momentum.
+  assert len(written) == 2 * 4 * len(everything)
+  again = exec_lib.OuterExecutor(cfg, wd, 0, groups, [1.0] * 4)  # Restarted from the snapshot.
+  assert again.report(0, 1) == {0: everything, 1: everything}  # A re-report: all stepped.
+  assert again.report(2, 3) == {2: everything, 3: []}
+  assert again.received == {2: {0, 1, 2, 3}}
+  assert {p: p.read_bytes() for p in written} == written  # Nothing stepped again.
+
+
 def _constant_phase(workdir, grid, phase: int, values) -> None:
   """Worker w's phase-`phase` outputs: every leaf of every group filled with values[w]."""
   for w, v in values.items():
@@ -259,9 +287,9 @@ def test_queue_rounds_requeue_idempotence_and_snapshot(tmp_path):
   a, b = q.lease(0), q.lease(1)  # Two actors, four tasks: rounds.
   assert (a, b) == ((0, 0), (0, 1))
   assert q.failed(*a) and q.pending[0] == (0, 0)  # Dead actor: back to the front.
-  assert q.complete(0, 1, {"loss": [1.0]})
+  assert q.complete(0, 1, {"loss": [1.0, 0.5], "val_loss": 2.0})
   assert not q.complete(0, 1, {"loss": [2.0]})  # Accepted once.
-  assert q.done["0/1"] == {"loss": [1.0]}
+  assert q.done["0/1"] == {"last_loss": 0.5, "val_loss": 2.0}  # Per-step losses: done.json's.
   for t in [q.lease(0), q.lease(1), q.lease(0)]:
     q.complete(*t, {})
   assert q.lease(0) is None  # Phase 1 waits for the outer step.
@@ -277,6 +305,30 @@ def test_queue_rounds_requeue_idempotence_and_snapshot(tmp_path):
   # With a quorum, worker 0's phase-0 delta may still be owed to a later step: re-reported too.
   quorum = coord_lib.Coordinator(_config(**{"elastic.quorum": 0.5}), wd)
   assert quorum.unreported() == [(0, 0), (0, 1), (0, 2), (0, 3)]
+  # The snapshot holds the queue; results are per phase, whatever the run's length.
+  assert "done" not in storage.load_json(storage.root(wd) / "coordinator.json")
+  assert coord_lib.read_results(wd) == q.done and len(q.done) == 4
+  # Killed between a result's two writes: its result file is written, the snapshot still
+  # leases the task. The next coordinator takes it as done, not as a task to run again.
+  task = restored.lease(2)
+
+  def killed():
+    raise OSError("SIGKILL")
+
+  restored._save = killed
+  with pytest.raises(OSError):
+    restored.complete(*task, {"loss": [0.3, 0.25]})
+  again = coord_lib.Coordinator(cfg, wd)
+  assert again.done[f"{task[0]}/{task[1]}"] == {"last_loss": 0.25} and again.pending == []
+  # A snapshot of the earlier layout (results inside coordinator.json) moves into the new one.
+  old = {"versions": again.versions, "pending": [], "leased": [], "reshards": []}
+  storage.save_json(
+    storage.root(str(tmp_path / "old")) / "coordinator.json",
+    {**old, "done": {"0/2": {"loss": [1.0, 2.0]}}},
+  )
+  moved = coord_lib.Coordinator(cfg, str(tmp_path / "old"))
+  assert moved.done == {"0/2": {"last_loss": 2.0}}
+  assert coord_lib.read_results(str(tmp_path / "old")) == moved.done
 
 
 def test_queue_holds_the_reshard_phase_until_its_shards_are_written(tmp_path):

@@ -9,9 +9,18 @@ every module must hold version t_r before the router is fitted. Tasks
 are leased to worker actors; a lease whose actor dies or passes its deadline
 goes back to the FRONT of the queue. A result is accepted once per (t, w);
 a duplicate (a timed-out task that finished after all) is refused. Every
-change is snapshotted to `<workdir>/elastic/coordinator.json` (atomic), so a
-coordinator restarted by Ray, or a rerun of the whole command, resumes where
-it stood; leases are not kept (their tasks are requeued on restore).
+change is snapshotted (each file written whole), so a coordinator restarted by
+Ray, or a rerun of the whole command, resumes where it stood; leases are not
+kept (their tasks are requeued on restore, unless their result was written):
+
+  coordinator.json              module versions, queue, leases, re-shards done
+  coordinator/results<t>.json   phase t's accepted results (`summary`: no per-step losses)
+
+Both stay small whatever the run's length: a change rewrites the queue (at most
+a few entries per worker) and at most one phase's results (one per worker), so
+a lease or a report costs the same at the last of the paper's ~110k tasks as at
+the first (benchmarks/elastic_coordinator.py). A task's per-step losses are in
+its own done.json (storage.py).
 """
 
 import os
@@ -21,10 +30,34 @@ from dipaco_jax.elastic import grid as grid_lib
 from dipaco_jax.elastic import storage
 
 SNAPSHOT = "coordinator.json"
+RESULTS = "coordinator"  # Folder of the per-phase results files.
 
 
 def _task_key(phase: int, worker: int) -> str:
   return f"{phase}/{worker}"
+
+
+def _results_file(workdir: str, phase: int):
+  return storage.root(workdir) / RESULTS / f"results{phase:05d}.json"
+
+
+def summary(result: dict) -> dict:
+  """A task's result as the queue keeps it: its per-step losses ("loss") down to the last one."""
+  out = {k: v for k, v in result.items() if k != "loss"}
+  if result.get("loss"):
+    out["last_loss"] = result["loss"][-1]
+  return out
+
+
+def read_results(workdir: str) -> dict:
+  """Every accepted task's `summary`, keyed "phase/worker" (a snapshot's, without the actor)."""
+  done = {}
+  folder = storage.root(workdir) / RESULTS
+  if folder.exists():
+    for f in sorted(folder.glob("results*.json")):
+      phase = int(f.name[len("results") : -len(".json")])
+      done.update({_task_key(phase, w): r for w, r in storage.load_json(f).items()})
+  return done
 
 
 class Coordinator:
@@ -36,17 +69,26 @@ class Coordinator:
     # With a quorum a module steps without some reports; they still count for its next step
     # (executor.py), so a restarted driver re-reports one phase further back.
     self._slack = 1 if config.elastic.quorum < 1.0 else 0
+    self.workdir = str(workdir)
     self._path = storage.root(workdir) / SNAPSHOT
+    self.done = read_results(workdir)
     if self._path.exists():
       s = storage.load_json(self._path)
+      if "done" in s:  # Written before the per-phase results files: moved into them once.
+        self.done.update({key: summary(result) for key, result in s["done"].items()})
+        for phase in sorted({int(key.split("/")[0]) for key in s["done"]}):
+          self._write_results(phase)
       self.versions = dict(s["versions"])
-      self.done = dict(s["done"])
-      self.pending = [tuple(t) for t in s["pending"]] + [tuple(t) for t in s["leased"]]
-      self.requeued = int(s.get("requeued", 0)) + len(s["leased"])
+      # A result written just before a restart (its task still leased in the snapshot): done.
+      leased = [tuple(t) for t in s["leased"] if _task_key(*t) not in self.done]
+      self.pending = [tuple(t) for t in s["pending"] if _task_key(*t) not in self.done] + leased
+      self.requeued = int(s.get("requeued", 0)) + len(leased)
       self.reshards = [int(x) for x in s.get("reshards", [])]
     else:
       self.versions = {grid_lib.module_key(g, e): 0 for g, e in self.grid.used_modules()}
-      self.done, self.pending, self.requeued, self.reshards = {}, [], 0, []
+      self.pending, self.requeued, self.reshards = [], 0, []
+    # Per worker, its tasks are accepted in phase order: the first phase not done yet.
+    self._next = [0] * self.grid.W
     self.leases = {}  # task key -> (task, actor, deadline); not snapshotted.
     self._enqueue_ready()
     self._save()
@@ -59,7 +101,6 @@ class Coordinator:
       self._path,
       {
         "versions": self.versions,
-        "done": self.done,
         "pending": [list(t) for t in self.pending],
         "leased": [list(v[0]) for v in self.leases.values()],
         "requeued": self.requeued,
@@ -77,13 +118,13 @@ class Coordinator:
 
   def _enqueue_ready(self) -> None:
     """Appends each worker's next phase once its modules hold it (phase order, then worker)."""
-    known = {_task_key(*t) for t in self.pending} | set(self.leases) | set(self.done)
+    known = {_task_key(*t) for t in self.pending} | set(self.leases)
     new = []
     for w in range(self.grid.W):
-      phase = min(
-        (t for t in range(self.grid.T + 1) if _task_key(t, w) not in self.done), default=None
-      )
-      if phase is not None and _task_key(phase, w) not in known and self._ready(phase, w):
+      while _task_key(self._next[w], w) in self.done:
+        self._next[w] += 1
+      phase = self._next[w]
+      if phase <= self.grid.T and _task_key(phase, w) not in known and self._ready(phase, w):
         new.append((phase, w))
     self.pending.extend(sorted(new))
 
@@ -103,9 +144,16 @@ class Coordinator:
     if key in self.done:
       return False
     self.pending = [t for t in self.pending if _task_key(*t) != key]
-    self.done[key] = result
+    self.done[key] = summary(result)
+    self._write_results(int(phase))  # First: from here on the task is done, whatever happens.
     self._save()
     return True
+
+  def _write_results(self, phase: int) -> None:
+    """Phase `phase`'s accepted results to its own file (one entry per worker at most)."""
+    keys = ((str(w), _task_key(phase, w)) for w in range(self.grid.W))
+    mine = {w: self.done[key] for w, key in keys if key in self.done}
+    storage.save_json(_results_file(self.workdir, phase), mine)
 
   def failed(self, phase: int, worker: int) -> bool:
     """The task's actor died or timed out: back to the front of the queue (unless done)."""
@@ -181,4 +229,5 @@ class Coordinator:
     }
 
   def results(self) -> dict:
+    """Every accepted task's `summary` (the driver asks once, then keeps its own copy)."""
     return dict(self.done)

@@ -679,6 +679,7 @@ def _loop(
             raise err.as_instanceof_cause() from None
           task_time[0] = time.time() - start
           if call(coord.complete, task[0], task[1], result):
+            results[f"{task[0]}/{task[1]}"] = coord_lib.summary(result)  # The queue's copy, here.
             accepted_here += 1
             log(
               event="done",
@@ -711,7 +712,6 @@ def _loop(
               ex_probes[executors[j].pid.remote()] = j
             continue
           stepped(j, keys)
-      results = call(coord.results)
       early_stop(results)
       while phases_logged < grid.T and complete(phases_logged) and complete(phases_logged + 1):
         t = phases_logged
@@ -742,7 +742,7 @@ def _loop(
 
 def _record(grid, results, t: int) -> dict:
   """metrics.jsonl record of step (t+1)*H: phase t's train losses, tasks t+1's validation."""
-  train_W = [results[f"{t}/{w}"]["loss"][-1] for w in range(grid.W)]
+  train_W = [results[f"{t}/{w}"]["last_loss"] for w in range(grid.W)]
   rec = {
     "phase": t,
     "train_loss": train_W,

@@ -26,7 +26,12 @@ across a re-shard takes the new phase's α.
 The executor's own state (reports received, modules stepped and with whom,
 when quorums were reached) is snapshotted before each call returns, so an
 executor killed mid-phase comes back (Ray restarts it without state) and
-carries on from the snapshot.
+carries on from the snapshot. It holds only the phases a step may still need:
+once phases t and t+1 are complete (every report in, every module of its
+groups stepped), phase t is *settled* and forgotten (`settled` counts them), so
+the snapshot stays the same size over a run of any length; a report of a
+settled phase (a driver's re-report after its restart) answers that every
+module stepped, and steps nothing.
 """
 # pylint: disable=invalid-name
 
@@ -78,6 +83,9 @@ class OuterExecutor:
     self.used = {int(k): dict(v) for k, v in state.get("used", {}).items()}
     self.quorum_at = {int(k): dict(v) for k, v in state.get("quorum_at", {}).items()}
     self.carried = {int(k): dict(v) for k, v in state.get("carried", {}).items()}  # Late, joined.
+    self.settled = int(state.get("settled", 0))  # Phases < settled: complete and forgotten.
+    mine = [(g, e) for g, e in self.grid.used_modules() if g in self.groups]
+    self._mine = sorted(grid_lib.module_key(g, e) for g, e in mine)
     self._cache = {}  # (phase, group, worker) -> that worker's params of the group.
     self._steps = {}
     self._lock = threading.Lock()  # report/poll vs each other (max_concurrency=2 for pid()).
@@ -88,6 +96,7 @@ class OuterExecutor:
   def _snapshot(self) -> None:
     state = {
       "groups": self.groups,
+      "settled": self.settled,
       "received": {str(k): sorted(v) for k, v in self.received.items()},
       "applied": {str(k): sorted(v) for k, v in self.applied.items()},
     }
@@ -211,9 +220,27 @@ class OuterExecutor:
   def _stepped(self, phases) -> dict[int, list[str]]:
     """The modules of this executor's groups stepped in each of `phases`."""
     return {
-      t: sorted(k for k in self.applied.get(t, ()) if k.split("/")[0] in self.groups)
+      t: list(self._mine)
+      if t < self.settled
+      else sorted(k for k in self.applied.get(t, ()) if k.split("/")[0] in self.groups)
       for t in phases
     }
+
+  def _complete(self, phase: int) -> bool:
+    """Every worker reported phase `phase` and every module of this executor stepped in it."""
+    applied = self.applied.get(phase, set())
+    return len(self.received.get(phase, ())) == self.grid.W and all(
+      k in applied for k in self._mine
+    )
+
+  def _settle(self) -> bool:
+    """Forgets the phases no step can need again (t, once t and t+1 are complete)."""
+    before = self.settled
+    while self._complete(self.settled) and self._complete(self.settled + 1):
+      for state in (self.received, self.applied, self.used, self.quorum_at, self.carried):
+        state.pop(self.settled, None)
+      self.settled += 1
+    return self.settled != before
 
   def report(self, phase: int, worker: int) -> dict[int, list[str]]:
     """Task (phase, worker) is done; returns {phase: modules stepped} for phase and phase + 1.
@@ -222,6 +249,8 @@ class OuterExecutor:
     """
     phase, worker = int(phase), int(worker)
     with self._lock:
+      if phase < self.settled:  # Stepped everywhere, long ago: a re-report after a restart.
+        return self._stepped((phase, phase + 1))
       received = self.received.setdefault(phase, set())
       if worker not in received:
         received.add(worker)
@@ -233,7 +262,10 @@ class OuterExecutor:
           self._worker_params(phase, group, worker)  # Gathered as it arrives.
         self._try_step(phase, group, module, now)
         self._try_step(phase + 1, group, module, now)
-      return self._stepped((phase, phase + 1))
+      out = self._stepped((phase, phase + 1))
+      if self._settle():
+        self._snapshot()
+      return out
 
   def poll(self) -> tuple[dict[int, list[str]], bool]:
     """Steps the modules whose grace window has passed: ({phase: modules stepped}, waiting).
