@@ -253,9 +253,14 @@ def _task_log_audit(events, results, W, T) -> dict:
   want = {(t, w) for t in range(T + 1) for w in range(W)}
   kills = [e for e in events if e["event"] == "kill"]
   back, failed_at = [], {}  # A failed task's actor: seconds until it starts its next task.
+  noticed, killed_at = [], {}  # A timed kill: seconds until its task's call fails.
   for e in events:
+    if e["event"] == "kill" and e["target"] == "worker" and e["how"] == "timed":
+      killed_at[e["actor"]] = e["t"]
     if e["event"] == "failed":
       failed_at[e["actor"]] = e["t"]
+      if e["actor"] in killed_at:
+        noticed.append(e["t"] - killed_at.pop(e["actor"]))
     elif e["event"] == "start" and e["actor"] in failed_at:
       back.append(e["t"] - failed_at.pop(e["actor"]))
   return {
@@ -279,6 +284,7 @@ def _task_log_audit(events, results, W, T) -> dict:
     "executor_kills": sum(k["target"] == "executor" for k in kills),
     "executor_calls_failed": sum(e["event"] == "executor_failed" for e in events),
     "worker_back_after_failure_s": statistics.median(back) if back else None,
+    "failure_noticed_after_kill_s": statistics.median(noticed) if noticed else None,
   }
 
 

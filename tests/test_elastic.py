@@ -627,6 +627,7 @@ def ray_cluster(tmp_path_factory):
     for k, v in cache.items():
       mp.setenv(k, v)
     ray.init(
+      _system_config=elastic_driver.LOCAL_RAY_SYSTEM_CONFIG,  # As the command's own cluster.
       address="local",
       num_cpus=4,
       include_dashboard=False,

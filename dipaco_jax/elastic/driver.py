@@ -246,6 +246,12 @@ def _final_state(config, workdir: str, exp, grid: grid_lib.Grid):
   return state, data
 
 
+# The local cluster's Ray settings. A call on an actor whose process died fails once Ray has
+# the death's cause or after this wait (default 1 s): with 0.1 s a killed worker's task is back
+# on the queue about 1 s sooner (measured: kill -> error 1.42 s -> 0.42 s, docs/elastic.md).
+LOCAL_RAY_SYSTEM_CONFIG = {"timeout_ms_task_wait_for_death_info": 100}
+
+
 def _connect(config, num_cpus: int) -> bool:
   """Starts a local Ray cluster on loopback, or joins config.elastic.address; True if started.
 
@@ -282,6 +288,7 @@ def _connect(config, num_cpus: int) -> bool:
       include_dashboard=False,
       _node_ip_address="127.0.0.1",
       log_to_driver=False,
+      _system_config=LOCAL_RAY_SYSTEM_CONFIG,
     )
   return True
 

@@ -118,15 +118,23 @@ class PathWorker:
       holdout=self._rest,
     )
 
-  def _load_params(self, phase: int, worker: int):
+  def _load_groups(self, worker: int, file_of):
+    """Worker `worker`'s params: each group's from file_of(group, its module)."""
     parts = {}
     for g, e in self.grid.modules_of_worker(worker):
-      parts.update(
-        storage.load_tree(
-          storage.module_file(self.workdir, g, e, phase), self.grid.module_template(g)
-        )
-      )
+      parts.update(storage.load_tree(file_of(g, e), self.grid.module_template(g)))
     return parts
+
+  def _load_params(self, phase: int, worker: int):
+    """The path's modules at version `phase` (the store)."""
+    return self._load_groups(worker, lambda g, e: storage.module_file(self.workdir, g, e, phase))
+
+  def _group_writes(self, folder, params, worker: int) -> list:
+    """Writes of each group of worker `worker`'s params to folder/<group>.npz."""
+    return [
+      functools.partial(storage.save_tree, folder / f"{g}.npz", {g: params[g]})
+      for g, _ in self.grid.modules_of_worker(worker)
+    ]
 
   def _val_batches(self, worker: int, k: int, split: str = "validation") -> list:
     """The first eval.batches batches of the worker's validation shard, or of its held-out docs.
@@ -189,10 +197,7 @@ class PathWorker:
       out = []
       for i in range(0, len(tokens), B):
         rows = tokens[i : i + B]
-        targets = np.zeros((1, B, T), np.int32)
-        for b, t in enumerate(rows):
-          targets[0, b, : len(t)] = t
-        inputs = np.concatenate([np.zeros((1, B, 1), np.int32), targets[:, :, :-1]], -1)
+        inputs, targets = scoring.unit_batch([rows], B, T)
         logp = np.asarray(jax.device_get(self._logp(params, inputs, targets)))
         out += [logp[0, b, : len(t)] for b, t in enumerate(rows)]
       return out
@@ -226,10 +231,7 @@ class PathWorker:
     top = storage.progress_dir(self.workdir, worker, phase)
     folder = top / f"s{rec['step']:06d}"
     params, opt = jax.device_get((params, opt))
-    writes = [
-      functools.partial(storage.save_tree, folder / f"{g}.npz", {g: params[g]})
-      for g, _ in self.grid.modules_of_worker(worker)
-    ]
+    writes = self._group_writes(folder, params, worker)
     writes.append(functools.partial(storage.save_tree, folder / "opt.npz", opt))
     writes.append(functools.partial(storage.save_json, folder / "data.json", batcher.get_state()))
     writes.append(functools.partial(storage.save_json, top / "at.json", rec))
@@ -260,9 +262,7 @@ class PathWorker:
     losses = []
     if saved is not None:  # A retry: the evaluation and the first steps are in the save.
       rec, folder = saved
-      params = {}
-      for g, _ in self.grid.modules_of_worker(worker):
-        params.update(storage.load_tree(folder / f"{g}.npz", self.grid.module_template(g)))
+      params = self._load_groups(worker, lambda g, _: folder / f"{g}.npz")
       opt = storage.load_tree(folder / "opt.npz", self.grid.inner_opt_template())
       batcher.set_state(storage.load_json(folder / "data.json"))
       losses = list(rec["loss"])
@@ -327,10 +327,7 @@ class PathWorker:
     clock["steps"] = time.time() - t0 - clock["progress_save"]
     t0 = time.time()
     out = storage.worker_out_dir(wd, worker, phase + 1)
-    writes = [
-      functools.partial(storage.save_tree, out / f"{g}.npz", {g: params[g]})
-      for g, _ in self.grid.modules_of_worker(worker)
-    ]
+    writes = self._group_writes(out, params, worker)
     writes.append(
       functools.partial(storage.save_tree, storage.worker_opt_file(wd, worker, phase + 1), opt)
     )

@@ -29,6 +29,20 @@ def token_logprobs(params, inputs_BxT, targets_BxT, *, model):
   return -optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, targets_BxT)
 
 
+def unit_batch(rows_W, batch_size: int, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+  """Units' tokens as (inputs, targets) [W, B, T] (the unit is its own context).
+
+  Row b of worker w holds rows_W[w][b], zero-padded; inputs are the targets
+  shifted right behind BOS 0.
+  """
+  targets = np.zeros((len(rows_W), batch_size, seq_len), np.int32)
+  for w, rows in enumerate(rows_W):
+    for b, t in enumerate(rows):
+      targets[w, b, : len(t)] = t
+  inputs = np.concatenate([np.zeros(targets.shape[:2] + (1,), np.int32), targets[:, :, :-1]], -1)
+  return inputs, targets
+
+
 class PathScorer:
   """Scores units with the params of every worker ([W, ...], sharded like training)."""
 
@@ -88,14 +102,12 @@ class PathScorer:
     out: list[np.ndarray | None] = [None] * len(tokens)
     bar = progress.bar(total=len(tokens), desc=desc, unit="unit", disable=desc is None)
     while any(queues):
-      targets = np.zeros((W, B, T), np.int32)
-      taken = []
+      taken, rows_W = [], []
       for w in range(W):
         rows, queues[w] = queues[w][:B], queues[w][B:]
-        for b, i in enumerate(rows):
-          targets[w, b, : len(tokens[i])] = tokens[i]
-          taken.append((w, b, i))
-      inputs = np.concatenate([np.zeros((W, B, 1), np.int32), targets[:, :, :-1]], -1)
+        taken += [(w, b, i) for b, i in enumerate(rows)]
+        rows_W.append([tokens[i] for i in rows])
+      inputs, targets = unit_batch(rows_W, B, T)
       # Blocks every batch: keeps dispatch close (CPU collectives, NOTES.md).
       logp = np.asarray(
         feed_lib.host(self._fn(self.params_W, self._put(inputs), self._put(targets)))
