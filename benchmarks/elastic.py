@@ -153,7 +153,7 @@ class _Command:
 def _events(workdir):
   from dipaco_jax.elastic import storage  # pylint: disable=g-import-not-at-top
 
-  return storage.read_lines(storage.root(workdir) / "tasks.jsonl")
+  return storage.read_task_log(workdir)
 
 
 def _startup(workdir) -> dict:
@@ -240,10 +240,19 @@ def _same(a, b) -> bool:
 
 
 def _step_s(workdir, H, T) -> float:
-  """Median seconds per inner step of one path in a clean run's steady tasks."""
+  """Median seconds per inner step of one path in a run's steady tasks (resumed ones left out)."""
   res = _results(workdir)
   return statistics.median(
-    r["clock"]["steps"] / H for k, r in res.items() if 0 < int(k.split("/")[0]) < T
+    r["clock"]["steps"] / H
+    for k, r in res.items()
+    if 0 < int(k.split("/")[0]) < T and "resumed_at_step" not in r
+  )
+
+
+def _spmd_step_s(workdir, H) -> float:
+  """Median seconds per lock-step step of an spmd run's records after its first phase."""
+  return statistics.median(
+    r["step_s"] for r in _records(workdir) if r["step"] > H and "step_s" in r
   )
 
 
@@ -380,9 +389,7 @@ def main():
     ev = _events(el1.workdir)
     w_spmd = _spmd_phase_walls(spmd1.workdir, H, T1, B * L)
     w_el = _elastic_phase_walls(ev, T1)
-    spmd_step = statistics.median(
-      r["step_s"] for r in _records(spmd1.workdir) if r["step"] > H and "step_s" in r
-    )
+    spmd_step = _spmd_step_s(spmd1.workdir, H)
     report["overhead"] = {
       "elastic_over_spmd": statistics.median(w_spmd) / statistics.median(w_el),
       "spmd_tokens_per_s": B * L * H / statistics.median(w_spmd),
@@ -422,9 +429,7 @@ def main():
     audit = _task_log_audit(_events(pre.workdir), _results(pre.workdir), W, T)
     spmd = _Command(tmp, "spmd", H, T, shards)
     _, spmd_wall = spmd.run()
-    spmd_step = statistics.median(
-      r["step_s"] for r in _records(spmd.workdir) if r["step"] > H and "step_s" in r
-    )
+    spmd_step = _spmd_step_s(spmd.workdir, H)
     restarted = _Command(tmp, "spmd_restarted", H, T, shards)
     rs = _spmd_with_restarts(restarted, H, T, kills, args.seed)
     useful_el = W * T * H * step_s / A  # Per worker actor.
@@ -449,6 +454,20 @@ def main():
         "startup_s": {"elastic": up_el, "spmd": up_spmd},
         # The clean command's driver: Ray's start, then its θ̄/shards/store (actors importing).
         "elastic_driver_startup_s": _startup(clean.workdir),
+      },
+      # Each run against its own step time: sequential runs on a shared machine drift (a
+      # preempted run whose steps ran faster than its clean twin's could read above 1 above).
+      "own_step_time": {
+        "elastic_preempted": W * T * H * _step_s(pre.workdir, H, T) / A / pre_wall,
+        "elastic_clean": useful_el / clean_wall,
+        "spmd_with_restart": T * H * _spmd_step_s(restarted.workdir, H) / rs["wall_s"],
+        "spmd_clean": useful_spmd / spmd_wall,
+        "step_s": {
+          "elastic_clean": step_s,
+          "elastic_preempted": _step_s(pre.workdir, H, T),
+          "spmd_clean": spmd_step,
+          "spmd_with_restart": _spmd_step_s(restarted.workdir, H),
+        },
       },
       "preemptions_scheduled": kills,
       "elastic_kills_landed": audit["worker_kills_timed"]

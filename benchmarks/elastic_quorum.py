@@ -46,7 +46,7 @@ def _run(args, tmp, name, **kw):
   cfg = config_defaults.load(os.path.join(ROOT, "configs", "tiny.py"), **over)
   wd = os.path.join(tmp, name)
   out = train.train_and_evaluate(cfg, wd)
-  events = storage.read_lines(storage.root(wd) / "tasks.jsonl")
+  events = storage.read_task_log(wd)
   starts = [e["t"] for e in events if e["event"] == "start"]
   done = [e for e in events if e["event"] == "done"]
   wall = max(e["t"] for e in done) - min(starts)

@@ -331,6 +331,20 @@ def test_queue_rounds_requeue_idempotence_and_snapshot(tmp_path):
   assert coord_lib.read_results(str(tmp_path / "old")) == moved.done
 
 
+def test_task_log_continues_across_runs_and_loses_only_a_torn_line(tmp_path):
+  wd = str(tmp_path)
+  log = storage.TaskLog(wd)
+  log.append({"event": "start", "phase": 0})
+  log.append({"event": "done", "phase": 0})
+  log.close()
+  with storage.task_log_part(wd, 0).open("ab") as f:  # A kill in the middle of a line.
+    f.write(b'{"event": "sta')
+  again = storage.TaskLog(wd)  # The rerun's driver.
+  again.append({"event": "start", "phase": 1})
+  again.close()
+  assert [e["event"] for e in storage.read_task_log(wd)] == ["start", "done", "start"]
+
+
 def test_queue_holds_the_reshard_phase_until_its_shards_are_written(tmp_path):
   cfg = _config(**{"routing.discriminative_at_outer_step": 1, "dipaco.outer_steps": 3})
   q = coord_lib.Coordinator(cfg, str(tmp_path))
@@ -657,8 +671,7 @@ def test_elastic_matches_spmd_and_survives_kills(tmp_path, ray_cluster):
   out = train.train_and_evaluate(cfg(), str(tmp_path / "clean"))
   assert out["status"]["done"] == 12 and out["status"]["requeued"] == 0  # 2 phases + eval.
   # elastic.pin_cpus: the command's local cluster gives each worker actor its own cores.
-  log = storage.root(str(tmp_path / "clean")) / "tasks.jsonl"
-  done = [json.loads(x) for x in log.read_text().splitlines() if '"done"' in x]
+  done = [e for e in storage.read_task_log(str(tmp_path / "clean")) if e["event"] == "done"]
   cores = elastic_driver.cpu_sets(os.sched_getaffinity(0), 2)
   assert {e["actor"]: e["cpus"] for e in done} == dict(enumerate(cores))
   # Validation as tasks on the pool, at the steps train.py evaluates (after each outer step).
@@ -723,7 +736,7 @@ def test_elastic_matches_spmd_and_survives_kills(tmp_path, ray_cluster):
     for u, v in zip(jax.tree.leaves(x), jax.tree.leaves(y), strict=True):
       np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
   assert (tmp_path / "faulty" / "metrics.jsonl").read_text().count('"step"') == 2  # One per phase.
-  events = storage.read_lines(storage.root(faulty) / "tasks.jsonl")
+  events = storage.read_task_log(faulty)
   done = [(e["phase"], e["worker"]) for e in events if e["event"] == "done"]
   assert sorted(done) == sorted(itertools.product(range(3), range(4)))  # Each accepted once.
   # The kills landed (the log, not the schedule): a worker mid-task, a worker with its
@@ -760,7 +773,7 @@ def test_quorum_end_to_end_with_a_slow_worker(tmp_path, ray_cluster):
     # Each late delta joined the next step exactly once.
     assert sorted(used + snap["carried"]["1"][key]) == through
   assert "1" not in snap["used"]  # The last step waited for every report ("next").
-  events = storage.read_lines(storage.root(wd) / "tasks.jsonl")
+  events = storage.read_task_log(wd)
   done = [(e["phase"], e["worker"]) for e in events if e["event"] == "done"]
   assert sorted(done) == sorted(itertools.product(range(3), range(4)))
 
@@ -862,7 +875,7 @@ def _reshard_matches_spmd_and_survives_kills(tmp_path, monkeypatch, stack):
   assert checkpoint.read_best_records(faulty) == rec_b
   for sub in ("router", "shards_phase_1"):
     assert _tree_files(tmp_path / "faulty" / sub) == _tree_files(tmp_path / "clean" / sub)
-  events = storage.read_lines(storage.root(faulty) / "tasks.jsonl")
+  events = storage.read_task_log(faulty)
   assert [e["fitted"] for e in events if e["event"] == "reshard"] == [True]  # Fitted once.
   # Scored on the pool, one task per path; the one killed before its write was scored again.
   scored = [e["path"] for e in events if e["event"] == "scored"]

@@ -211,6 +211,35 @@ def test_elastic_storage_round_trip(bucket):
   }
 
 
+def test_elastic_task_log_and_queue_results_in_the_bucket(bucket, monkeypatch):
+  # gcsfs turns an append into an overwrite: the task log is parts there, each written whole.
+  from dipaco_jax.elastic import coordinator  # pylint: disable=g-import-not-at-top
+
+  monkeypatch.setattr(elastic_storage, "TASK_LOG_PART_BYTES", 60)  # ~2 events a part.
+  wd = f"{bucket}/el"
+  log = elastic_storage.TaskLog(wd)
+  for t in range(3):
+    log.append({"event": "start", "phase": t})
+  log.close()
+  again = elastic_storage.TaskLog(wd)  # A rerun continues after the stored parts.
+  again.append({"event": "done", "phase": 2})
+  events = elastic_storage.read_task_log(wd)
+  assert [(e["event"], e["phase"]) for e in events] == [
+    ("start", 0),
+    ("start", 1),
+    ("start", 2),
+  ] + [("done", 2)]
+  assert "el/elastic/tasks-00001.jsonl" in objects(bucket)
+  # The queue's per-phase results files, read back by a restarted coordinator.
+  cfg = helpers.micro_config(**{"dipaco.mode": "elastic", "model.vocab_size": 8192})
+  q = coordinator.Coordinator(cfg, wd)
+  for w in range(2):
+    q.complete(*q.lease(w), {"loss": [3.0, 2.0 + w]})
+  restored = coordinator.Coordinator(cfg, wd)
+  assert restored.done == {"0/0": {"last_loss": 2.0}, "0/1": {"last_loss": 3.0}}
+  assert restored.pending == [(0, 2), (0, 3)]
+
+
 @pytest.mark.slow  # a micro checkpoint saved, uploaded and restored: 5-8 s
 def test_checkpoint_and_early_stopping_records_read_from_the_bucket(bucket, tmp_path):
   cfg = helpers.micro_config()

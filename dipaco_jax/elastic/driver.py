@@ -423,7 +423,7 @@ def run(config, workdir: str) -> dict:
   check_workdir_mode(workdir, "elastic")
   train.check_config_matches(epath.Path(workdir), config)
   e = config.elastic
-  t0, actors, log_path = time.time(), [], storage.root(workdir) / "tasks.jsonl"
+  t0, actors, task_log = time.time(), [], storage.TaskLog(workdir)
   started = _connect(config, num_cpus=e.num_workers + 1)  # A bad address fails before any work.
   try:
     t_ray = time.time()
@@ -467,11 +467,12 @@ def run(config, workdir: str) -> dict:
     actors += executors
     # Where the command's start-up went (docs/elastic.md); the actors' own is in their results.
     event = {"t": time.time(), "event": "startup", "ray_s": t_ray - t0}
-    storage.append_line(log_path, {**event, "prepare_s": t_prepared - t_ray})
+    task_log.append({**event, "prepare_s": t_prepared - t_ray})
     return _loop(
-      config, workdir, grid, coord, executors, owned, workers, log_path, ray, ray_errors, exp, plan
+      config, workdir, grid, coord, executors, owned, workers, task_log, ray, ray_errors, exp, plan
     )
   finally:
+    task_log.close()
     for a in actors:
       ray.kill(a, no_restart=True)
     if started:
@@ -510,12 +511,12 @@ def _call(ray, ray_errors, method, *args):
 
 
 def _loop(
-  config, workdir, grid, coord, executors, owned, workers, log_path, ray, ray_errors, exp, plan
+  config, workdir, grid, coord, executors, owned, workers, task_log, ray, ray_errors, exp, plan
 ) -> dict:
   """Leases tasks to idle workers, forwards results to executors, versions to the queue."""
   e = config.elastic
   call = lambda m, *a: _call(ray, ray_errors, m, *a)
-  log = lambda **kw: storage.append_line(log_path, {"t": time.time(), **kw})
+  log = lambda **kw: task_log.append({"t": time.time(), **kw})
   running, outer = {}, {}  # future -> (actor, task, start); future -> (executor, phase, worker)
   scoring = {}  # future -> (actor, path, start): a re-shard's scoring tasks (the driver's queue).
   timed_out = set()  # Scoring futures whose actor was killed for the task timeout.

@@ -16,17 +16,21 @@ here unpickles. Layout (t = outer steps applied, i.e. the phase that reads it):
   workers/w<w>/progress<t>/at.json written last: the newest complete s<i> (removed when done)
   alpha_phase<k>.json              routing phase k's α (k >= 1; phase 0's is in meta.json)
   scores_phase<k>/p<p>.npz         path p's scores of the router split for re-shard k (its task)
-  coordinator.json, executors/x<i>.json, meta.json, tasks.jsonl
+  coordinator.json, coordinator/results<t>.json, executors/x<i>.json, meta.json
+  tasks.jsonl (+ tasks-<i>.jsonl)  the task log: one JSON line per event (parts on gs://)
 """
 
+import functools
 import io
 import json
+import os
 
 import jax
 import numpy as np
 from etils import epath
 
 from dipaco_jax import files
+from dipaco_jax import summaries
 from dipaco_jax.types import PyTree
 
 ROOT = "elastic"
@@ -129,19 +133,58 @@ def load_json(path: epath.Path):
   return json.loads(path.read_text())
 
 
-def append_line(path: epath.Path, obj) -> None:
-  """One JSON line appended to a log (the task log; a torn last line is skipped by readers)."""
-  path.parent.mkdir(parents=True, exist_ok=True)
-  with path.open("a") as f:
-    f.write(json.dumps(obj, sort_keys=True) + "\n")
+TASK_LOG_PART_BYTES = 1 << 16  # gs://: the newest part of the task log, rewritten per event.
 
 
-def read_lines(path: epath.Path) -> list[dict]:
+def task_log_part(workdir: str, i: int) -> epath.Path:
+  """Part i of the task log: tasks.jsonl, then tasks-00001.jsonl, ... (object stores only)."""
+  return root(workdir) / ("tasks.jsonl" if i == 0 else f"tasks-{i:05d}.jsonl")
+
+
+def _end_torn_line(path: epath.Path) -> None:
+  """Ends the last line of a local log if a kill left it without its newline."""
+  if not path.exists():
+    return
+  with path.open("rb") as f:
+    f.seek(0, os.SEEK_END)
+    if f.tell() == 0:
+      return
+    f.seek(-1, os.SEEK_END)
+    last = f.read(1)
+  if last != b"\n":
+    with path.open("ab") as f:
+      f.write(b"\n")
+
+
+class TaskLog:
+  """The run's task log, the driver its one writer: summaries.AppendLog's parts on gs://.
+
+  An object store cannot append (gcsfs turns mode "a" into an overwrite), so
+  there the log is a sequence of parts, each rewritten whole. Locally it is one
+  file; a line torn by a kill is ended before the next run appends, so only
+  that line is lost (readers skip it).
+  """
+
+  def __init__(self, workdir: str):
+    part = functools.partial(task_log_part, str(workdir))
+    if summaries.appends_in_place(part(0)):
+      _end_torn_line(part(0))
+    self._log = summaries.AppendLog(part, part_bytes=TASK_LOG_PART_BYTES)
+
+  def append(self, obj) -> None:
+    self._log.append((json.dumps(obj, sort_keys=True) + "\n").encode())
+
+  def close(self) -> None:
+    self._log.close()
+
+
+def read_task_log(workdir: str) -> list[dict]:
+  """Every event of the task log, in order; a line torn by a kill mid-write is skipped."""
   out = []
-  if path.exists():
-    for line in path.read_text().splitlines():
+  for part in summaries.existing_parts(functools.partial(task_log_part, str(workdir))):
+    for line in part.read_text().splitlines():
       try:
         out.append(json.loads(line))
       except json.JSONDecodeError:
-        continue  # A line torn by a kill mid-write.
+        continue
   return out
