@@ -67,8 +67,7 @@ def _run(args, tmp, name, **kw):
 def _late_deltas(cfg, wd) -> tuple[int, int]:
   """Module outer steps taken without every worker through the module, and the deltas missed."""
   grid = grid_lib.Grid(cfg)
-  snap = storage.load_json(exec_lib.snapshot_file(wd, 0))
-  steps = [(k, u) for ph in snap.get("used", {}).values() for k, u in ph.items()]
+  steps = [(k, u) for ph in exec_lib.quorum_steps(wd, 0).values() for k, u in ph.items()]
   missed = sum(
     len(grid.workers_through(k.split("/")[0], int(k.split("/")[1]))) - len(u) for k, u in steps
   )

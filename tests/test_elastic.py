@@ -765,8 +765,12 @@ def test_quorum_end_to_end_with_a_slow_worker(tmp_path, ray_cluster):
   assert np.isfinite(out["train_loss_mean"])
   grid = grid_lib.Grid(cfg)
   snap = storage.load_json(exec_lib.snapshot_file(wd, 0))
-  assert snap["used"]["0"], snap  # Some module stepped phase 0 without every worker.
-  for key, used in snap["used"]["0"].items():
+  # Phase 0 is settled (phase 1 complete too): its record left the snapshot for its own file.
+  assert snap["settled"] == 1 and "0" not in snap["received"]
+  used0 = storage.load_json(exec_lib.settled_file(wd, 0, 0))["used"]
+  assert used0, snap  # Some module stepped phase 0 without every worker.
+  assert exec_lib.quorum_steps(wd, 0) == {0: used0}
+  for key, used in used0.items():
     g, e = key.split("/")
     through = grid.workers_through(g, int(e))
     assert 1 not in used and set(used) < set(through)

@@ -53,6 +53,27 @@ def snapshot_file(workdir: str, index: int):
   return storage.root(workdir) / "executors" / f"x{index}.json"
 
 
+def settled_file(workdir: str, index: int, phase: int):
+  """Quorum only: a settled phase's record (workers each module stepped with, deltas carried)."""
+  return storage.root(workdir) / "executors" / f"x{index}" / f"phase{phase:05d}.json"
+
+
+def quorum_steps(workdir: str, index: int) -> dict[int, dict]:
+  """Executor `index`'s steps without every worker: {phase: {module: the workers it used}}.
+
+  Settled phases from their files, the others from the snapshot.
+  """
+  out = {}
+  folder = settled_file(workdir, index, 0).parent
+  if folder.exists():
+    for f in folder.glob("phase*.json"):
+      out[int(f.name[len("phase") : -len(".json")])] = storage.load_json(f)["used"]
+  snap = snapshot_file(workdir, index)
+  if snap.exists():
+    out.update({int(t): u for t, u in storage.load_json(snap).get("used", {}).items()})
+  return {t: u for t, u in sorted(out.items()) if u}
+
+
 def assign_groups(group_names, num_executors: int) -> list[list[str]]:
   """Store groups dealt round-robin to the executors (each gets at least one or none)."""
   out = [[] for _ in range(num_executors)]
@@ -237,8 +258,12 @@ class OuterExecutor:
     """Forgets the phases no step can need again (t, once t and t+1 are complete)."""
     before = self.settled
     while self._complete(self.settled) and self._complete(self.settled + 1):
+      t = self.settled
+      if self.quorum < 1.0:  # Which deltas went where stays on record (docs/elastic.md).
+        record = {"used": self.used.get(t, {}), "carried": self.carried.get(t, {})}
+        storage.save_json(settled_file(self.workdir, self.index, t), record)
       for state in (self.received, self.applied, self.used, self.quorum_at, self.carried):
-        state.pop(self.settled, None)
+        state.pop(t, None)
       self.settled += 1
     return self.settled != before
 
