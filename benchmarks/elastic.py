@@ -439,6 +439,7 @@ def main():
     first = lambda c: min(e["t"] for e in _events(c.workdir) if e["event"] == "start")
     up_el = {"clean": first(clean) - clean.launches[0], "preempted": first(pre) - pre.launches[0]}
     up_spmd = spmd_wall - sum(_spmd_phase_walls(spmd.workdir, H, T, W * B * L, first=0))
+    pre_step, restarted_step = _step_s(pre.workdir, H, T), _spmd_step_s(restarted.workdir, H)
     report["goodput"] = {
       "definition": "useful inner steps x clean step time / (worker actors x command wall)",
       "elastic_preempted": useful_el / pre_wall,
@@ -458,15 +459,15 @@ def main():
       # Each run against its own step time: sequential runs on a shared machine drift (a
       # preempted run whose steps ran faster than its clean twin's could read above 1 above).
       "own_step_time": {
-        "elastic_preempted": W * T * H * _step_s(pre.workdir, H, T) / A / pre_wall,
+        "elastic_preempted": W * T * H * pre_step / A / pre_wall,
         "elastic_clean": useful_el / clean_wall,
-        "spmd_with_restart": T * H * _spmd_step_s(restarted.workdir, H) / rs["wall_s"],
+        "spmd_with_restart": T * H * restarted_step / rs["wall_s"],
         "spmd_clean": useful_spmd / spmd_wall,
         "step_s": {
           "elastic_clean": step_s,
-          "elastic_preempted": _step_s(pre.workdir, H, T),
+          "elastic_preempted": pre_step,
           "spmd_clean": spmd_step,
-          "spmd_with_restart": _spmd_step_s(restarted.workdir, H),
+          "spmd_with_restart": restarted_step,
         },
       },
       "preemptions_scheduled": kills,

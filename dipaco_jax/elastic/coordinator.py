@@ -52,11 +52,8 @@ def summary(result: dict) -> dict:
 def read_results(workdir: str) -> dict:
   """Every accepted task's `summary`, keyed "phase/worker" (a snapshot's, without the actor)."""
   done = {}
-  folder = storage.root(workdir) / RESULTS
-  if folder.exists():
-    for f in sorted(folder.glob("results*.json")):
-      phase = int(f.name[len("results") : -len(".json")])
-      done.update({_task_key(phase, w): r for w, r in storage.load_json(f).items()})
+  for phase, f in storage.numbered(storage.root(workdir) / RESULTS, "results").items():
+    done.update({_task_key(phase, w): r for w, r in storage.load_json(f).items()})
   return done
 
 

@@ -63,11 +63,8 @@ def quorum_steps(workdir: str, index: int) -> dict[int, dict]:
 
   Settled phases from their files, the others from the snapshot.
   """
-  out = {}
   folder = settled_file(workdir, index, 0).parent
-  if folder.exists():
-    for f in folder.glob("phase*.json"):
-      out[int(f.name[len("phase") : -len(".json")])] = storage.load_json(f)["used"]
+  out = {t: storage.load_json(f)["used"] for t, f in storage.numbered(folder, "phase").items()}
   snap = snapshot_file(workdir, index)
   if snap.exists():
     out.update({int(t): u for t, u in storage.load_json(snap).get("used", {}).items()})

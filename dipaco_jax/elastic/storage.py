@@ -77,6 +77,14 @@ def scores_file(workdir: str, routing_phase: int, path: int) -> epath.Path:
   return root(workdir) / f"scores_phase{routing_phase}" / f"p{path:05d}.npz"
 
 
+def numbered(folder: epath.Path, prefix: str, suffix: str = ".json") -> dict[int, epath.Path]:
+  """Files `<prefix><n><suffix>` of `folder` (none if it is missing), keyed by n, in order."""
+  if not folder.exists():
+    return {}
+  found = {int(f.name[len(prefix) : -len(suffix)]): f for f in folder.glob(f"{prefix}*{suffix}")}
+  return dict(sorted(found.items()))
+
+
 def _write_atomic(path: epath.Path, data: bytes) -> None:
   files.write_bytes(path, data)  # Whole; several writers of the same bytes are fine.
 
