@@ -22,7 +22,12 @@ compiling them again. Figures (docs/elastic.md "Figures"):
     command again; kills counted from the task log; final checkpoint vs the clean run's;
   goodput (item 8): useful inner steps x clean step time / (worker actors x command
     wall) under one preemption per ~--tasks_per_kill tasks, elastic vs spmd with a real
-    restart from its last checkpoint (SIGKILL of the spmd command, rerun).
+    restart from its last checkpoint (SIGKILL of the spmd command, rerun); where each
+    run's actor seconds went (start-up, steps, task overheads, waits, failed tasks);
+  --grid: the goodput/chaos/pin runs' 2x2 grid: `shared_embed` (one embedding+head
+    module read by all 4 paths, so each phase ends at a barrier) or `path_specific`
+    (private embedding and head, as the paper's 16x16: a path's next phase waits only
+    for the 3 paths it shares a module with).
 """
 # pylint: disable=invalid-name
 
@@ -46,6 +51,11 @@ sys.path.insert(0, ROOT)
 B, L = 4, 64  # Batch size and sequence length of every run.
 GRID = {"dipaco.level_groups": ("embed,head", "block_0", "block_1")}  # 2x2 paths, shared embed.
 GRID["dipaco.modules_per_level"] = (1, 2, 2)
+# The paper's 16x16 layout in small (§4.2): embedding and head private to each path, so no
+# module is shared by all paths; path i-j shares block_0 module i and block_1 module j.
+PATH_SPECIFIC = {"dipaco.level_groups": ("block_0", "block_1"), "dipaco.modules_per_level": (2, 2)}
+PATH_SPECIFIC["dipaco.path_specific"] = "embed,head"
+GRIDS = {"shared_embed": GRID, "path_specific": PATH_SPECIFIC}
 HETERO = {"dipaco.level_groups": ("embed,block_0", "block_1,head")}  # Path i-j shares i or j.
 HETERO["dipaco.modules_per_level"] = (2, 2)
 ONE = {"dipaco.level_groups": ("embed,block_0-1,head",), "dipaco.modules_per_level": (1,)}
@@ -226,6 +236,61 @@ def _task_breakdown(workdir, events, T) -> dict:
   return {k: statistics.median(v) for k, v in parts.items()}
 
 
+def _actor_seconds(workdir, launch: float, wall: float, A: int, T: int) -> dict:
+  """Where a run's worker actor seconds (A x command wall) went, from its task log.
+
+  Each actor's time is cut into: before its first task (`startup`); inside
+  accepted tasks, as inner steps (`task_steps`), evaluation-only tasks of phase
+  T (`task_eval_only`) and the rest of a task (load, evaluation, saves, the
+  call's round trip: `task_other`); tasks that died (`task_failed`) and re-shard
+  scoring (`scoring`); idle after a failed task until its next one (`restart`),
+  idle between tasks otherwise (`wait`: no task ready, the phase barrier); and
+  after its last task (`tail`: the last phase's outer step, the final state).
+  """
+  res, out = (
+    _results(workdir),
+    dict.fromkeys(
+      ("startup", "task_steps", "task_eval_only", "task_other", "task_failed", "scoring"), 0.0
+    ),
+  )
+  out.update(restart=0.0, wait=0.0, tail=0.0)
+  spans = {a: [] for a in range(A)}  # actor -> [(start, end, kind, key)] in time order.
+  open_ = {}
+  for e in _events(workdir):
+    kind = e["event"]
+    if kind in ("start", "start_score"):
+      open_[e["actor"]] = (e["t"], e.get("phase"), e.get("worker"))
+    elif kind in ("done", "failed", "scored", "failed_score") and e.get("actor") in open_:
+      t, phase, worker = open_.pop(e["actor"])
+      spans[e["actor"]].append((t, e["t"], kind, (phase, worker)))
+  end = launch + wall
+  for sp in spans.values():
+    if not sp:
+      out["startup"] += wall
+      continue
+    out["startup"] += sp[0][0] - launch
+    out["tail"] += end - sp[-1][1]
+    for i, (t, u, kind, (phase, worker)) in enumerate(sp):
+      if i:
+        out["restart" if sp[i - 1][2] in ("failed", "failed_score") else "wait"] += t - sp[i - 1][1]
+      if kind == "done" and phase == T:
+        out["task_eval_only"] += u - t
+      elif kind == "done":
+        steps = res[f"{phase}/{worker}"]["clock"]["steps"]
+        out["task_steps"] += steps
+        out["task_other"] += u - t - steps
+      elif kind == "scored":
+        out["scoring"] += u - t
+      else:
+        out["task_failed"] += u - t
+  total = A * wall
+  return {
+    "seconds": out,
+    "fraction": {k: v / total for k, v in out.items()},
+    "actor_seconds": total,
+  }
+
+
 def _same(a, b) -> bool:
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
@@ -340,6 +405,9 @@ def main():
   p.add_argument("--overhead_phases", type=int, default=6, help="outer steps of the 1-worker runs")
   p.add_argument("--outer_steps", type=int, default=6, help="outer steps of the grid runs")
   p.add_argument("--workers", type=int, default=2, help="worker actors of the grid runs")
+  p.add_argument(
+    "--grid", default="shared_embed", choices=sorted(GRIDS), help="of the goodput/chaos/pin runs"
+  )
   p.add_argument("--tasks_per_kill", type=int, default=10)
   p.add_argument(
     "--progress_every", type=int, default=0, help="elastic.progress_every_steps of elastic runs"
@@ -353,12 +421,13 @@ def main():
   p.add_argument("--only", default="overhead,hetero,chaos,goodput")
   args = p.parse_args()
   H, T, A, only = args.inner_steps, args.outer_steps, args.workers, args.only.split(",")
+  G = GRIDS[args.grid]
   tmp = tempfile.mkdtemp(prefix="elastic_bench_")
   if args.compile_cache:  # Inherited by every child command and its Ray workers.
     os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(tmp, "jax_cache")
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
-  W = 4  # Paths of GRID and HETERO.
+  W = 4  # Paths of every grid (GRIDS, HETERO).
   el = {"dipaco.mode": "elastic", "elastic.num_workers": A}
   el["elastic.compile_cache"] = "auto" if args.compile_cache else "off"  # "auto": the env's.
   el["elastic.progress_every_steps"] = args.progress_every  # Clean runs pay the saves too.
@@ -367,6 +436,7 @@ def main():
     "inner_steps": H,
     "outer_steps": T,
     "worker_actors": A,
+    "grid": f"{args.grid}: {G}",
     "progress_every_steps": args.progress_every,
     "compile_cache": args.compile_cache,
     "machine": f"{os.cpu_count()} CPU cores, load {os.getloadavg()[0]:.1f} at start",
@@ -409,28 +479,31 @@ def main():
   if "goodput" in only or "chaos" in only:  # 2. The clean elastic grid run: the reference.
     # Warm-ups (untimed): the grid's shards and both modes' compilation cache entries, so
     # every timed command below starts alike.
-    _Command(tmp, "warm_spmd", H, T, shards, **{"stop_at_step": 1}).run()
-    _Command(tmp, "warm_el", H, T, shards, **el, **{"elastic.stop_after_tasks": A}).run()
-    clean = _Command(tmp, "clean", H, T, shards, **el)
+    _Command(tmp, "warm_spmd", H, T, shards, **G, **{"stop_at_step": 1}).run()
+    _Command(tmp, "warm_el", H, T, shards, **G, **el, **{"elastic.stop_after_tasks": A}).run()
+    clean = _Command(tmp, "clean", H, T, shards, **G, **el)
     _, clean_wall = clean.run()
     step_s = _step_s(clean.workdir, H, T)
     report["clean"] = {
       "wall_command_s": clean_wall,
       "step_s": step_s,
       "outer_latency_s": _outer_latency(_events(clean.workdir), T),
+      "where_actor_time_went": _actor_seconds(clean.workdir, clean.launches[0], clean_wall, A, T),
       "load": round(os.getloadavg()[0], 1),
     }
     save()
 
   if "goodput" in only:  # 3. One preemption per ~tasks_per_kill tasks: elastic vs spmd.
     kills = max(1, round(tasks / args.tasks_per_kill))
-    pre = _Command(tmp, "preempted", H, T, shards, **el, **{"elastic.chaos_worker_kills": kills})
+    pre = _Command(
+      tmp, "preempted", H, T, shards, **G, **el, **{"elastic.chaos_worker_kills": kills}
+    )
     _, pre_wall = pre.run()
     audit = _task_log_audit(_events(pre.workdir), _results(pre.workdir), W, T)
-    spmd = _Command(tmp, "spmd", H, T, shards)
+    spmd = _Command(tmp, "spmd", H, T, shards, **G)
     _, spmd_wall = spmd.run()
     spmd_step = _spmd_step_s(spmd.workdir, H)
-    restarted = _Command(tmp, "spmd_restarted", H, T, shards)
+    restarted = _Command(tmp, "spmd_restarted", H, T, shards, **G)
     rs = _spmd_with_restarts(restarted, H, T, kills, args.seed)
     useful_el = W * T * H * step_s / A  # Per worker actor.
     useful_spmd = T * H * spmd_step
@@ -476,6 +549,7 @@ def main():
       + audit["worker_kills_mid_progress_save"],
       "elastic_task_log": audit,
       "elastic_identical_to_clean": _same(clean.workdir, pre.workdir),
+      "elastic_preempted_actor_time": _actor_seconds(pre.workdir, pre.launches[0], pre_wall, A, T),
       "spmd_restarts": rs,
       "spmd_identical_to_clean": _same(spmd.workdir, restarted.workdir),
       "wall_command_s": {
@@ -498,6 +572,7 @@ def main():
       H,
       T,
       shards,
+      **G,
       **el,
       **{
         "elastic.chaos_worker_kills": args.chaos_worker_kills,
@@ -583,11 +658,13 @@ def main():
 
   if "pin" in only:  # 6. elastic.pin_cpus on vs off: the clean grid run, pairs in turn.
     pin_shards = os.path.join(tmp, "shards_pin")
-    _Command(tmp, "warm_pin", H, T, pin_shards, **el, **{"elastic.stop_after_tasks": A}).run()
+    _Command(tmp, "warm_pin", H, T, pin_shards, **G, **el, **{"elastic.stop_after_tasks": A}).run()
     walls, steps = {True: [], False: []}, {True: [], False: []}
     for r in range(args.pairs):
       for pin in (r % 2 == 0, r % 2 == 1):  # Alternating which goes first.
-        c = _Command(tmp, f"pin_{pin}_{r}", H, T, pin_shards, **el, **{"elastic.pin_cpus": pin})
+        c = _Command(
+          tmp, f"pin_{pin}_{r}", H, T, pin_shards, **G, **el, **{"elastic.pin_cpus": pin}
+        )
         walls[pin].append(c.run()[1])
         steps[pin].append(_step_s(c.workdir, H, T))
     report["pin_cpus"] = {
