@@ -7,7 +7,6 @@ from dipaco_jax.data.assign import random_assignment
 from dipaco_jax.data.assign import with_description
 from dipaco_jax.data.batcher import Holdout
 from dipaco_jax.data.batcher import WorkerBatcher
-from dipaco_jax.data.batcher import pack
 from dipaco_jax.data.batcher import synthetic_batch
 from dipaco_jax.data.document import Document
 from dipaco_jax.data.prepare import finish_shards

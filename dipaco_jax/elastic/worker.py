@@ -27,7 +27,6 @@ import time
 
 import jax
 import numpy as np
-from absl import logging
 
 from dipaco_jax import data as data_lib
 from dipaco_jax import early_stopping
@@ -97,29 +96,6 @@ class PathWorker:
     self._ahead = train.dispatch_ahead(config)  # As the spmd loop: on TPU/GPU, off on CPU.
     delays = tuple(config.elastic.step_delay_s)
     self._delay = float(delays[self.index]) if self.index < len(delays) else 0.0
-    try:
-      self._compile()
-    except Exception as e:  # pylint: disable=broad-except
-      # Not here: an error raised in an actor's constructor kills it for good. The first
-      # task compiles again and fails with this error as its own, which stops the run.
-      logging.warning("worker %d: compiling ahead of the first task failed: %r", index, e)
-
-  def _compile(self) -> None:
-    """Compiles the task's step, AdamW init and evaluation from shapes alone, before any task.
-
-    What a task passes them: host arrays as storage.load_tree gives (no weak types) and a
-    WorkerBatcher batch of one worker. jit reuses these executables at the task's first
-    call, so a new actor compiles (or loads from the compilation cache) while the
-    driver still prepares θ̄, shards and store, and a restarted one answers the
-    driver's probe ready to step.
-    """
-    host = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)
-    params = host(self.grid.params_template())
-    d = self.config.data
-    batch = host({k: v[None] for k, v in data_lib.pack([], d.batch_size, d.seq_len).items()})
-    self._step.lower(params, host(self.grid.inner_opt_template()), batch).compile()
-    self._init_opt.lower(params).compile()
-    self._eval.lower(params, batch).compile()
 
   def pid(self) -> int:
     return os.getpid()
