@@ -2,6 +2,7 @@
 # pylint: disable=invalid-name
 
 import contextlib
+import importlib.util
 import itertools
 import json
 import os
@@ -343,6 +344,48 @@ def test_task_log_continues_across_runs_and_loses_only_a_torn_line(tmp_path):
   again.append({"event": "start", "phase": 1})
   again.close()
   assert [e["event"] for e in storage.read_task_log(wd)] == ["start", "done", "start"]
+
+
+def test_benchmark_splits_actor_seconds_from_the_task_log(tmp_path):
+  """benchmarks/elastic.py's goodput breakdown, on a hand-made log of 2 actors, T=1, 20 s."""
+  spec = importlib.util.spec_from_file_location(
+    "elastic_benchmark", os.path.join(helpers.ROOT, "benchmarks", "elastic.py")
+  )
+  bench = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(bench)
+  wd = str(tmp_path)
+  log = storage.TaskLog(wd)
+  for t, event, actor, phase, worker in [
+    (2.0, "start", 0, 0, 0),
+    (3.0, "start", 1, 0, 1),
+    (5.0, "failed", 1, 0, 1),  # Killed: 2 s lost, then 2 s until it runs again.
+    (7.0, "start", 1, 0, 1),
+    (8.0, "done", 0, 0, 0),
+    (9.0, "start", 0, 1, 0),  # Evaluation only (phase T).
+    (10.0, "done", 0, 1, 0),
+    (15.0, "done", 1, 0, 1),
+    (15.5, "start", 1, 1, 1),
+    (16.0, "done", 1, 1, 1),
+  ]:
+    log.append({"t": 100.0 + t, "event": event, "actor": actor, "phase": phase, "worker": worker})
+  log.close()
+  results = {"0": {"clock": {"steps": 5.0}}, "1": {"clock": {"steps": 7.0}}}
+  storage.save_json(coord_lib._results_file(wd, 0), results)
+  got = bench._actor_seconds(wd, launch=100.0, wall=20.0, A=2, T=1)
+  want = {
+    "startup": 2.0 + 3.0,  # Launch -> each actor's first task.
+    "task_steps": 5.0 + 7.0,
+    "task_eval_only": 1.0 + 0.5,
+    "task_other": (6.0 - 5.0) + (8.0 - 7.0),
+    "task_failed": 2.0,
+    "scoring": 0.0,
+    "restart": 2.0,
+    "wait": (9.0 - 8.0) + (15.5 - 15.0),
+    "tail": (20.0 - 10.0) + (20.0 - 16.0),
+  }
+  assert got["seconds"] == pytest.approx(want)
+  assert sum(got["seconds"].values()) == pytest.approx(got["actor_seconds"]) == 40.0
+  assert got["fraction"]["tail"] == pytest.approx(14.0 / 40.0)
 
 
 def test_queue_holds_the_reshard_phase_until_its_shards_are_written(tmp_path):
