@@ -236,7 +236,7 @@ def _task_breakdown(workdir, events, T) -> dict:
   return {k: statistics.median(v) for k, v in parts.items()}
 
 
-def _actor_seconds(workdir, launch: float, wall: float, A: int, T: int) -> dict:
+def _actor_seconds(events, results, launch: float, wall: float, A: int, T: int) -> dict:
   """Where a run's worker actor seconds (A x command wall) went, from its task log.
 
   Each actor's time is cut into: before its first task (`startup`); inside
@@ -247,16 +247,11 @@ def _actor_seconds(workdir, launch: float, wall: float, A: int, T: int) -> dict:
   idle between tasks otherwise (`wait`: no task ready, the phase barrier); and
   after its last task (`tail`: the last phase's outer step, the final state).
   """
-  res, out = (
-    _results(workdir),
-    dict.fromkeys(
-      ("startup", "task_steps", "task_eval_only", "task_other", "task_failed", "scoring"), 0.0
-    ),
-  )
-  out.update(restart=0.0, wait=0.0, tail=0.0)
+  parts = ("startup", "task_steps", "task_eval_only", "task_other", "task_failed", "scoring")
+  out = dict.fromkeys(parts + ("restart", "wait", "tail"), 0.0)
   spans = {a: [] for a in range(A)}  # actor -> [(start, end, kind, key)] in time order.
   open_ = {}
-  for e in _events(workdir):
+  for e in events:
     kind = e["event"]
     if kind in ("start", "start_score"):
       open_[e["actor"]] = (e["t"], e.get("phase"), e.get("worker"))
@@ -276,7 +271,7 @@ def _actor_seconds(workdir, launch: float, wall: float, A: int, T: int) -> dict:
       if kind == "done" and phase == T:
         out["task_eval_only"] += u - t
       elif kind == "done":
-        steps = res[f"{phase}/{worker}"]["clock"]["steps"]
+        steps = results[f"{phase}/{worker}"]["clock"]["steps"]
         out["task_steps"] += steps
         out["task_other"] += u - t - steps
       elif kind == "scored":
@@ -484,11 +479,14 @@ def main():
     clean = _Command(tmp, "clean", H, T, shards, **G, **el)
     _, clean_wall = clean.run()
     step_s = _step_s(clean.workdir, H, T)
+    ev = _events(clean.workdir)
     report["clean"] = {
       "wall_command_s": clean_wall,
       "step_s": step_s,
-      "outer_latency_s": _outer_latency(_events(clean.workdir), T),
-      "where_actor_time_went": _actor_seconds(clean.workdir, clean.launches[0], clean_wall, A, T),
+      "outer_latency_s": _outer_latency(ev, T),
+      "where_actor_time_went": _actor_seconds(
+        ev, _results(clean.workdir), clean.launches[0], clean_wall, A, T
+      ),
       "load": round(os.getloadavg()[0], 1),
     }
     save()
@@ -499,7 +497,8 @@ def main():
       tmp, "preempted", H, T, shards, **G, **el, **{"elastic.chaos_worker_kills": kills}
     )
     _, pre_wall = pre.run()
-    audit = _task_log_audit(_events(pre.workdir), _results(pre.workdir), W, T)
+    pre_events, pre_results = _events(pre.workdir), _results(pre.workdir)
+    audit = _task_log_audit(pre_events, pre_results, W, T)
     spmd = _Command(tmp, "spmd", H, T, shards, **G)
     _, spmd_wall = spmd.run()
     spmd_step = _spmd_step_s(spmd.workdir, H)
@@ -549,7 +548,9 @@ def main():
       + audit["worker_kills_mid_progress_save"],
       "elastic_task_log": audit,
       "elastic_identical_to_clean": _same(clean.workdir, pre.workdir),
-      "elastic_preempted_actor_time": _actor_seconds(pre.workdir, pre.launches[0], pre_wall, A, T),
+      "elastic_preempted_actor_time": _actor_seconds(
+        pre_events, pre_results, pre.launches[0], pre_wall, A, T
+      ),
       "spmd_restarts": rs,
       "spmd_identical_to_clean": _same(spmd.workdir, restarted.workdir),
       "wall_command_s": {

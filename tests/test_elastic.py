@@ -369,9 +369,8 @@ def test_benchmark_splits_actor_seconds_from_the_task_log(tmp_path):
   ]:
     log.append({"t": 100.0 + t, "event": event, "actor": actor, "phase": phase, "worker": worker})
   log.close()
-  results = {"0": {"clock": {"steps": 5.0}}, "1": {"clock": {"steps": 7.0}}}
-  storage.save_json(coord_lib._results_file(wd, 0), results)
-  got = bench._actor_seconds(wd, launch=100.0, wall=20.0, A=2, T=1)
+  results = {"0/0": {"clock": {"steps": 5.0}}, "0/1": {"clock": {"steps": 7.0}}}
+  got = bench._actor_seconds(storage.read_task_log(wd), results, 100.0, 20.0, A=2, T=1)
   want = {
     "startup": 2.0 + 3.0,  # Launch -> each actor's first task.
     "task_steps": 5.0 + 7.0,
