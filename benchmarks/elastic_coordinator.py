@@ -81,15 +81,17 @@ def main():
   p.add_argument("--budget_s", type=float, default=120.0)
   args = p.parse_args()
   from dipaco_jax.elastic import coordinator as coord_lib  # pylint: disable=g-import-not-at-top
+  from dipaco_jax.elastic import grid as grid_lib  # pylint: disable=g-import-not-at-top
 
   grid = tuple(int(x) for x in args.grid.split(","))
   H, T = args.inner_steps, 427
   config = _config(grid, H, T)
   rows, t_start = [], time.time()
   with tempfile.TemporaryDirectory(prefix="coordinator_bench_") as workdir:
-    c = coord_lib.Coordinator(config, workdir)
+    queue_plan = grid_lib.Grid(config).queue_plan()
+    c = coord_lib.Coordinator(queue_plan, workdir)
     keys = sorted(c.versions)
-    W = c.grid.W
+    W = queue_plan.workers
     for t in range(args.phases):
       t0 = time.time()
       for _ in range(W):
@@ -111,7 +113,7 @@ def main():
       if time.time() - t_start > args.budget_s:
         break
     t0 = time.time()
-    coord_lib.Coordinator(config, workdir)  # A restart: the snapshot read back.
+    coord_lib.Coordinator(queue_plan, workdir)  # A restart: the snapshot read back.
     restore_s = time.time() - t0
   report = {
     "command": " ".join([os.path.basename(sys.executable)] + sys.argv),

@@ -6,7 +6,10 @@ import importlib.util
 import itertools
 import json
 import os
+import pickle
 import shutil
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -277,13 +280,18 @@ def test_quorum_grace_window_runs_from_the_quorum(tmp_path, monkeypatch):
   assert _value(wd, grid, "embed", 0, 1) == (1.0 + 2.0 + 3.0) / 3
 
 
+def _queue(cfg, workdir: str) -> coord_lib.Coordinator:
+  """The coordinator of `cfg`'s run, as the driver builds it (its plan from the grid)."""
+  return coord_lib.Coordinator(grid_lib.Grid(cfg).queue_plan(), workdir)
+
+
 # ---- The queue. ----
 
 
 def test_queue_rounds_requeue_idempotence_and_snapshot(tmp_path):
   cfg = _config(**{"elastic.task_timeout_s": 1000.0})
   wd = str(tmp_path)
-  q = coord_lib.Coordinator(cfg, wd)
+  q = _queue(cfg, wd)
   assert q.pending == [(0, 0), (0, 1), (0, 2), (0, 3)]
   a, b = q.lease(0), q.lease(1)  # Two actors, four tasks: rounds.
   assert (a, b) == ((0, 0), (0, 1))
@@ -300,11 +308,11 @@ def test_queue_rounds_requeue_idempotence_and_snapshot(tmp_path):
   q.modules_updated(0, ["block_1/0"])
   assert q.pending == [(0 + 1, 0)]  # Only worker 0's modules are all at version 1.
   leased = q.lease(3)
-  restored = coord_lib.Coordinator(cfg, wd)  # A restarted coordinator: the lease is requeued.
+  restored = _queue(cfg, wd)  # A restarted coordinator: the lease is requeued.
   assert restored.pending == [leased] and restored.done == q.done
   assert restored.unreported() == [(0, 1), (0, 2), (0, 3)]
   # With a quorum, worker 0's phase-0 delta may still be owed to a later step: re-reported too.
-  quorum = coord_lib.Coordinator(_config(**{"elastic.quorum": 0.5}), wd)
+  quorum = _queue(_config(**{"elastic.quorum": 0.5}), wd)
   assert quorum.unreported() == [(0, 0), (0, 1), (0, 2), (0, 3)]
   # The snapshot holds the queue; results are per phase, whatever the run's length.
   assert "done" not in storage.load_json(storage.root(wd) / "coordinator.json")
@@ -319,7 +327,7 @@ def test_queue_rounds_requeue_idempotence_and_snapshot(tmp_path):
   restored._save = killed
   with pytest.raises(OSError):
     restored.complete(*task, {"loss": [0.3, 0.25]})
-  again = coord_lib.Coordinator(cfg, wd)
+  again = _queue(cfg, wd)
   assert again.done[f"{task[0]}/{task[1]}"] == {"last_loss": 0.25} and again.pending == []
   # A snapshot of the earlier layout (results inside coordinator.json) moves into the new one.
   old = {"versions": again.versions, "pending": [], "leased": [], "reshards": []}
@@ -327,7 +335,7 @@ def test_queue_rounds_requeue_idempotence_and_snapshot(tmp_path):
     storage.root(str(tmp_path / "old")) / "coordinator.json",
     {**old, "done": {"0/2": {"loss": [1.0, 2.0]}}},
   )
-  moved = coord_lib.Coordinator(cfg, str(tmp_path / "old"))
+  moved = _queue(cfg, str(tmp_path / "old"))
   assert moved.done == {"0/2": {"last_loss": 2.0}}
   assert coord_lib.read_results(str(tmp_path / "old")) == moved.done
 
@@ -389,18 +397,18 @@ def test_benchmark_splits_actor_seconds_from_the_task_log(tmp_path):
 
 def test_queue_holds_the_reshard_phase_until_its_shards_are_written(tmp_path):
   cfg = _config(**{"routing.discriminative_at_outer_step": 1, "dipaco.outer_steps": 3})
-  q = coord_lib.Coordinator(cfg, str(tmp_path))
+  q = _queue(cfg, str(tmp_path))
   assert q.reshard_due() == (None, [])
   for _ in range(4):
     q.complete(*q.lease(0), {})
-  keys = [grid_lib.module_key(g, e) for g, e in q.grid.used_modules()]
+  keys = sorted(q.versions)
   q.modules_updated(0, keys[:-1])
   assert q.reshard_due() == (None, [])  # One module still at version 0.
   q.modules_updated(0, keys[-1:])
   assert q.pending == [] and q.reshard_due() == (1, [])  # Every module at 1: the barrier.
   q.resharded(1)
   assert q.pending == [(1, 0), (1, 1), (1, 2), (1, 3)] and q.reshard_due() == (None, [1])
-  assert coord_lib.Coordinator(cfg, str(tmp_path)).reshards == [1]  # Snapshotted.
+  assert _queue(cfg, str(tmp_path)).reshards == [1]  # Snapshotted.
 
 
 def test_reshard_fits_on_the_pools_scores_refits_after_a_cut_save_reloads_a_saved_router(tmp_path):
@@ -475,7 +483,8 @@ def test_worker_resumes_from_its_progress_save_with_the_same_bytes(tmp_path, mon
   six = {"dipaco.inner_steps": 6, "eval.every_steps": 6, "ckpt.every_steps": 6}
   cfg = _config(**{"data.shard_dir": str(tmp_path / "s"), "elastic.progress_every_steps": 2, **six})
   wd = str(tmp_path / "wd")
-  grid = driver._prepare(cfg, wd)[1]  # pylint: disable=protected-access
+  grid = grid_lib.Grid(cfg)
+  driver._prepare(cfg, wd, grid)  # pylint: disable=protected-access
   for s in grid.groups:  # Version 1 = version 0: task (1, w) reads it (and evaluates it).
     for e in range(s.num_modules):
       for kind in ("v", "opt"):
@@ -549,7 +558,8 @@ def test_scoring_tasks_give_the_drivers_scores_and_router(tmp_path, monkeypatch)
     }
   )
   wd = str(tmp_path / "wd")
-  exp, grid, plan, _ = driver._prepare(cfg, wd)  # pylint: disable=protected-access
+  grid = grid_lib.Grid(cfg)
+  exp, plan, _ = driver._prepare(cfg, wd, grid)  # pylint: disable=protected-access
   rng = np.random.default_rng(0)
   for s in grid.groups:  # Version 1 (the re-shard's): version 0 (θ̄ everywhere) + noise.
     for e in range(s.num_modules):
@@ -582,8 +592,21 @@ def test_scoring_tasks_give_the_drivers_scores_and_router(tmp_path, monkeypatch)
     routing.fit_discriminative_router(cfg, None, plan.extractor, scores_NxP=ref[:39], topo=exp.topo)
 
 
+def test_coordinator_process_imports_no_jax():
+  """The queue actor starts in a fraction of a second: its module and its plan need no JAX."""
+  code = (
+    "import pickle, sys\n"
+    "from dipaco_jax.elastic import coordinator\n"
+    "pickle.loads(sys.stdin.buffer.read())\n"
+    "print(sorted(m for m in ('jax', 'flax', 'tensorboard') if m in sys.modules))"
+  )
+  plan = pickle.dumps(grid_lib.Grid(_config()).queue_plan())  # What Ray sends the actor.
+  out = subprocess.run([sys.executable, "-c", code], input=plan, capture_output=True, check=True)
+  assert out.stdout.decode().strip() == "[]"
+
+
 def test_queue_timeout_requeues(tmp_path):
-  q = coord_lib.Coordinator(_config(**{"elastic.task_timeout_s": 1e-9}), str(tmp_path))
+  q = _queue(_config(**{"elastic.task_timeout_s": 1e-9}), str(tmp_path))
   task = q.lease(0)
   assert q.expired() == [(task, 0)] and q.pending[0] == task
 

@@ -214,6 +214,7 @@ def test_elastic_storage_round_trip(bucket):
 def test_elastic_task_log_and_queue_results_in_the_bucket(bucket, monkeypatch):
   # gcsfs turns an append into an overwrite: the task log is parts there, each written whole.
   from dipaco_jax.elastic import coordinator  # pylint: disable=g-import-not-at-top
+  from dipaco_jax.elastic import grid as grid_lib  # pylint: disable=g-import-not-at-top
 
   monkeypatch.setattr(elastic_storage, "TASK_LOG_PART_BYTES", 60)  # ~2 events a part.
   wd = f"{bucket}/el"
@@ -232,10 +233,11 @@ def test_elastic_task_log_and_queue_results_in_the_bucket(bucket, monkeypatch):
   assert "el/elastic/tasks-00001.jsonl" in objects(bucket)
   # The queue's per-phase results files, read back by a restarted coordinator.
   cfg = helpers.micro_config(**{"dipaco.mode": "elastic", "model.vocab_size": 8192})
-  q = coordinator.Coordinator(cfg, wd)
+  plan = grid_lib.Grid(cfg).queue_plan()
+  q = coordinator.Coordinator(plan, wd)
   for w in range(2):
     q.complete(*q.lease(w), {"loss": [3.0, 2.0 + w]})
-  restored = coordinator.Coordinator(cfg, wd)
+  restored = coordinator.Coordinator(plan, wd)
   assert restored.done == {"0/0": {"last_loss": 2.0}, "0/1": {"last_loss": 3.0}}
   assert restored.pending == [(0, 2), (0, 3)]
 

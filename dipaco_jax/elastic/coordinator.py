@@ -23,10 +23,10 @@ the first (benchmarks/elastic_coordinator.py). A task's per-step losses are in
 its own done.json (storage.py).
 """
 
+import dataclasses
 import os
 import time
 
-from dipaco_jax.elastic import grid as grid_lib
 from dipaco_jax.elastic import storage
 
 SNAPSHOT = "coordinator.json"
@@ -57,15 +57,32 @@ def read_results(workdir: str) -> dict:
   return done
 
 
+@dataclasses.dataclass(frozen=True)
+class QueuePlan:
+  """What the queue needs of the run (grid.Grid.queue_plan): plain values.
+
+  The coordinator process builds no model shapes and imports no JAX, so it
+  answers the driver's first lease (and comes back from a kill) in a fraction
+  of a second rather than after a worker-sized start-up.
+  """
+
+  workers: int  # W: tasks (t, w) for w < W.
+  phases: int  # T: tasks (t, w) for t <= T (tasks (T, w) only evaluate).
+  reshard_steps: tuple[int, ...]  # routing.discriminative_steps.
+  modules_of_worker: tuple[tuple[str, ...], ...]  # Worker w's module keys ("group/e").
+  timeout_s: float  # config.elastic.task_timeout_s.
+  # With a quorum (config.elastic.quorum < 1) a module steps without some reports; they still
+  # count for its next step (executor.py), so a restarted driver re-reports one phase further.
+  slack: int = 0
+
+
 class Coordinator:
   """Queue, leases, accepted results and module versions of an elastic run."""
 
-  def __init__(self, config, workdir: str):
-    self.grid = grid_lib.Grid(config)
-    self.timeout_s = float(config.elastic.task_timeout_s)
-    # With a quorum a module steps without some reports; they still count for its next step
-    # (executor.py), so a restarted driver re-reports one phase further back.
-    self._slack = 1 if config.elastic.quorum < 1.0 else 0
+  def __init__(self, plan: QueuePlan, workdir: str):
+    self.plan = plan
+    self.timeout_s = float(plan.timeout_s)
+    self._slack = plan.slack
     self.workdir = str(workdir)
     self._path = storage.root(workdir) / SNAPSHOT
     self.done = read_results(workdir)
@@ -82,10 +99,10 @@ class Coordinator:
       self.requeued = int(s.get("requeued", 0)) + len(leased)
       self.reshards = [int(x) for x in s.get("reshards", [])]
     else:
-      self.versions = {grid_lib.module_key(g, e): 0 for g, e in self.grid.used_modules()}
+      self.versions = {key: 0 for keys in plan.modules_of_worker for key in keys}
       self.pending, self.requeued, self.reshards = [], 0, []
     # Per worker, its tasks are accepted in phase order: the first phase not done yet.
-    self._next = [0] * self.grid.W
+    self._next = [0] * plan.workers
     self.leases = {}  # task key -> (task, actor, deadline); not snapshotted.
     self._enqueue_ready()
     self._save()
@@ -106,22 +123,19 @@ class Coordinator:
     )
 
   def _ready(self, phase: int, worker: int) -> bool:
-    if any(s <= phase and s not in self.reshards for s in self.grid.reshard_steps):
+    if any(s <= phase and s not in self.reshards for s in self.plan.reshard_steps):
       return False  # Its routing phase's shards are not written yet.
-    return all(
-      self.versions[grid_lib.module_key(g, e)] >= phase
-      for g, e in self.grid.modules_of_worker(worker)
-    )
+    return all(self.versions[key] >= phase for key in self.plan.modules_of_worker[worker])
 
   def _enqueue_ready(self) -> None:
     """Appends each worker's next phase once its modules hold it (phase order, then worker)."""
     known = {_task_key(*t) for t in self.pending} | set(self.leases)
     new = []
-    for w in range(self.grid.W):
+    for w in range(self.plan.workers):
       while _task_key(self._next[w], w) in self.done:
         self._next[w] += 1
       phase = self._next[w]
-      if phase <= self.grid.T and _task_key(phase, w) not in known and self._ready(phase, w):
+      if phase <= self.plan.phases and _task_key(phase, w) not in known and self._ready(phase, w):
         new.append((phase, w))
     self.pending.extend(sorted(new))
 
@@ -148,7 +162,7 @@ class Coordinator:
 
   def _write_results(self, phase: int) -> None:
     """Phase `phase`'s accepted results to its own file (one entry per worker at most)."""
-    keys = ((str(w), _task_key(phase, w)) for w in range(self.grid.W))
+    keys = ((str(w), _task_key(phase, w)) for w in range(self.plan.workers))
     mine = {w: self.done[key] for w, key in keys if key in self.done}
     storage.save_json(_results_file(self.workdir, phase), mine)
 
@@ -186,7 +200,7 @@ class Coordinator:
 
     step is None when no re-shard is due now; done lists the re-shards already done.
     """
-    due = next((s for s in self.grid.reshard_steps if s not in self.reshards), None)
+    due = next((s for s in self.plan.reshard_steps if s not in self.reshards), None)
     if due is not None and min(self.versions.values()) < due:
       due = None
     return due, list(self.reshards)
@@ -203,16 +217,16 @@ class Coordinator:
     out = []
     for key in self.done:
       phase, w = (int(x) for x in key.split("/"))
-      if phase < self.grid.T and any(
-        self.versions[grid_lib.module_key(g, e)] <= phase + self._slack
-        for g, e in self.grid.modules_of_worker(w)
+      if phase < self.plan.phases and any(
+        self.versions[key] <= phase + self._slack for key in self.plan.modules_of_worker[w]
       ):
         out.append((phase, w))
     return sorted(out)
 
   def finished(self) -> bool:
-    return len(self.done) == (self.grid.T + 1) * self.grid.W and all(
-      v >= self.grid.T for v in self.versions.values()
+    T = self.plan.phases
+    return len(self.done) == (T + 1) * self.plan.workers and all(
+      v >= T for v in self.versions.values()
     )
 
   def status(self) -> dict:

@@ -436,10 +436,11 @@ def run(config, workdir: str) -> dict:
     if e.pin_cpus and not e.address and hasattr(os, "sched_getaffinity"):
       node = ray.get_runtime_context().get_node_id()
       pins = [(node, c) for c in cpu_sets(os.sched_getaffinity(0), e.num_workers)]
+    grid = grid_lib.Grid(config)
     coord = (
       ray.remote(coord_lib.Coordinator)
       .options(max_restarts=-1, num_cpus=0, **control)
-      .remote(config, workdir)
+      .remote(grid.queue_plan(), workdir)
     )
     actors.append(coord)
     workers = [
@@ -449,7 +450,7 @@ def run(config, workdir: str) -> dict:
       for i in range(e.num_workers)
     ]
     actors += workers
-    exp, grid, plan, alpha_W = _prepare(config, workdir)
+    exp, plan, alpha_W = _prepare(config, workdir, grid)
     t_prepared = time.time()
     logging.info(
       "elastic: %s; %d worker actors, %d executors",
@@ -479,8 +480,8 @@ def run(config, workdir: str) -> dict:
       ray.shutdown()
 
 
-def _prepare(config, workdir: str):
-  """The driver's Experiment, grid, phase-0 shards and α, and version 0 of the store."""
+def _prepare(config, workdir: str, grid: grid_lib.Grid):
+  """The driver's Experiment, phase-0 shards and α, and version 0 of the store."""
   from dipaco_jax import train  # pylint: disable=g-import-not-at-top
 
   # The driver's Experiment on one device: it builds θ̄, the shards, α and the final state.
@@ -490,13 +491,12 @@ def _prepare(config, workdir: str):
       {"path": 1, "data": 1, "model": 1, "num_slices": 1}, 1, devices=jax.devices()[:1]
     ),
   )
-  grid = grid_lib.Grid(config)
   plan = shard_plan.ShardPlan(config, workdir, exp)  # Phase-0 shards and α, as the SPMD loop.
   train.write_config(epath.Path(workdir), config)
   alpha_W = np.asarray(jax.device_get(plan.alpha_W), np.float32)
   if not (storage.root(workdir) / META).exists():
     _init_storage(config, workdir, exp, grid, alpha_W)
-  return exp, grid, plan, alpha_W
+  return exp, plan, alpha_W
 
 
 def _call(ray, ray_errors, method, *args):

@@ -17,6 +17,7 @@ from dipaco_jax import model as model_lib
 from dipaco_jax import outer as outer_lib
 from dipaco_jax import routing
 from dipaco_jax import topology
+from dipaco_jax.elastic import coordinator as coord_lib
 from dipaco_jax.types import PyTree
 
 
@@ -55,6 +56,20 @@ class Grid:
   def workers_through(self, group: str, module: int) -> list[int]:
     """Workers that read module `module` of `group`, in worker order."""
     return [int(w) for w in np.flatnonzero(self.group[group].module_of_worker == module)]
+
+  def queue_plan(self) -> coord_lib.QueuePlan:
+    """The coordinator's view of this run (plain values: its process imports no JAX)."""
+    e = self.config.elastic
+    return coord_lib.QueuePlan(
+      workers=self.W,
+      phases=self.T,
+      reshard_steps=tuple(int(s) for s in self.reshard_steps),
+      modules_of_worker=tuple(
+        tuple(module_key(g, m) for g, m in self.modules_of_worker(w)) for w in range(self.W)
+      ),
+      timeout_s=float(e.task_timeout_s),
+      slack=1 if e.quorum < 1.0 else 0,
+    )
 
   def used_modules(self) -> list[tuple[str, int]]:
     """Every module some worker reads (others never change)."""

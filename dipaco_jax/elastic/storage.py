@@ -20,17 +20,19 @@ here unpickles. Layout (t = outer steps applied, i.e. the phase that reads it):
   tasks.jsonl (+ tasks-<i>.jsonl)  the task log: one JSON line per event (parts on gs://)
 """
 
+# JAX and TensorBoard's protos (summaries) are imported where trees and the task log are
+# touched: the coordinator actor reads and writes JSON only, and starts without them.
+# pylint: disable=g-import-not-at-top
+
 import functools
 import io
 import json
 import os
 
-import jax
 import numpy as np
 from etils import epath
 
 from dipaco_jax import files
-from dipaco_jax import summaries
 from dipaco_jax.types import PyTree
 
 ROOT = "elastic"
@@ -90,11 +92,15 @@ def _write_atomic(path: epath.Path, data: bytes) -> None:
 
 
 def _keys(tree: PyTree) -> list[str]:
+  import jax
+
   return [jax.tree_util.keystr(kp) for kp, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
 def save_tree(path: epath.Path, tree: PyTree) -> None:
   """Leaves of `tree` to one .npz, keyed by their tree path."""
+  import jax
+
   flat = jax.tree_util.tree_flatten_with_path(tree)[0]
   buf = io.BytesIO()
   np.savez(buf, **{jax.tree_util.keystr(kp): np.asarray(x) for kp, x in flat})
@@ -103,6 +109,8 @@ def save_tree(path: epath.Path, tree: PyTree) -> None:
 
 def load_tree(path: epath.Path, template: PyTree) -> PyTree:
   """The .npz at `path` as a tree shaped like `template` (shapes and dtypes checked)."""
+  import jax
+
   with np.load(io.BytesIO(path.read_bytes()), allow_pickle=False) as z:
     arrays = {k: z[k] for k in z.files}
   leaves = []
@@ -174,6 +182,8 @@ class TaskLog:
   """
 
   def __init__(self, workdir: str):
+    from dipaco_jax import summaries
+
     part = functools.partial(task_log_part, str(workdir))
     if summaries.appends_in_place(part(0)):
       _end_torn_line(part(0))
@@ -188,6 +198,8 @@ class TaskLog:
 
 def read_task_log(workdir: str) -> list[dict]:
   """Every event of the task log, in order; a line torn by a kill mid-write is skipped."""
+  from dipaco_jax import summaries
+
   out = []
   for part in summaries.existing_parts(functools.partial(task_log_part, str(workdir))):
     for line in part.read_text().splitlines():
