@@ -413,6 +413,12 @@ def main():
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--pairs", type=int, default=2, help="pin_cpus on/off pairs (--only pin)")
   p.add_argument("--compile_cache", default=True, action=argparse.BooleanOptionalAction)
+  p.add_argument(
+    "--spmd",
+    default=True,
+    action=argparse.BooleanOptionalAction,
+    help="goodput: also the spmd runs (--no-spmd: elastic only, e.g. a repeat with another --seed)",
+  )
   p.add_argument("--only", default="overhead,hetero,chaos,goodput")
   args = p.parse_args()
   H, T, A, only = args.inner_steps, args.outer_steps, args.workers, args.only.split(",")
@@ -494,37 +500,32 @@ def main():
   if "goodput" in only:  # 3. One preemption per ~tasks_per_kill tasks: elastic vs spmd.
     kills = max(1, round(tasks / args.tasks_per_kill))
     pre = _Command(
-      tmp, "preempted", H, T, shards, **G, **el, **{"elastic.chaos_worker_kills": kills}
+      tmp,
+      "preempted",
+      H,
+      T,
+      shards,
+      **G,
+      **el,
+      **{"elastic.chaos_worker_kills": kills, "elastic.chaos_seed": args.seed},
     )
     _, pre_wall = pre.run()
     pre_events, pre_results = _events(pre.workdir), _results(pre.workdir)
     audit = _task_log_audit(pre_events, pre_results, W, T)
-    spmd = _Command(tmp, "spmd", H, T, shards, **G)
-    _, spmd_wall = spmd.run()
-    spmd_step = _spmd_step_s(spmd.workdir, H)
-    restarted = _Command(tmp, "spmd_restarted", H, T, shards, **G)
-    rs = _spmd_with_restarts(restarted, H, T, kills, args.seed)
     useful_el = W * T * H * step_s / A  # Per worker actor.
-    useful_spmd = T * H * spmd_step
     # Start-up before the first inner step (process, Ray, shards, θ̄; not the compile): paid
     # once by any run, so also shown apart. spmd: command wall minus its records' intervals.
     first = lambda c: min(e["t"] for e in _events(c.workdir) if e["event"] == "start")
     up_el = {"clean": first(clean) - clean.launches[0], "preempted": first(pre) - pre.launches[0]}
-    up_spmd = spmd_wall - sum(_spmd_phase_walls(spmd.workdir, H, T, W * B * L, first=0))
-    pre_step, restarted_step = _step_s(pre.workdir, H, T), _spmd_step_s(restarted.workdir, H)
-    report["goodput"] = {
+    pre_step = _step_s(pre.workdir, H, T)
+    g = report["goodput"] = {
       "definition": "useful inner steps x clean step time / (worker actors x command wall)",
       "elastic_preempted": useful_el / pre_wall,
       "elastic_clean": useful_el / clean_wall,
-      "spmd_with_restart": useful_spmd / rs["wall_s"],
-      "spmd_clean": useful_spmd / spmd_wall,
-      "spmd_with_restart_is": "measured: SIGKILL of the spmd command, rerun from its checkpoint",
       "after_startup": {
         "elastic_preempted": useful_el / (pre_wall - up_el["preempted"]),
         "elastic_clean": useful_el / (clean_wall - up_el["clean"]),
-        "spmd_with_restart": useful_spmd / (rs["wall_s"] - up_spmd),
-        "spmd_clean": useful_spmd / (spmd_wall - up_spmd),
-        "startup_s": {"elastic": up_el, "spmd": up_spmd},
+        "startup_s": {"elastic": up_el},
         # The clean command's driver: Ray's start, then its θ̄/shards/store (actors importing).
         "elastic_driver_startup_s": _startup(clean.workdir),
       },
@@ -533,14 +534,7 @@ def main():
       "own_step_time": {
         "elastic_preempted": W * T * H * pre_step / A / pre_wall,
         "elastic_clean": useful_el / clean_wall,
-        "spmd_with_restart": T * H * restarted_step / rs["wall_s"],
-        "spmd_clean": useful_spmd / spmd_wall,
-        "step_s": {
-          "elastic_clean": step_s,
-          "elastic_preempted": pre_step,
-          "spmd_clean": spmd_step,
-          "spmd_with_restart": restarted_step,
-        },
+        "step_s": {"elastic_clean": step_s, "elastic_preempted": pre_step},
       },
       "preemptions_scheduled": kills,
       "elastic_kills_landed": audit["worker_kills_timed"]
@@ -551,18 +545,38 @@ def main():
       "elastic_preempted_actor_time": _actor_seconds(
         pre_events, pre_results, pre.launches[0], pre_wall, A, T
       ),
-      "spmd_restarts": rs,
-      "spmd_identical_to_clean": _same(spmd.workdir, restarted.workdir),
-      "wall_command_s": {
-        "elastic_clean": clean_wall,
-        "elastic_preempted": pre_wall,
-        "spmd_clean": spmd_wall,
-        "spmd_with_restart": rs["wall_s"],
-      },
-      "useful_s": {"elastic_per_actor": useful_el, "spmd": useful_spmd},
-      "spmd_step_s": spmd_step,
-      "load": round(os.getloadavg()[0], 1),
+      "wall_command_s": {"elastic_clean": clean_wall, "elastic_preempted": pre_wall},
+      "useful_s": {"elastic_per_actor": useful_el},
     }
+    if args.spmd:  # The same work as one SPMD program, restarted from its checkpoint per kill.
+      spmd = _Command(tmp, "spmd", H, T, shards, **G)
+      _, spmd_wall = spmd.run()
+      spmd_step = _spmd_step_s(spmd.workdir, H)
+      restarted = _Command(tmp, "spmd_restarted", H, T, shards, **G)
+      rs = _spmd_with_restarts(restarted, H, T, kills, args.seed)
+      useful_spmd = T * H * spmd_step
+      up_spmd = spmd_wall - sum(_spmd_phase_walls(spmd.workdir, H, T, W * B * L, first=0))
+      restarted_step = _spmd_step_s(restarted.workdir, H)
+      g.update(
+        spmd_with_restart=useful_spmd / rs["wall_s"],
+        spmd_clean=useful_spmd / spmd_wall,
+        spmd_with_restart_is="measured: SIGKILL of the spmd command, rerun from its checkpoint",
+        spmd_restarts=rs,
+        spmd_identical_to_clean=_same(spmd.workdir, restarted.workdir),
+        spmd_step_s=spmd_step,
+      )
+      g["after_startup"].update(
+        spmd_with_restart=useful_spmd / (rs["wall_s"] - up_spmd),
+        spmd_clean=useful_spmd / (spmd_wall - up_spmd),
+      )
+      g["after_startup"]["startup_s"]["spmd"] = up_spmd
+      g["own_step_time"].update(
+        spmd_with_restart=T * H * restarted_step / rs["wall_s"], spmd_clean=useful_spmd / spmd_wall
+      )
+      g["own_step_time"]["step_s"].update(spmd_clean=spmd_step, spmd_with_restart=restarted_step)
+      g["wall_command_s"].update(spmd_clean=spmd_wall, spmd_with_restart=rs["wall_s"])
+      g["useful_s"]["spmd"] = useful_spmd
+    g["load"] = round(os.getloadavg()[0], 1)
     print(json.dumps(report["goodput"]), flush=True)
     save()
 

@@ -62,8 +62,8 @@ class QueuePlan:
   """What the queue needs of the run (grid.Grid.queue_plan): plain values.
 
   The coordinator process builds no model shapes and imports no JAX, so it
-  answers the driver's first lease (and comes back from a kill) in a fraction
-  of a second rather than after a worker-sized start-up.
+  answers the driver's first lease ~0.2 s after Ray places it, not after a
+  worker-sized start-up (measured in docs/elastic.md, on start-up).
   """
 
   workers: int  # W: tasks (t, w) for w < W.
