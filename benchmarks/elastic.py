@@ -515,8 +515,11 @@ def main():
     useful_el = W * T * H * step_s / A  # Per worker actor.
     # Start-up before the first inner step (process, Ray, shards, θ̄; not the compile): paid
     # once by any run, so also shown apart. spmd: command wall minus its records' intervals.
-    first = lambda c: min(e["t"] for e in _events(c.workdir) if e["event"] == "start")
-    up_el = {"clean": first(clean) - clean.launches[0], "preempted": first(pre) - pre.launches[0]}
+    first = lambda events: min(e["t"] for e in events if e["event"] == "start")
+    up_el = {
+      "clean": first(ev) - clean.launches[0],
+      "preempted": first(pre_events) - pre.launches[0],
+    }
     pre_step = _step_s(pre.workdir, H, T)
     g = report["goodput"] = {
       "definition": "useful inner steps x clean step time / (worker actors x command wall)",

@@ -81,8 +81,6 @@ class Coordinator:
 
   def __init__(self, plan: QueuePlan, workdir: str):
     self.plan = plan
-    self.timeout_s = float(plan.timeout_s)
-    self._slack = plan.slack
     self.workdir = str(workdir)
     self._path = storage.root(workdir) / SNAPSHOT
     self.done = read_results(workdir)
@@ -144,7 +142,7 @@ class Coordinator:
     if not self.pending:
       return None
     task = self.pending.pop(0)
-    self.leases[_task_key(*task)] = (task, int(actor), time.time() + self.timeout_s)
+    self.leases[_task_key(*task)] = (task, int(actor), time.time() + self.plan.timeout_s)
     self._save()
     return task
 
@@ -218,7 +216,7 @@ class Coordinator:
     for key in self.done:
       phase, w = (int(x) for x in key.split("/"))
       if phase < self.plan.phases and any(
-        self.versions[key] <= phase + self._slack for key in self.plan.modules_of_worker[w]
+        self.versions[m] <= phase + self.plan.slack for m in self.plan.modules_of_worker[w]
       ):
         out.append((phase, w))
     return sorted(out)
