@@ -16,7 +16,7 @@ _CORE = [
   "seqio>=0.0.19",
   "tensorflow-datasets>=4.9",
   "array-record>=0.5",
-  # epath-gcs: gcsfs, epath's gs:// backend without TensorFlow (dipaco_jax/files.py).
+  # epath-gcs: gcsfs, epath's gs:// backend without TensorFlow (dipaco_jax/io/files.py).
   "etils[epath,epath-gcs]",
   "importlib_resources",  # tensorflow-datasets 4.9.10 imports it without declaring it
 ]

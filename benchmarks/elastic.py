@@ -161,7 +161,7 @@ class _Command:
 
 
 def _events(workdir):
-  from dipaco_jax.elastic import storage  # pylint: disable=g-import-not-at-top
+  from dipaco_jax.runtime.elastic import storage  # pylint: disable=g-import-not-at-top
 
   return storage.read_task_log(workdir)
 
@@ -173,13 +173,13 @@ def _startup(workdir) -> dict:
 
 
 def _results(workdir) -> dict:
-  from dipaco_jax.elastic import coordinator  # pylint: disable=g-import-not-at-top
+  from dipaco_jax.runtime.elastic import coordinator  # pylint: disable=g-import-not-at-top
 
   return coordinator.read_results(workdir)
 
 
 def _records(workdir) -> list:
-  from dipaco_jax import metrics  # pylint: disable=g-import-not-at-top
+  from dipaco_jax.io import metrics  # pylint: disable=g-import-not-at-top
 
   return metrics.read_records(workdir)
 
@@ -290,7 +290,7 @@ def _same(a, b) -> bool:
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
 
-  from dipaco_jax import checkpoint  # pylint: disable=g-import-not-at-top
+  from dipaco_jax.io import checkpoint  # pylint: disable=g-import-not-at-top
 
   x, y = checkpoint.restore_numpy(a), checkpoint.restore_numpy(b)
   return all(

@@ -80,8 +80,8 @@ def main():
   p.add_argument("--phases", type=int, default=40, help="phases to run (of the paper's ~427)")
   p.add_argument("--budget_s", type=float, default=120.0)
   args = p.parse_args()
-  from dipaco_jax.elastic import coordinator as coord_lib  # pylint: disable=g-import-not-at-top
-  from dipaco_jax.elastic import grid as grid_lib  # pylint: disable=g-import-not-at-top
+  from dipaco_jax.runtime.elastic import coordinator as coord_lib  # pylint: disable=g-import-not-at-top
+  from dipaco_jax.runtime.elastic import grid as grid_lib  # pylint: disable=g-import-not-at-top
 
   grid = tuple(int(x) for x in args.grid.split(","))
   H, T = args.inner_steps, 427

@@ -25,9 +25,9 @@ sys.path.insert(0, ROOT)
 
 from dipaco_jax import config_defaults  # noqa: E402
 from dipaco_jax import train  # noqa: E402
-from dipaco_jax.elastic import executor as exec_lib  # noqa: E402
-from dipaco_jax.elastic import grid as grid_lib  # noqa: E402
-from dipaco_jax.elastic import storage  # noqa: E402
+from dipaco_jax.runtime.elastic import executor as exec_lib  # noqa: E402
+from dipaco_jax.runtime.elastic import grid as grid_lib  # noqa: E402
+from dipaco_jax.runtime.elastic import storage  # noqa: E402
 
 
 def _run(args, tmp, name, **kw):

@@ -24,8 +24,8 @@ import numpy as np
 from dipaco_jax import aot
 from dipaco_jax import config_defaults
 from dipaco_jax import data as data_lib
-from dipaco_jax import experiment
-from dipaco_jax import sharding
+from dipaco_jax.core import experiment
+from dipaco_jax.core import sharding
 
 # Dense peak TFLOP/s per chip by device kind, in the config's compute dtype (vendor sheets).
 PEAK_TFLOPS = {

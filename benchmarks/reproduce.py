@@ -378,7 +378,7 @@ def param_counts(config) -> dict:
   """Parameters of one path and of the whole store (unique parameters)."""
   import jax
 
-  from dipaco_jax import experiment
+  from dipaco_jax.core import experiment
 
   exp = experiment.Experiment(config)
   n = lambda t: int(sum(np.prod(x.shape) for x in jax.tree.leaves(t)))
@@ -400,7 +400,7 @@ def _read_json(path: str) -> dict:
 
 
 def _checkpoint_steps(workdir: str) -> list[int]:
-  from dipaco_jax import checkpoint
+  from dipaco_jax.io import checkpoint
 
   return checkpoint.steps(workdir)
 
@@ -410,8 +410,8 @@ def evaluate_run(config, workdir: str, s: Sizes, *, final_full: bool) -> tuple[d
 
   Returns the reports by step and how many of them this call computed.
   """
-  from dipaco_jax import early_stopping
-  from dipaco_jax import evaluation
+  from dipaco_jax import evaluate
+  from dipaco_jax.runtime import early_stopping
 
   cache_path = os.path.join(workdir, "reproduce_eval.json")
   cache = _read_json(cache_path)
@@ -423,13 +423,13 @@ def evaluate_run(config, workdir: str, s: Sizes, *, final_full: bool) -> tuple[d
     key = str(step)
     if key in cache or (step % every and step != last):
       continue
-    run = evaluation.load_run(config, workdir, step)
+    run = evaluate.load_run(config, workdir, step)
     # Re-routing and oracles at the last step of a run with several paths; else once only.
     full = step == last and final_full and run.exp.topo.num_paths > 1
     kw = dict(windows=None if full else [], rerouters=None if full else (), oracle=full)
-    rep = {"store": evaluation.evaluate(run, **kw)}
+    rep = {"store": evaluate.evaluate(run, **kw)}
     if step == last and early_stopping.read_meta(workdir) is not None:
-      rep["best"] = evaluation.evaluate(run, params="best", **kw)
+      rep["best"] = evaluate.evaluate(run, params="best", **kw)
     cache[key] = {
       k: {
         f: r[f]
@@ -517,7 +517,7 @@ def outer_norms(config, workdir: str) -> dict | None:
   LR anneals; a ×√P step too large for its level keeps growing instead. None with fewer
   than 4 outer steps (the first ones fall in the inner warmup, where norms grow anyway).
   """
-  from dipaco_jax import metrics
+  from dipaco_jax.io import metrics
 
   if not config.outer.enabled:
     return None
@@ -921,7 +921,7 @@ def main(argv=None):
   unknown = sorted(set(models) - set(MODELS) - set(INVESTIGATIONS))
   if unknown:
     ap.error(f"unknown models {unknown}; choose from {[*MODELS, *INVESTIGATIONS]}")
-  from dipaco_jax import hugepages
+  from dipaco_jax.io import hugepages
 
   hugepages.maybe_reexec()  # As the CLIs: huge-page malloc for XLA:CPU (docs/performance.md).
   import jax

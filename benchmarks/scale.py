@@ -55,8 +55,8 @@ import jax
 import numpy as np
 
 from dipaco_jax import data as data_lib
-from dipaco_jax import experiment
-from dipaco_jax import sharding
+from dipaco_jax.core import experiment
+from dipaco_jax.core import sharding
 
 from throughput import bench_config, module_bytes, pin_cpus  # Beside us.
 from timing import Loop, write_json  # Beside us.

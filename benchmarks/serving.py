@@ -28,9 +28,9 @@ import jax
 import numpy as np
 
 from dipaco_jax import config_defaults
-from dipaco_jax import decoding
-from dipaco_jax import experiment
-from dipaco_jax import model as model_lib
+from dipaco_jax.core import decoding
+from dipaco_jax.core import experiment
+from dipaco_jax.core import model as model_lib
 
 from timing import Loop, interleave, paired_ratio, write_json  # Beside us.
 

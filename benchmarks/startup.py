@@ -23,7 +23,8 @@ _CHILD = r"""
 import time
 t0 = time.perf_counter()
 import json, resource, sys, tempfile
-from dipaco_jax import cli, main, train, metrics
+from dipaco_jax import cli, main, train
+from dipaco_jax.io import metrics
 t_import = time.perf_counter() - t0
 with tempfile.TemporaryDirectory() as d:
   log = metrics.MetricsLogger(d)

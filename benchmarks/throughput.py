@@ -77,7 +77,7 @@ def parse_args(argv):
     "--hugepages",
     default="on",
     choices=("on", "off"),
-    help="huge-page malloc as the CLIs run (dipaco_jax/hugepages.py), or glibc's default",
+    help="huge-page malloc as the CLIs run (dipaco_jax/io/hugepages.py), or glibc's default",
   )
   p.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model shapes")
   p.add_argument(
@@ -134,7 +134,7 @@ def pin_cpus(n: int) -> None:
 
 if __name__ == "__main__":
   ARGS = parse_args(sys.argv[1:])
-  from dipaco_jax import hugepages
+  from dipaco_jax.io import hugepages
 
   if ARGS.hugepages == "on":
     hugepages.maybe_reexec()
@@ -156,10 +156,10 @@ from jax.sharding import PartitionSpec as P
 
 from dipaco_jax import config_defaults
 from dipaco_jax import data as data_lib
-from dipaco_jax import experiment
 from dipaco_jax import hlo
-from dipaco_jax import model as model_lib
-from dipaco_jax import sharding
+from dipaco_jax.core import experiment
+from dipaco_jax.core import model as model_lib
+from dipaco_jax.core import sharding
 
 from timing import Loop, gemm_loop, interleave, paired_ratio, write_json  # Beside us.
 

@@ -37,12 +37,12 @@ import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 from dipaco_jax import config_check  # pylint: disable=wrong-import-position
 from dipaco_jax import data as data_lib  # pylint: disable=wrong-import-position
-from dipaco_jax import experiment as exp_lib  # pylint: disable=wrong-import-position
-from dipaco_jax import files  # pylint: disable=wrong-import-position
 from dipaco_jax import hlo  # pylint: disable=wrong-import-position
-from dipaco_jax import model as model_lib  # pylint: disable=wrong-import-position
-from dipaco_jax import sharding  # pylint: disable=wrong-import-position
-from dipaco_jax import topology as topo_lib  # pylint: disable=wrong-import-position
+from dipaco_jax.core import experiment as exp_lib  # pylint: disable=wrong-import-position
+from dipaco_jax.core import model as model_lib  # pylint: disable=wrong-import-position
+from dipaco_jax.core import sharding  # pylint: disable=wrong-import-position
+from dipaco_jax.core import topology as topo_lib  # pylint: disable=wrong-import-position
+from dipaco_jax.io import files  # pylint: disable=wrong-import-position
 
 GiB = 2**30
 FIT_FRACTION = 0.9  # A step "fits" when its per-chip peak is <= 90% of usable HBM.

@@ -34,9 +34,9 @@ from ml_collections import config_flags
 
 from dipaco_jax import config_check
 from dipaco_jax import config_defaults
-from dipaco_jax import distributed
 from dipaco_jax import errors
-from dipaco_jax import hugepages
+from dipaco_jax.io import distributed
+from dipaco_jax.io import hugepages
 
 flags.adopt_module_key_flags(distributed)  # --coordinator_address, --num_processes, --process_id.
 _VERBOSE = flags.DEFINE_bool(

@@ -173,16 +173,16 @@ def _rules() -> dict[str, Rule]:
   """Every field of base() and its check."""
   # pylint: disable=g-import-not-at-top
   from dipaco_jax import data as data_lib
-  from dipaco_jax import early_stopping
-  from dipaco_jax import experiment
-  from dipaco_jax import model
-  from dipaco_jax import outer
   from dipaco_jax import train
+  from dipaco_jax.core import experiment
+  from dipaco_jax.core import model
+  from dipaco_jax.core import outer
   from dipaco_jax.data import prepare
-  from dipaco_jax.elastic import errors as elastic_errors
   from dipaco_jax.routing import discriminative
   from dipaco_jax.routing import phases
   from dipaco_jax.routing import rerouting
+  from dipaco_jax.runtime import early_stopping
+  from dipaco_jax.runtime.elastic import errors as elastic_errors
 
   # pylint: enable=g-import-not-at-top
   count, count0 = _integer(1), _integer(0)
@@ -412,9 +412,9 @@ def _check_relations(c) -> None:
   """Relations between fields; the grid and the routing schedule check themselves."""
   # pylint: disable=g-import-not-at-top
   from dipaco_jax import routing
-  from dipaco_jax import sharding
-  from dipaco_jax import topology
-  from dipaco_jax.elastic import errors as elastic_errors
+  from dipaco_jax.core import sharding
+  from dipaco_jax.core import topology
+  from dipaco_jax.runtime.elastic import errors as elastic_errors
 
   # pylint: enable=g-import-not-at-top
   topo = topology.from_config(c)  # TopologyError, a ConfigError.

@@ -17,7 +17,7 @@ trained); before training, give --config (cli.py).
 from absl import flags
 
 from dipaco_jax import cli
-from dipaco_jax import distributed
+from dipaco_jax.io import distributed
 
 flags.adopt_module_key_flags(cli)  # --help lists --config, --workdir, --verbose_errors.
 

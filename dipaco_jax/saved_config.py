@@ -15,7 +15,7 @@ from etils import epath
 from dipaco_jax import config_check
 from dipaco_jax import config_defaults
 from dipaco_jax import errors
-from dipaco_jax import files
+from dipaco_jax.io import files
 
 FILE = files.CONFIG_FILE
 

@@ -1,18 +1,43 @@
-"""Route a text to one path, load only that path from the checkpoint, generate or score.
+"""Serving one path: route a text, read only that path's params, generate or score.
 
-python -m dipaco_jax.serve --workdir=DIR --text="..."
+    python -m dipaco_jax.serve --workdir=DIR --text="..."
 
-The config is the run's saved <workdir>/config.json unless --config is given;
---config.a.b=v overrides apply on top (cli.py).
+The params of path p are read straight from a run's checkpoint
+(checkpoint.read_rows): for each store group, row `module_of(p)` of every
+leaf. Nothing else is materialised — not the other modules, not the worker
+params, not the optimizer states — whatever the grid size. Disk reads follow
+the chunking: one row per chunk (the early-stopping set, and checkpoints saved
+with `checkpoint.module_chunks`) reads one path's bytes; a whole-leaf chunk
+reads that leaf's K rows. `checkpoint.bytes_read()` counts them.
 
-Repeat --text for several inputs: each is routed by its own first tokens, and
-texts on one path are decoded together (--batch_size at a time, KV cache).
+The command's config is the run's saved <workdir>/config.json unless --config
+is given; --config.a.b=v overrides apply on top (cli.py). Repeat --text for
+several inputs: each is routed by its own first tokens, and texts on one path
+are decoded together (--batch_size at a time, KV cache).
 """
+# pylint: disable=invalid-name
 
+import dataclasses
+import functools
+import hashlib
+import json
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
 from absl import app
 from absl import flags
 
 from dipaco_jax import cli
+from dipaco_jax import routing
+from dipaco_jax.core import decoding
+from dipaco_jax.core import experiment as exp_lib
+from dipaco_jax.core import model as model_lib
+from dipaco_jax.core import topology as topo_lib
+from dipaco_jax.data import vocab as vocab_lib
+from dipaco_jax.io import checkpoint
+from dipaco_jax.types import PyTree
 
 flags.adopt_module_key_flags(cli)  # --help lists --config, --workdir, --verbose_errors.
 # Checked in main, not by absl: importing this module leaves other commands' parsing alone.
@@ -35,14 +60,222 @@ _TOP_K = flags.DEFINE_integer("top_k", 0, "Sample among the k likeliest tokens (
 _BATCH = flags.DEFINE_integer("batch_size", 8, "Texts of one path decoded together.")
 
 
+def load_path_params(
+  workdir: str, config, path: int, *, source: str = "store", step: int | None = None
+) -> tuple[PyTree, dict]:
+  """Path `path`'s params (no leading axis) and what was read: from the store or best set.
+
+  Both come from one checkpoint step (the latest by default): the best set
+  saved with it holds each worker's best params as of that step.
+  """
+  topo = topo_lib.from_config(config)
+  if not 0 <= path < topo.num_paths:
+    raise ValueError(f"path {path} is not in this grid (paths 0-{topo.num_paths - 1}).")
+  if source not in ("store", "best"):
+    raise ValueError(
+      f"source={source!r}: use 'store' (trained modules) or 'best' (per-path early stopping)."
+    )
+  theta = jax.eval_shape(
+    functools.partial(model_lib.init_params, exp_lib.model_config(config)), jax.random.key(0)
+  )
+  step = checkpoint.latest_step(workdir) if step is None else step
+  worker = int(np.flatnonzero(topo.path_of_worker == path)[0])
+  if source == "store":
+    row = {
+      s.name: checkpoint.Row(int(s.module_of_worker[worker]), s.num_modules)
+      for s in topo.store_groups()
+    }
+    rows = {"store": {g: jax.tree.map(lambda _, g=g: row[g], sub) for g, sub in theta.items()}}
+  else:
+    if checkpoint.read_best_records(workdir, step) is None:
+      raise checkpoint.NoCheckpointError(
+        f"checkpoint step {step} of {workdir} holds no early-stopping set: train with "
+        "config.early_stopping.enabled=True (the set is saved with every checkpoint after "
+        "the first evaluation)."
+      )
+    rows = jax.tree.map(lambda _: checkpoint.Row(worker, topo.num_workers), theta)
+  before = checkpoint.bytes_read()
+  arrays = checkpoint.read_rows(workdir, step, "state" if source == "store" else "best", rows)
+  params = arrays["store"] if source == "store" else arrays
+  flat = jax.tree.leaves(params)
+  info = {
+    "step": step,
+    "source": source,
+    "arrays": len(flat),
+    "bytes": int(sum(a.nbytes for a in flat)),
+    "bytes_read": checkpoint.bytes_read() - before,
+  }
+  return params, info
+
+
+@dataclasses.dataclass
+class PathServer:
+  """Routes texts and serves the chosen path (one path's params in memory at a time)."""
+
+  config: Any
+  workdir: str
+  source: str = "store"
+  step: int | None = None
+
+  def __post_init__(self):
+    self.topo = topo_lib.from_config(self.config)
+    c = self.config
+    self.sp = vocab_lib.load(vocab_lib.resolve(c.data.task, c.data.vocab_path))
+    self.model = model_lib.Transformer(exp_lib.model_config(c))
+    self.step = checkpoint.latest_step(self.workdir) if self.step is None else self.step
+    self.phase = checkpoint.routing_phase(checkpoint.read_data_state(self.workdir, self.step))
+    self.prefix_len = routing.check_prefix_len(c.routing.prefix_len)
+    kind = c.routing.router
+    needs = self.phase > 0 or kind != "random"
+    self.extractor = routing.extractor_from_config(c) if needs else None
+    self.router = routing.load_phase_router(c, self.workdir, self.topo, self.phase, self.extractor)
+    self._path, self._params, self.load_info = None, None, None
+    self._logits = jax.jit(lambda p, x: self.model.apply({"params": p}, x))
+
+  def tokenize(self, text: str) -> np.ndarray:
+    ids = np.asarray(self.sp.encode(text), np.int32)
+    if not len(ids):
+      raise ValueError("the text has no tokens: an empty prefix cannot be routed. Pass some text.")
+    return ids
+
+  def route(self, text: str) -> int:
+    """The path the run's router picks from the text's first prefix_len tokens."""
+    ids = self.tokenize(text)
+    doc_id = int.from_bytes(hashlib.sha256(ids.tobytes()).digest()[:7], "little")
+    feats = self.extractor.prefix_features([ids]) if self.router.needs_features else None
+    return int(self.router.paths([doc_id], feats)[0, 0])
+
+  def params(self, path: int) -> PyTree:
+    """Loads path `path` (dropping any other path held)."""
+    if path != self._path:
+      self._params, self.load_info = load_path_params(
+        self.workdir, self.config, path, source=self.source, step=self.step
+      )
+      self._path = path
+    return self._params
+
+  def score(self, text: str, path: int | None = None) -> dict:
+    """Loss and perplexity of the text's tokens after the prefix under one path."""
+    ids = self.tokenize(text)
+    path = self.route(text) if path is None else path
+    inputs = np.concatenate([[0], ids[:-1]]).astype(np.int32)[None]
+    logp = jax.nn.log_softmax(self._logits(self.params(path), inputs)[0])
+    lp = np.asarray(jnp.take_along_axis(logp, ids[:, None], -1))[:, 0]
+    scored = lp[self.prefix_len :]
+    loss = float(-scored.mean()) if len(scored) else float("nan")
+    return {
+      "path": path,
+      "tokens": len(ids),
+      "scored_tokens": len(scored),
+      "loss": loss,
+      "ppl": float(np.exp(loss)) if len(scored) else float("nan"),
+    }
+
+  def generate(
+    self,
+    text: str,
+    *,
+    max_new_tokens: int = 32,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    seed: int = 0,
+    path: int | None = None,
+  ) -> dict:
+    """Continues the text with one path (greedy at temperature 0); stops at EOS."""
+    kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed)
+    return self.generate_batch([text], path=path, **kw)[0]
+
+  def generate_batch(
+    self,
+    texts: list[str],
+    *,
+    max_new_tokens: int = 32,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    seed: int = 0,
+    path: int | None = None,
+    batch_size: int = 8,
+  ) -> list[dict]:
+    """generate() for each text: texts routed to one path decode together, batch_size at once.
+
+    Each text's path is the router's pick from its own first tokens (or `path`). A row's
+    tokens do not depend on the other rows of its batch (decoding.py); with sampling, its
+    random draws do (one key per batch and step).
+    """
+    if batch_size < 1:
+      raise ValueError(f"batch_size={batch_size}: decode at least 1 text at a time.")
+    ids = [self.tokenize(t) for t in texts]
+    paths = [self.route(t) if path is None else path for t in texts]
+    out: list[dict] = [{} for _ in texts]
+    for p in sorted(set(paths)):  # One path's params in memory at a time.
+      rows = [i for i, q in enumerate(paths) if q == p]
+      params = self.params(p)
+      for start in range(0, len(rows), batch_size):
+        chunk = rows[start : start + batch_size]
+        new = decoding.complete(
+          self.model,
+          params,
+          [ids[i] for i in chunk],
+          max_new_tokens=max_new_tokens,
+          eos_id=vocab_lib.EOS_ID,
+          temperature=temperature,
+          top_k=top_k,
+          seed=seed,
+        )
+        for i, tokens in zip(chunk, new):
+          out[i] = {
+            "path": p,
+            "text": self.sp.decode(tokens),
+            "tokens": tokens,
+            "new_tokens": len(tokens),
+          }
+    return out
+
+
+def serve(
+  config,
+  workdir: str,
+  text: str | list[str],
+  *,
+  mode: str = "generate",
+  source: str = "store",
+  path: int | None = None,
+  max_new_tokens: int = 32,
+  temperature: float = 0.0,
+  top_k: int = 0,
+  batch_size: int = 8,
+) -> str:
+  """The serve CLI's one call: route, load one path, generate or score; JSON out.
+
+  Several texts give a list of results (generated in batches grouped by path).
+  """
+  server = PathServer(config, workdir, source=source)
+  texts = [text] if isinstance(text, str) else list(text)
+  if mode == "score":
+    out = [server.score(t, path=path) for t in texts]
+  elif mode == "generate":
+    out = server.generate_batch(
+      texts,
+      path=path,
+      max_new_tokens=max_new_tokens,
+      temperature=temperature,
+      top_k=top_k,
+      batch_size=batch_size,
+    )
+  else:
+    raise ValueError(f"mode={mode!r}: use 'generate' or 'score'.")
+  out = [{k: v for k, v in o.items() if k != "tokens"} for o in out]  # Text for the console.
+  if len(out) == 1:
+    return json.dumps({**out[0], "loaded": server.load_info}, indent=1)
+  return json.dumps({"results": out, "loaded": server.load_info}, indent=1)
+
+
 def main(argv):
   if _TEXT.value is None:
     raise app.UsageError("--text is required: the text to route, then continue or score.")
   config, workdir = cli.start(argv)
-  from dipaco_jax import serving  # pylint: disable=g-import-not-at-top
-
   print(
-    serving.serve(
+    serve(
       config,
       workdir,
       _TEXT.value,

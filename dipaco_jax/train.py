@@ -14,19 +14,19 @@ import numpy as np
 from absl import logging
 from etils import epath
 
-from dipaco_jax import checkpoint as ckpt_lib
 from dipaco_jax import config_check
 from dipaco_jax import config_defaults
-from dipaco_jax import early_stopping
-from dipaco_jax import elastic
-from dipaco_jax import experiment as exp_lib
-from dipaco_jax import feed as feed_lib
-from dipaco_jax import files
-from dipaco_jax import inner as inner_lib
-from dipaco_jax import metrics as metrics_lib
-from dipaco_jax import progress
-from dipaco_jax import shard_plan
-from dipaco_jax import sharding
+from dipaco_jax.core import experiment as exp_lib
+from dipaco_jax.core import inner as inner_lib
+from dipaco_jax.core import sharding
+from dipaco_jax.data import feed as feed_lib
+from dipaco_jax.io import checkpoint as ckpt_lib
+from dipaco_jax.io import files
+from dipaco_jax.io import metrics as metrics_lib
+from dipaco_jax.io import progress
+from dipaco_jax.runtime import early_stopping
+from dipaco_jax.runtime import elastic
+from dipaco_jax.runtime import shard_plan
 
 # Sections of the config that must not change when a run resumes.
 _FROZEN_SECTIONS = ("model", "dipaco", "data")
@@ -84,7 +84,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   first attempt that fails before its shards are ready leaves no config.json.
   """
   config_check.validate(config)
-  if config.dipaco.mode == "elastic":  # The Ray worker pool (dipaco_jax/elastic/).
+  if config.dipaco.mode == "elastic":  # The Ray worker pool (dipaco_jax/runtime/elastic/).
     return elastic.run(config, workdir)
   elastic.check_workdir_mode(workdir, "spmd")
   exp = exp_lib.Experiment(config)

@@ -17,8 +17,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax
 import pytest
 
-from dipaco_jax import experiment
-from dipaco_jax import model as model_lib
+from dipaco_jax.core import experiment
+from dipaco_jax.core import model as model_lib
 from dipaco_jax.routing import features
 
 import helpers

@@ -11,8 +11,8 @@ from tensorboard.compat.tensorflow_stub import pywrap_tensorflow
 
 from dipaco_jax import config_defaults
 from dipaco_jax import data as data_lib
-from dipaco_jax import model as model_lib
-from dipaco_jax import paths
+from dipaco_jax.core import model as model_lib
+from dipaco_jax.core import paths
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -23,7 +23,7 @@ pytest.importorskip(
 
 from dipaco_jax import aot  # pylint: disable=g-import-not-at-top,wrong-import-position
 from dipaco_jax import config_defaults  # pylint: disable=g-import-not-at-top,wrong-import-position
-from dipaco_jax import sharding  # pylint: disable=g-import-not-at-top,wrong-import-position
+from dipaco_jax.core import sharding  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 import helpers  # pylint: disable=g-import-not-at-top,wrong-import-position
 

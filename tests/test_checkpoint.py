@@ -7,11 +7,11 @@ import jax
 import numpy as np
 import pytest
 
-from dipaco_jax import checkpoint
-from dipaco_jax import early_stopping
-from dipaco_jax import experiment
-from dipaco_jax import serving
+from dipaco_jax import serve
 from dipaco_jax import train
+from dipaco_jax.core import experiment
+from dipaco_jax.io import checkpoint
+from dipaco_jax.runtime import early_stopping
 
 import helpers
 
@@ -134,8 +134,8 @@ def _reads(cfg, exp, workdir):
 
   return {
     "resume": resume,
-    "serve_store": lambda: serving.load_path_params(workdir, cfg, PATH)[0],
-    "serve_best": lambda: serving.load_path_params(workdir, cfg, PATH, source="best")[0],
+    "serve_store": lambda: serve.load_path_params(workdir, cfg, PATH)[0],
+    "serve_best": lambda: serve.load_path_params(workdir, cfg, PATH, source="best")[0],
     "serve_phase": lambda: checkpoint.read_data_state(workdir, 4),
     "init_from": lambda: checkpoint.restore_worker_params(workdir, worker=PATH),
   }

@@ -24,7 +24,7 @@ from dipaco_jax import config_check
 from dipaco_jax import config_defaults
 from dipaco_jax import errors
 from dipaco_jax import main
-from dipaco_jax import metrics
+from dipaco_jax.io import metrics
 
 import helpers
 

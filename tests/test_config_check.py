@@ -7,10 +7,10 @@ import pytest
 
 from dipaco_jax import config_check
 from dipaco_jax import config_defaults
-from dipaco_jax import inner
-from dipaco_jax import model
-from dipaco_jax import outer
 from dipaco_jax import train
+from dipaco_jax.core import inner
+from dipaco_jax.core import model
+from dipaco_jax.core import outer
 
 import helpers
 

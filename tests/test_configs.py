@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 
 from dipaco_jax import config_defaults
-from dipaco_jax import experiment
 from dipaco_jax import routing
-from dipaco_jax import sharding
-from dipaco_jax import topology
 from dipaco_jax import train
+from dipaco_jax.core import experiment
+from dipaco_jax.core import sharding
+from dipaco_jax.core import topology
 from dipaco_jax.routing import phases
 
 from helpers import ROOT

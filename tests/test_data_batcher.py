@@ -122,7 +122,7 @@ def _docs_read(batches_, worker):
 
 
 def test_heldout_documents_never_reach_the_training_batches(shard_set):
-  from dipaco_jax import feed as feed_lib  # pylint: disable=g-import-not-at-top
+  from dipaco_jax.data import feed as feed_lib  # pylint: disable=g-import-not-at-top
 
   n_W = shard_set.num_docs("train")
   kw = dict(seq_len=SEQ, batch_size=BATCH, seed=4)
@@ -148,7 +148,7 @@ def test_heldout_documents_never_reach_the_training_batches(shard_set):
 
 
 def test_a_shard_too_small_to_spare_a_document_gets_padding_for_its_heldout_batches(shard_set):
-  from dipaco_jax import feed as feed_lib  # pylint: disable=g-import-not-at-top
+  from dipaco_jax.data import feed as feed_lib  # pylint: disable=g-import-not-at-top
 
   heldout = data.Holdout(docs=5, fraction=0.01, part="heldout")  # floor(0.01 x ~30) = 0.
   held = feed_lib.Feed(

@@ -8,10 +8,10 @@ import pytest
 
 from dipaco_jax import data
 from dipaco_jax import errors
-from dipaco_jax import files
 from dipaco_jax.data import assign as assign_lib
 from dipaco_jax.data import shard_writer
 from dipaco_jax.data import shards
+from dipaco_jax.io import files
 
 import helpers
 

@@ -5,8 +5,8 @@ import jax
 import numpy as np
 import pytest
 
-from dipaco_jax import decoding
-from dipaco_jax import model as model_lib
+from dipaco_jax.core import decoding
+from dipaco_jax.core import model as model_lib
 
 import helpers
 

@@ -1,4 +1,4 @@
-"""Per-worker early stopping (dipaco_jax/early_stopping.py), with empty validation shards.
+"""Per-worker early stopping (dipaco_jax/runtime/early_stopping.py), with empty validation shards.
 
 data.empty_shard_policy='allow_validation': a worker without validation documents reads a NaN
 loss, still trains, and early stopping keeps its latest params. The set is saved with (and only
@@ -13,13 +13,13 @@ import jax
 import numpy as np
 import pytest
 
-from dipaco_jax import checkpoint
 from dipaco_jax import data as data_lib
-from dipaco_jax import early_stopping
-from dipaco_jax import experiment
-from dipaco_jax import feed as feed_lib
 from dipaco_jax import train
+from dipaco_jax.core import experiment
+from dipaco_jax.data import feed as feed_lib
 from dipaco_jax.data import prepare
+from dipaco_jax.io import checkpoint
+from dipaco_jax.runtime import early_stopping
 
 import helpers
 import routing_testlib

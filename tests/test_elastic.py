@@ -17,25 +17,25 @@ import numpy as np
 import pytest
 from etils import epath
 
-from dipaco_jax import checkpoint
 from dipaco_jax import config_defaults
 from dipaco_jax import data as data_lib
-from dipaco_jax import evaluation
-from dipaco_jax import experiment
-from dipaco_jax import metrics as metrics_lib
-from dipaco_jax import outer
-from dipaco_jax import paths
+from dipaco_jax import evaluate
 from dipaco_jax import routing
-from dipaco_jax import serving
+from dipaco_jax import serve
 from dipaco_jax import train
-from dipaco_jax.elastic import coordinator as coord_lib
-from dipaco_jax.elastic import driver as elastic_driver
-from dipaco_jax.elastic import errors
-from dipaco_jax.elastic import executor as exec_lib
-from dipaco_jax.elastic import grid as grid_lib
-from dipaco_jax.elastic import jit_cache
-from dipaco_jax.elastic import storage
+from dipaco_jax.core import experiment
+from dipaco_jax.core import outer
+from dipaco_jax.core import paths
+from dipaco_jax.io import checkpoint
+from dipaco_jax.io import metrics as metrics_lib
 from dipaco_jax.routing import router as router_lib
+from dipaco_jax.runtime.elastic import coordinator as coord_lib
+from dipaco_jax.runtime.elastic import driver as elastic_driver
+from dipaco_jax.runtime.elastic import errors
+from dipaco_jax.runtime.elastic import executor as exec_lib
+from dipaco_jax.runtime.elastic import grid as grid_lib
+from dipaco_jax.runtime.elastic import jit_cache
+from dipaco_jax.runtime.elastic import storage
 
 import helpers
 import routing_testlib
@@ -412,7 +412,7 @@ def test_queue_holds_the_reshard_phase_until_its_shards_are_written(tmp_path):
 
 
 def test_reshard_fits_on_the_pools_scores_refits_after_a_cut_save_reloads_a_saved_router(tmp_path):
-  from dipaco_jax.elastic import driver  # pylint: disable=g-import-not-at-top
+  from dipaco_jax.runtime.elastic import driver  # pylint: disable=g-import-not-at-top
 
   class Plan:  # ShardPlan's part the driver calls.
     alpha_W = np.asarray([1.0, 0.5, 0.25, 0.75], np.float32)
@@ -477,8 +477,8 @@ def _task_outputs(workdir, worker, phase) -> dict:
 
 def test_worker_resumes_from_its_progress_save_with_the_same_bytes(tmp_path, monkeypatch):
   """A task killed after a save resumes there; a save cut short is skipped; the same bytes."""
-  from dipaco_jax.elastic import driver  # pylint: disable=g-import-not-at-top
-  from dipaco_jax.elastic import worker as worker_lib  # pylint: disable=g-import-not-at-top
+  from dipaco_jax.runtime.elastic import driver  # pylint: disable=g-import-not-at-top
+  from dipaco_jax.runtime.elastic import worker as worker_lib  # pylint: disable=g-import-not-at-top
 
   six = {"dipaco.inner_steps": 6, "eval.every_steps": 6, "ckpt.every_steps": 6}
   cfg = _config(**{"data.shard_dir": str(tmp_path / "s"), "elastic.progress_every_steps": 2, **six})
@@ -541,9 +541,9 @@ def test_worker_resumes_from_its_progress_save_with_the_same_bytes(tmp_path, mon
 
 def test_scoring_tasks_give_the_drivers_scores_and_router(tmp_path, monkeypatch):
   """A re-shard's scoring tasks (one path each, on a worker) = the driver's own scoring."""
-  from dipaco_jax.elastic import driver  # pylint: disable=g-import-not-at-top
-  from dipaco_jax.elastic import worker as worker_lib  # pylint: disable=g-import-not-at-top
   from dipaco_jax.routing import phases  # pylint: disable=g-import-not-at-top
+  from dipaco_jax.runtime.elastic import driver  # pylint: disable=g-import-not-at-top
+  from dipaco_jax.runtime.elastic import worker as worker_lib  # pylint: disable=g-import-not-at-top
 
   routing_testlib.small_corpus(monkeypatch, 200)
   cfg = _config(
@@ -596,7 +596,7 @@ def test_coordinator_process_imports_no_jax():
   """The queue actor starts in a fraction of a second: its module and its plan need no JAX."""
   code = (
     "import pickle, sys\n"
-    "from dipaco_jax.elastic import coordinator\n"
+    "from dipaco_jax.runtime.elastic import coordinator\n"
     "pickle.loads(sys.stdin.buffer.read())\n"
     "print(sorted(m for m in ('jax', 'flax', 'tensorboard') if m in sys.modules))"
   )
@@ -651,7 +651,7 @@ def test_workdir_of_the_other_mode_is_refused(tmp_path):
 def test_actor_options_match_the_launch_scripts():
   # launch/ray_actions.sh starts TPU VM nodes with --resources='{"TPU": chips}' and the driver
   # with worker_resources='{"TPU": 1}': one worker actor per chip, 1 CPU each.
-  from dipaco_jax.elastic import driver  # pylint: disable=g-import-not-at-top
+  from dipaco_jax.runtime.elastic import driver  # pylint: disable=g-import-not-at-top
 
   assert driver._worker_options('{"TPU": 1}') == {
     "max_restarts": -1,
@@ -758,15 +758,15 @@ def test_elastic_matches_spmd_and_survives_kills(tmp_path, ray_cluster):
   np.testing.assert_allclose(rec_a["loss"], rec_b["loss"], rtol=1e-5)
   for path in range(4):
     for source in ("store", "best"):
-      x, _ = serving.load_path_params(str(tmp_path / "spmd"), spmd, path, source=source)
-      y, info = serving.load_path_params(str(tmp_path / "clean"), cfg(), path, source=source)
+      x, _ = serve.load_path_params(str(tmp_path / "spmd"), spmd, path, source=source)
+      y, info = serve.load_path_params(str(tmp_path / "clean"), cfg(), path, source=source)
       assert info["step"] == 4
       for u, v in zip(jax.tree.leaves(x), jax.tree.leaves(y), strict=True):
         np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=0, atol=1e-6)
   # Routed evaluation (evaluate.py) of the elastic checkpoint, store and best set.
   reports = []
   for d, c in (("spmd", spmd), ("clean", cfg())):
-    evaluation.evaluate_and_write(c, str(tmp_path / d))
+    evaluate.evaluate_and_write(c, str(tmp_path / d))
     reports.append(json.loads((tmp_path / d / "eval" / "step_4.json").read_text()))
   assert set(reports[1]) == {"store", "best"}
   for k in ("store", "best"):
@@ -796,8 +796,8 @@ def test_elastic_matches_spmd_and_survives_kills(tmp_path, ray_cluster):
   # The best set too (the rerun driver replays early stopping from the accepted results).
   assert checkpoint.read_best_records(faulty) == rec_b | {"checkpoint_step": 4}
   for path in range(4):
-    x, _ = serving.load_path_params(str(tmp_path / "clean"), cfg(), path, source="best")
-    y, _ = serving.load_path_params(faulty, cfg(), path, source="best")
+    x, _ = serve.load_path_params(str(tmp_path / "clean"), cfg(), path, source="best")
+    y, _ = serve.load_path_params(faulty, cfg(), path, source="best")
     for u, v in zip(jax.tree.leaves(x), jax.tree.leaves(y), strict=True):
       np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
   assert (tmp_path / "faulty" / "metrics.jsonl").read_text().count('"step"') == 2  # One per phase.

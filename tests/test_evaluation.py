@@ -6,10 +6,10 @@ import optax
 import pytest
 
 from dipaco_jax import data as data_lib
-from dipaco_jax import evaluation
-from dipaco_jax import experiment
-from dipaco_jax import model as model_lib
+from dipaco_jax import evaluate
 from dipaco_jax import routing
+from dipaco_jax.core import experiment
+from dipaco_jax.core import model as model_lib
 from dipaco_jax.routing import rerouting
 
 import helpers
@@ -38,7 +38,7 @@ def run(tmp_path_factory):
   data_lib.write_shards(
     shard_dir, "validation", docs, data_lib.random_assignment(W, seed=cfg.data.seed), W
   )
-  r = evaluation.Run(cfg, workdir, exp, state, 0, 0, data_lib.ShardSet(shard_dir))
+  r = evaluate.Run(cfg, workdir, exp, state, 0, 0, data_lib.ShardSet(shard_dir))
   # A saved linear re-router (fitted on random features: only its plumbing matters here).
   rng = np.random.default_rng(0)
   lens = np.full(30, T)
@@ -50,7 +50,7 @@ def run(tmp_path_factory):
     stride=2,
     grid=routing.router_grid(exp.topo),
   )
-  fake.save(evaluation.rerouter_dir(workdir, 0) + "/linear")
+  fake.save(evaluate.rerouter_dir(workdir, 0) + "/linear")
   return r, docs
 
 
@@ -75,7 +75,7 @@ def _by_hand(r, docs):
 @pytest.mark.slow  # routed evaluation at 4 windows, re-routing and oracles: ~25 s
 def test_routed_eval_excludes_exactly_the_prefix_and_long_windows_equal_once(run):
   r, docs = run
-  rep = evaluation.evaluate(r, windows=(4, T - L, T, 1000))
+  rep = evaluate.evaluate(r, windows=(4, T - L, T, 1000))
   nll, count = _by_hand(r, docs)
   assert rep["scored_tokens"] == count == sum(max(min(len(d.tokens), T) - L, 0) for d in docs)
   assert rep["num_sequences"] == 40
@@ -94,34 +94,32 @@ def test_routed_eval_excludes_exactly_the_prefix_and_long_windows_equal_once(run
   assert rep["route_agreement_with_shards"] == 1.0
   np.testing.assert_allclose(rep["per_path"]["loss"], rep["own_shard"]["loss"])
   assert sum(rep["per_path"]["tokens"]) == count
-  assert "| once |" in evaluation.to_markdown(rep)
+  assert "| once |" in evaluate.to_markdown(rep)
 
 
 def test_rerouters_to_fit_are_those_not_saved_for_the_step(run, tmp_path):
   r, _ = run  # Its linear re-router is saved for step 0.
-  assert evaluation.rerouters_to_fit(r, ("linear", "transformer")) == ["transformer"]
-  other = evaluation.Run(r.config, str(tmp_path), r.exp, r.state, 0, 0, r.shard_set)
-  assert evaluation.rerouters_to_fit(other, ("linear",)) == ["linear"]
-  later = evaluation.Run(r.config, r.workdir, r.exp, r.state, 7, 0, r.shard_set)
-  assert evaluation.rerouters_to_fit(later, ("linear",)) == ["linear"]  # Saved per step.
+  assert evaluate.rerouters_to_fit(r, ("linear", "transformer")) == ["transformer"]
+  other = evaluate.Run(r.config, str(tmp_path), r.exp, r.state, 0, 0, r.shard_set)
+  assert evaluate.rerouters_to_fit(other, ("linear",)) == ["linear"]
+  later = evaluate.Run(r.config, r.workdir, r.exp, r.state, 7, 0, r.shard_set)
+  assert evaluate.rerouters_to_fit(later, ("linear",)) == ["linear"]  # Saved per step.
   with pytest.raises(ValueError, match="unknown re-router 'lin'"):
-    evaluation.rerouters_to_fit(r, ("lin",))
+    evaluate.rerouters_to_fit(r, ("lin",))
 
 
 def test_evaluation_bad_inputs(run):
   r, _ = run
   with pytest.raises(ValueError, match="W must be an integer > 0"):
-    evaluation.evaluate(r, windows=(0,))
+    evaluate.evaluate(r, windows=(0,))
   with pytest.raises(ValueError, match="params='final'"):
-    evaluation.evaluate(r, params="final", windows=())
+    evaluate.evaluate(r, params="final", windows=())
   with pytest.raises(FileNotFoundError, match="early-stopping"):
-    evaluation.evaluate(r, params="best", windows=())
+    evaluate.evaluate(r, params="best", windows=())
   cfg = helpers.micro_config()
   cfg.routing.prefix_len = 0  # After load, whose config check refuses it first.
   with pytest.raises(ValueError, match="prefix length"):
-    evaluation.evaluate(
-      evaluation.Run(cfg, r.workdir, r.exp, r.state, 0, 0, r.shard_set), windows=()
-    )
+    evaluate.evaluate(evaluate.Run(cfg, r.workdir, r.exp, r.state, 0, 0, r.shard_set), windows=())
 
 
 @pytest.mark.slow  # evaluation with both re-routers (linear, transformer): ~20 s
@@ -140,10 +138,10 @@ def test_dense_model_has_a_trivial_router_and_the_same_report_keys(tmp_path):
   exp = experiment.Experiment(cfg)
   docs = routing_testlib.fake_documents(12, seed=6, min_len=8)
   data_lib.write_shards(str(tmp_path / "s"), "validation", docs, lambda d: [0], 1)
-  r = evaluation.Run(
+  r = evaluate.Run(
     cfg, str(tmp_path), exp, exp.init_state(0), 0, 0, data_lib.ShardSet(str(tmp_path / "s"))
   )
-  rep = evaluation.evaluate(r, windows=(4, 8))
+  rep = evaluate.evaluate(r, windows=(4, 8))
   assert set(rep["ppl"]) == {
     "once",
     "linear/W=4",

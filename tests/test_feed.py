@@ -1,4 +1,4 @@
-"""This process's block of the global batch and its position (dipaco_jax/feed.py)."""
+"""This process's block of the global batch and its position (dipaco_jax/data/feed.py)."""
 
 import jax
 import numpy as np
@@ -7,7 +7,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dipaco_jax import data as data_lib
-from dipaco_jax import feed as feed_lib
+from dipaco_jax.data import feed as feed_lib
 
 import routing_testlib
 

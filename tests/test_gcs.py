@@ -29,17 +29,17 @@ import numpy as np
 import pytest
 from etils import epath
 
-from dipaco_jax import checkpoint
 from dipaco_jax import config_defaults
-from dipaco_jax import early_stopping
-from dipaco_jax import evaluation
-from dipaco_jax import experiment
-from dipaco_jax import files
+from dipaco_jax import evaluate
 from dipaco_jax import routing
 from dipaco_jax import train
+from dipaco_jax.core import experiment
 from dipaco_jax.data import shards as shards_lib
-from dipaco_jax.elastic import storage as elastic_storage
+from dipaco_jax.io import checkpoint
+from dipaco_jax.io import files
 from dipaco_jax.routing import rerouting
+from dipaco_jax.runtime import early_stopping
+from dipaco_jax.runtime.elastic import storage as elastic_storage
 
 import helpers
 
@@ -137,7 +137,7 @@ def test_gs_paths_go_through_gcsfs_not_tensorflow():
 def test_paths_keep_their_scheme():
   assert files.join("gs://b/run", "router", "phase_0") == "gs://b/run/router/phase_0"
   assert routing.router_dir("gs://b/run", 1) == "gs://b/run/router/phase_1"
-  assert evaluation.rerouter_dir("gs://b/run", 7) == "gs://b/run/router/rerouters_step7"
+  assert evaluate.rerouter_dir("gs://b/run", 7) == "gs://b/run/router/rerouters_step7"
   assert files.is_remote("gs://b/x") and not files.is_remote("/tmp/x")
 
 
@@ -172,7 +172,7 @@ def test_router_round_trip(bucket):
 
 def test_rerouters_round_trip(bucket):
   params = {"head": {"w": np.arange(6, dtype=np.float32).reshape(2, 3)}, "b": np.ones(2, np.int32)}
-  d = evaluation.rerouter_dir(f"{bucket}/run", 4) + "/transformer"
+  d = evaluate.rerouter_dir(f"{bucket}/run", 4) + "/transformer"
   assert rerouting.load_transformer(d) is None
   rerouting.save_transformer(params, d)
   assert objects(bucket) == ["run/router/rerouters_step4/transformer/params.msgpack"]
@@ -186,13 +186,13 @@ def test_config_json_written_by_the_trainer_is_read_back(bucket):
   workdir = f"{bucket}/run"
   train.write_config(epath.Path(workdir), cfg)
   assert objects(bucket) == ["run/config.json"]
-  back = evaluation.config_from_workdir(workdir)
+  back = evaluate.config_from_workdir(workdir)
   assert back.to_dict() == cfg.to_dict()
   train.check_config_matches(epath.Path(workdir), cfg)  # Same config: resumes.
   with pytest.raises(Exception, match="different config sections"):
     train.check_config_matches(epath.Path(workdir), helpers.micro_config(**{"model.d_model": 64}))
   with pytest.raises(config_defaults.ConfigError, match="no --config given and no .*/other/config"):
-    evaluation.config_from_workdir(f"{bucket}/other")
+    evaluate.config_from_workdir(f"{bucket}/other")
 
 
 def test_elastic_storage_round_trip(bucket):
@@ -213,8 +213,8 @@ def test_elastic_storage_round_trip(bucket):
 
 def test_elastic_task_log_and_queue_results_in_the_bucket(bucket, monkeypatch):
   # gcsfs turns an append into an overwrite: the task log is parts there, each written whole.
-  from dipaco_jax.elastic import coordinator  # pylint: disable=g-import-not-at-top
-  from dipaco_jax.elastic import grid as grid_lib  # pylint: disable=g-import-not-at-top
+  from dipaco_jax.runtime.elastic import coordinator  # pylint: disable=g-import-not-at-top
+  from dipaco_jax.runtime.elastic import grid as grid_lib  # pylint: disable=g-import-not-at-top
 
   monkeypatch.setattr(elastic_storage, "TASK_LOG_PART_BYTES", 60)  # ~2 events a part.
   wd = f"{bucket}/el"
@@ -298,7 +298,7 @@ def test_a_whole_run_on_a_gs_workdir(bucket, tmp_path, monkeypatch):
   upload(checkpoint.directory(local), f"{workdir}/checkpoints")
 
   # What evaluate (and the notebook) do: the config from the bucket, then everything else.
-  text = evaluation.evaluate_and_write(evaluation.config_from_workdir(workdir), workdir)
+  text = evaluate.evaluate_and_write(evaluate.config_from_workdir(workdir), workdir)
   assert "params: best" in text  # The early-stopping set, read back from the bucket.
   assert early_stopping.read_meta(workdir)["checkpoint_step"] == 4
   got = set(objects(bucket))

@@ -1,4 +1,4 @@
-"""The CLIs' restart with huge-page malloc (dipaco_jax/hugepages.py)."""
+"""The CLIs' restart with huge-page malloc (dipaco_jax/io/hugepages.py)."""
 
 import os
 import subprocess
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from dipaco_jax import hugepages
+from dipaco_jax.io import hugepages
 
 import helpers
 
@@ -50,7 +50,7 @@ def test_thp_setting_is_read_from_the_kernel_file(tmp_path):
 def test_a_command_restarts_once_with_the_tunable():
   # The child prints its tunables after maybe_reexec: set once, by exactly one restart.
   code = (
-    "import os, sys; from dipaco_jax import hugepages; "
+    "import os, sys; from dipaco_jax.io import hugepages; "
     "print('start', flush=True); hugepages.maybe_reexec(); "
     "print(os.environ.get('GLIBC_TUNABLES', ''))"
   )

@@ -8,10 +8,10 @@ import numpy as np
 import optax
 import pytest
 
-from dipaco_jax import experiment
-from dipaco_jax import inner
-from dipaco_jax import model
-from dipaco_jax import sharding
+from dipaco_jax.core import experiment
+from dipaco_jax.core import inner
+from dipaco_jax.core import model
+from dipaco_jax.core import sharding
 
 import helpers
 

@@ -11,9 +11,9 @@ import jax
 import numpy as np
 import pytest
 
-from dipaco_jax import experiment
-from dipaco_jax import inner
-from dipaco_jax import model
+from dipaco_jax.core import experiment
+from dipaco_jax.core import inner
+from dipaco_jax.core import model
 
 import helpers
 

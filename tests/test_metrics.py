@@ -12,8 +12,8 @@ import pytest
 from etils import epath
 
 from dipaco_jax import errors
-from dipaco_jax import metrics
-from dipaco_jax import summaries
+from dipaco_jax.io import metrics
+from dipaco_jax.io import summaries
 
 import helpers
 
@@ -273,7 +273,7 @@ def test_the_training_start_imports_no_tensorflow(tmp_path):
   # A fresh process: in this one other tests may have imported TensorFlow already.
   code = (
     "import sys\n"
-    "from dipaco_jax import cli, main, metrics, train\n"
+    "from dipaco_jax import cli, main, train\nfrom dipaco_jax.io import metrics\n"
     "log = metrics.MetricsLogger(sys.argv[1])\n"
     "log.write_hparams({'a': 1})\n"
     "log.write(1, {'train_loss': [1.0, 2.0]})\n"

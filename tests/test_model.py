@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dipaco_jax import inner
-from dipaco_jax import model as model_lib
+from dipaco_jax.core import inner
+from dipaco_jax.core import model as model_lib
 
 import helpers
 

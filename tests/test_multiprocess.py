@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import pytest
 
-from dipaco_jax import checkpoint
+from dipaco_jax.io import checkpoint
 
 from helpers import ROOT
 

@@ -11,7 +11,7 @@ import nbclient
 import nbformat
 import pytest
 
-from dipaco_jax import evaluation
+from dipaco_jax import evaluate
 from dipaco_jax import train
 from dipaco_jax.routing import features
 from dipaco_jax.routing import scoring
@@ -130,9 +130,9 @@ def test_evaluate_notebook_executes(tmp_path, monkeypatch):
   train.train_and_evaluate(cfg, workdir)
   # Fit the re-router here, on this small router split, as `python -m dipaco_jax.evaluate`
   # would: the notebook loads it (its kernel would read the whole corpus).
-  run = evaluation.load_run(cfg, workdir)
+  run = evaluate.load_run(cfg, workdir)
   scorer = scoring.PathScorer.from_store(run.exp, run.state.store, seq_len=32)
-  evaluation.fit_rerouters(run, scorer, features.extractor_from_config(cfg), kinds=("linear",))
+  evaluate.fit_rerouters(run, scorer, features.extractor_from_config(cfg), kinds=("linear",))
   monkeypatch.setenv("DIPACO_NB_WORKDIR", workdir)
   monkeypatch.setenv("DIPACO_NB_MAX_DOCS", "0")
   nb = nbformat.read(NOTEBOOK, as_version=4)

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from dipaco_jax import config_defaults
-from dipaco_jax import experiment
-from dipaco_jax import outer
-from dipaco_jax import paths
-from dipaco_jax import topology
+from dipaco_jax.core import experiment
+from dipaco_jax.core import outer
+from dipaco_jax.core import paths
+from dipaco_jax.core import topology
 
 import helpers
 

@@ -4,8 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dipaco_jax import paths
-from dipaco_jax import topology
+from dipaco_jax.core import paths
+from dipaco_jax.core import topology
 
 
 def _store(t):

@@ -5,7 +5,7 @@ import pytest
 
 from dipaco_jax import data as data_lib
 from dipaco_jax import routing
-from dipaco_jax import topology
+from dipaco_jax.core import topology
 from dipaco_jax.routing import router as router_lib
 
 import routing_testlib

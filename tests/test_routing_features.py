@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from dipaco_jax import experiment
-from dipaco_jax import model as model_lib
+from dipaco_jax.core import experiment
+from dipaco_jax.core import model as model_lib
 from dipaco_jax.routing import features
 
 

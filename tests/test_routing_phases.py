@@ -7,7 +7,7 @@ from dipaco_jax import config_check
 from dipaco_jax import config_defaults
 from dipaco_jax import data as data_lib
 from dipaco_jax import routing
-from dipaco_jax import topology
+from dipaco_jax.core import topology
 from dipaco_jax.routing import phases
 from dipaco_jax.routing import router as router_lib
 

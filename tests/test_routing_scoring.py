@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import optax
 
-from dipaco_jax import model as model_lib
+from dipaco_jax.core import model as model_lib
 from dipaco_jax.routing import phases
 from dipaco_jax.routing import router as router_lib
 from dipaco_jax.routing import scoring

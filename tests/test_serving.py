@@ -6,10 +6,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from dipaco_jax import checkpoint
-from dipaco_jax import early_stopping
-from dipaco_jax import experiment
-from dipaco_jax import serving
+from dipaco_jax import serve
+from dipaco_jax.core import experiment
+from dipaco_jax.io import checkpoint
+from dipaco_jax.runtime import early_stopping
 
 import helpers
 
@@ -56,7 +56,7 @@ def saved(tmp_path_factory):
 def test_serving_restores_exactly_one_paths_arrays(saved, path):
   cfg, exp, state, plain, _ = saved
   want = helpers.path_params(state.store, exp.topo, path)
-  got, info = serving.load_path_params(plain, cfg, path)
+  got, info = serve.load_path_params(plain, cfg, path)
   assert jax.tree.structure(got) == jax.tree.structure(want)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_array_equal(a, b)
@@ -71,7 +71,7 @@ def test_serving_restores_exactly_one_paths_arrays(saved, path):
 
 def test_one_module_chunks_read_one_paths_bytes(saved):
   cfg, exp, state, plain, chunked = saved
-  got, info = serving.load_path_params(chunked, cfg, 9)
+  got, info = serve.load_path_params(chunked, cfg, 9)
   want = helpers.path_params(state.store, exp.topo, 9)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_array_equal(a, b)
@@ -105,7 +105,7 @@ def test_early_stopping_set_serves_one_paths_row(saved, tmp_path):
   meta = early_stopping.read_meta(str(tmp_path))
   assert meta["step"][5] == 6 and meta["step"][4] == 4 and meta["loss"][5] == better[5]
   for p, delta in ((5, 1.0), (4, 0.0)):
-    got, info = serving.load_path_params(str(tmp_path), cfg, p, source="best")
+    got, info = serve.load_path_params(str(tmp_path), cfg, p, source="best")
     want = jax.tree.map(lambda x, p=p, delta=delta: x[p] + delta, state.params)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
       np.testing.assert_array_equal(a, b)
@@ -130,7 +130,7 @@ def test_serve_best_reads_the_set_saved_with_the_checkpoint(saved, tmp_path):
   _save_best(str(tmp_path), exp, state, 4, best)
   assert best.update(8, val + 1.0, jax.tree.map(lambda x: x + 1.0, params), phase=0) == []
   _save_best(str(tmp_path), exp, state, 8, best)
-  server = serving.PathServer(cfg, str(tmp_path), source="best")
+  server = serve.PathServer(cfg, str(tmp_path), source="best")
   assert server.step == 8
   got = server.params(3)
   assert server.load_info["step"] == 8 and server.load_info["source"] == "best"
@@ -144,28 +144,28 @@ def test_serve_best_reads_the_set_saved_with_the_checkpoint(saved, tmp_path):
 def test_serving_bad_inputs(saved):
   cfg, _, _, plain, _ = saved
   with pytest.raises(ValueError, match="path 16 is not in this grid"):
-    serving.load_path_params(plain, cfg, 16)
+    serve.load_path_params(plain, cfg, 16)
   other = helpers.micro_config(**{"dipaco.modules_per_level": (1, 2, 2)})
   with pytest.raises(ValueError, match="written by another grid"):
-    serving.load_path_params(plain, other, 1)
+    serve.load_path_params(plain, other, 1)
   with pytest.raises(ValueError, match="source='final'"):
-    serving.load_path_params(plain, cfg, 0, source="final")
+    serve.load_path_params(plain, cfg, 0, source="final")
   with pytest.raises(FileNotFoundError, match="holds no early-stopping set"):
-    serving.load_path_params(plain, cfg, 0, source="best")
-  server = serving.PathServer(cfg, plain)
+    serve.load_path_params(plain, cfg, 0, source="best")
+  server = serve.PathServer(cfg, plain)
   with pytest.raises(ValueError, match="empty prefix"):
     server.route("")
 
 
 def test_generate_batch_groups_texts_by_their_routed_path(saved, monkeypatch):
   cfg, _, _, plain, _ = saved
-  server = serving.PathServer(cfg, plain)
+  server = serve.PathServer(cfg, plain)
   tokenize = server.tokenize
   monkeypatch.setattr(server, "tokenize", lambda t: tokenize(t) % 256)  # The micro vocab.
   loads = []
-  load = serving.load_path_params
+  load = serve.load_path_params
   monkeypatch.setattr(
-    serving, "load_path_params", lambda *a, **k: loads.append(a[2]) or load(*a, **k)
+    serve, "load_path_params", lambda *a, **k: loads.append(a[2]) or load(*a, **k)
   )
   # Texts whose routed paths repeat: three on one path, one each on two others.
   by_path = {}

@@ -7,10 +7,10 @@ from test_data_tasks import data_cfg
 from test_data_tasks import write_fake_c4
 
 from dipaco_jax import config_defaults
-from dipaco_jax import shard_plan
 from dipaco_jax.data import shard_cache
 from dipaco_jax.data import tasks
 from dipaco_jax.data import vocab
+from dipaco_jax.runtime import shard_plan
 
 import helpers
 

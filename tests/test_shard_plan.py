@@ -8,13 +8,13 @@ import numpy as np
 import optax
 import pytest
 
-from dipaco_jax import checkpoint
-from dipaco_jax import early_stopping
-from dipaco_jax import evaluation
-from dipaco_jax import experiment
+from dipaco_jax import evaluate
 from dipaco_jax import routing
 from dipaco_jax import train
+from dipaco_jax.core import experiment
+from dipaco_jax.io import checkpoint
 from dipaco_jax.routing import router as router_lib
+from dipaco_jax.runtime import early_stopping
 
 import routing_testlib
 
@@ -57,7 +57,7 @@ def runs(tmp_path_factory):
   train.train_and_evaluate(routing_testlib.routed_config(stop_at_step=3, **KW), part)
   train.train_and_evaluate(routing_testlib.routed_config(**KW), part)  # Resumes.
   # The evaluate CLI's call on the re-sharded run (final and early-stopped params).
-  evaluation.evaluate_and_write(routing_testlib.routed_config(**KW), full)
+  evaluate.evaluate_and_write(routing_testlib.routed_config(**KW), full)
   mp.undo()
   for k, v in old.items():
     jax.config.update(k, v)

@@ -13,9 +13,9 @@ import jax
 import numpy as np
 import pytest
 
-from dipaco_jax import experiment
 from dipaco_jax import hlo
-from dipaco_jax import sharding
+from dipaco_jax.core import experiment
+from dipaco_jax.core import sharding
 
 import helpers
 

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from dipaco_jax import topology
+from dipaco_jax.core import topology
 
 
 def test_paper_16x16_layout():

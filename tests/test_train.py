@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from etils import epath
 
-from dipaco_jax import checkpoint
-from dipaco_jax import experiment
-from dipaco_jax import metrics
 from dipaco_jax import train
+from dipaco_jax.core import experiment
+from dipaco_jax.io import checkpoint
+from dipaco_jax.io import metrics
 
 import helpers
 

@@ -105,7 +105,9 @@ import matplotlib.pyplot as plt
 import numpy as np
 from IPython.display import Markdown, display
 
-from dipaco_jax import config_check, early_stopping, evaluation, files, metrics
+from dipaco_jax import config_check, evaluate
+from dipaco_jax.io import files, metrics
+from dipaco_jax.runtime import early_stopping
 from dipaco_jax.routing import report as router_report
 
 plt.rcParams["figure.dpi"] = 72  # Small PNGs (the committed notebook carries them).
@@ -113,7 +115,7 @@ if not (files.path(WORKDIR) / "config.json").exists():
   raise FileNotFoundError(
     f"{WORKDIR}/config.json not found: set WORKDIR to a run's --workdir (training writes it)."
   )
-config = evaluation.config_from_workdir(WORKDIR)  # The run's own config, no source checkout.
+config = evaluate.config_from_workdir(WORKDIR)  # The run's own config, no source checkout.
 for key, value in OVERRIDES.items():
   config_check.check_name(key)  # A misspelt field is an error, as on the command line.
   *parents, leaf = key.split(".")
@@ -124,7 +126,7 @@ for key, value in OVERRIDES.items():
 # Before any backend starts (as dipaco_jax.main); GPU/TPU runtimes are unaffected.
 if config.mesh.cpu_devices and "device_count" not in os.environ.get("XLA_FLAGS", ""):
   jax.config.update("jax_num_cpu_devices", config.mesh.cpu_devices)
-run = evaluation.load_run(config, WORKDIR)
+run = evaluate.load_run(config, WORKDIR)
 topo = run.exp.topo
 print(WORKDIR, "|", topo.describe(), f"| step {run.step} | routing phase {run.phase}")""",
   ),
@@ -162,8 +164,8 @@ print(f"{len(records)} records in metrics.jsonl; curves of:", ", ".join(curves))
   (
     "code",
     """# `python -m dipaco_jax.evaluate` saves the re-routers it fits (per checkpoint step).
-todo = evaluation.rerouters_to_fit(run, config.eval.rerouters)
-where = evaluation.rerouter_dir(WORKDIR, run.step)
+todo = evaluate.rerouters_to_fit(run, config.eval.rerouters)
+where = evaluate.rerouter_dir(WORKDIR, run.step)
 if todo:
   print(f"no saved {', '.join(todo)} re-router for step {run.step}: fitting it now, saved to "
         f"{where} (the linear one takes under a minute for the tiny run on a 2-core CPU, the "
@@ -171,9 +173,9 @@ if todo:
 elif config.eval.rerouters and topo.num_paths > 1:
   print(f"loading the saved re-routers ({', '.join(config.eval.rerouters)}) from {where}")
 start = time.perf_counter()
-rep = evaluation.evaluate(run, max_docs=MAX_DOCS or None)
+rep = evaluate.evaluate(run, max_docs=MAX_DOCS or None)
 print(f"evaluated {rep['num_sequences']} sequences in {time.perf_counter() - start:.0f} s")
-display(Markdown(evaluation.to_markdown(rep)))""",
+display(Markdown(evaluate.to_markdown(rep)))""",
   ),
   (
     "code",
@@ -224,7 +226,7 @@ plt.show()""",
   ),
   (
     "code",
-    """dom = evaluation.domain_report(rep, P)
+    """dom = evaluate.domain_report(rep, P)
 display(Markdown(router_report.to_markdown(dom)))
 share = dom.confusion / np.maximum(dom.confusion.sum(1, keepdims=True), 1)
 plt.figure(figsize=(1.1 * len(dom.domain_names) + 2, 0.45 * P + 1.5))
@@ -243,7 +245,7 @@ plt.show()""",
 if meta is None:
   print("no early-stopping set in this run (config.early_stopping.enabled=False)")
 else:
-  best = evaluation.evaluate(run, params="best", windows=(), oracle=False,
+  best = evaluate.evaluate(run, params="best", windows=(), oracle=False,
                              max_docs=MAX_DOCS or None)
   print("best step per worker:", meta["step"])
   print(f"routed ppl, once per sequence: final {rep['ppl']['once']:.3f}, "

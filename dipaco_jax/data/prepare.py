@@ -11,12 +11,12 @@ import time
 
 from etils import epath
 
-from dipaco_jax import files
 from dipaco_jax.data import assign as assign_lib
 from dipaco_jax.data import corpus
 from dipaco_jax.data import shard_writer
 from dipaco_jax.data import shards
 from dipaco_jax.data import vocab
+from dipaco_jax.io import files
 
 # Fields of the shard dir's meta.json that must match the run's config for the dir to be reused.
 MATCH_FIELDS = (

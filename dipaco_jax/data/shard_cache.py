@@ -25,10 +25,10 @@ import uuid
 
 from etils import epath
 
-from dipaco_jax import files
 from dipaco_jax.data import assign as assign_lib
 from dipaco_jax.data import prepare
 from dipaco_jax.data import shards
+from dipaco_jax.io import files
 
 OFF = "off"
 AUTO = "auto"

@@ -18,8 +18,6 @@ import numpy as np
 from array_record.python import array_record_module
 from etils import epath
 
-from dipaco_jax import files
-from dipaco_jax import progress
 from dipaco_jax.data import corpus
 from dipaco_jax.data import shards
 from dipaco_jax.data.assign import Assignment
@@ -30,6 +28,8 @@ from dipaco_jax.data.shards import PARTS_DIR
 from dipaco_jax.data.shards import EmptyShardError
 from dipaco_jax.data.shards import IncompleteShardsError
 from dipaco_jax.data.shards import part_name
+from dipaco_jax.io import files
+from dipaco_jax.io import progress
 
 _WRITE_COMMAND = "python -m dipaco_jax.route --config=... --workdir=... "
 

@@ -25,10 +25,10 @@ from array_record.python import array_record_module
 from etils import epath
 
 from dipaco_jax import errors
-from dipaco_jax import files
 from dipaco_jax.data import corpus
 from dipaco_jax.data import vocab
 from dipaco_jax.data.document import Document
+from dipaco_jax.io import files
 
 META = "meta.json"
 PARTS_DIR = "parts"  # <split>/parts/part-*-of-*.json: the done-marker of each process's part

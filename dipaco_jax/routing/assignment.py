@@ -21,9 +21,9 @@ from typing import Callable, Iterator
 import numpy as np
 
 from dipaco_jax import data as data_lib
-from dipaco_jax import progress
-from dipaco_jax import topology as topo_lib
+from dipaco_jax.core import topology as topo_lib
 from dipaco_jax.data import corpus
+from dipaco_jax.io import progress
 from dipaco_jax.routing import features as features_lib
 from dipaco_jax.routing import router as router_lib
 

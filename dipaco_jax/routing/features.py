@@ -22,10 +22,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dipaco_jax import checkpoint as ckpt_lib
-from dipaco_jax import experiment as exp_lib
-from dipaco_jax import model as model_lib
-from dipaco_jax import progress
+from dipaco_jax.core import experiment as exp_lib
+from dipaco_jax.core import model as model_lib
+from dipaco_jax.io import checkpoint as ckpt_lib
+from dipaco_jax.io import progress
 from dipaco_jax.types import PyTree
 
 

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dipaco_jax import progress
+from dipaco_jax.io import progress
 
 DEFAULT_BATCH_SIZE = 8192  # Rows per assignment batch: bounds memory to batch x K floats.
 

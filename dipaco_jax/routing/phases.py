@@ -21,11 +21,11 @@ import numpy as np
 from etils import epath
 
 from dipaco_jax import data as data_lib
-from dipaco_jax import files
-from dipaco_jax import progress
-from dipaco_jax import topology as topo_lib
 from dipaco_jax.config_defaults import ConfigError
+from dipaco_jax.core import topology as topo_lib
 from dipaco_jax.data import shard_cache
+from dipaco_jax.io import files
+from dipaco_jax.io import progress
 from dipaco_jax.routing import assignment as assign_lib
 from dipaco_jax.routing import features as features_lib
 from dipaco_jax.routing import report as report_lib

@@ -21,9 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from dipaco_jax import files
-from dipaco_jax import model as model_lib
-from dipaco_jax import progress
+from dipaco_jax.core import model as model_lib
+from dipaco_jax.io import files
+from dipaco_jax.io import progress
 from dipaco_jax.routing import router as router_lib
 from dipaco_jax.types import PyTree
 

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from dipaco_jax import errors
-from dipaco_jax import files
+from dipaco_jax.io import files
 from dipaco_jax.routing import discriminative
 from dipaco_jax.routing import kmeans
 

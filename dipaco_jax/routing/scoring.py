@@ -16,10 +16,10 @@ import jax
 import numpy as np
 import optax
 
-from dipaco_jax import experiment as exp_lib
-from dipaco_jax import feed as feed_lib
-from dipaco_jax import paths as paths_lib
-from dipaco_jax import progress
+from dipaco_jax.core import experiment as exp_lib
+from dipaco_jax.core import paths as paths_lib
+from dipaco_jax.data import feed as feed_lib
+from dipaco_jax.io import progress
 from dipaco_jax.types import PyTree
 
 

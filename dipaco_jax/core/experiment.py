@@ -14,13 +14,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dipaco_jax import config_defaults
-from dipaco_jax import feed
-from dipaco_jax import inner as inner_lib
-from dipaco_jax import model as model_lib
-from dipaco_jax import outer as outer_lib
-from dipaco_jax import paths as paths_lib
-from dipaco_jax import sharding
-from dipaco_jax import topology
+from dipaco_jax.core import inner as inner_lib
+from dipaco_jax.core import model as model_lib
+from dipaco_jax.core import outer as outer_lib
+from dipaco_jax.core import paths as paths_lib
+from dipaco_jax.core import sharding
+from dipaco_jax.core import topology
+from dipaco_jax.data import feed
 from dipaco_jax.types import PyTree
 
 INITS = ("shared", "independent")  # dipaco.init: every module from one θ̄, or each its own.

@@ -11,13 +11,13 @@ import functools
 import jax
 import numpy as np
 
-from dipaco_jax import experiment as exp_lib
-from dipaco_jax import inner as inner_lib
-from dipaco_jax import model as model_lib
-from dipaco_jax import outer as outer_lib
 from dipaco_jax import routing
-from dipaco_jax import topology
-from dipaco_jax.elastic import coordinator as coord_lib
+from dipaco_jax.core import experiment as exp_lib
+from dipaco_jax.core import inner as inner_lib
+from dipaco_jax.core import model as model_lib
+from dipaco_jax.core import outer as outer_lib
+from dipaco_jax.core import topology
+from dipaco_jax.runtime.elastic import coordinator as coord_lib
 from dipaco_jax.types import PyTree
 
 

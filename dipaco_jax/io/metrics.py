@@ -20,7 +20,7 @@ from absl import logging
 from etils import epath
 
 from dipaco_jax import errors
-from dipaco_jax import summaries
+from dipaco_jax.io import summaries
 
 
 def nan_mean(values) -> float:

@@ -29,15 +29,15 @@ import jax
 import numpy as np
 
 from dipaco_jax import data as data_lib
-from dipaco_jax import early_stopping
-from dipaco_jax import inner as inner_lib
-from dipaco_jax import metrics as metrics_lib
-from dipaco_jax import model as model_lib
 from dipaco_jax import routing
-from dipaco_jax.elastic import grid as grid_lib
-from dipaco_jax.elastic import jit_cache
-from dipaco_jax.elastic import storage
+from dipaco_jax.core import inner as inner_lib
+from dipaco_jax.core import model as model_lib
+from dipaco_jax.io import metrics as metrics_lib
 from dipaco_jax.routing import scoring
+from dipaco_jax.runtime import early_stopping
+from dipaco_jax.runtime.elastic import grid as grid_lib
+from dipaco_jax.runtime.elastic import jit_cache
+from dipaco_jax.runtime.elastic import storage
 
 
 def _write_all(writes, die_after: int) -> None:

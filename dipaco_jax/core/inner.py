@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from dipaco_jax import model as model_lib
+from dipaco_jax.core import model as model_lib
 from dipaco_jax.types import PyTree
 
 

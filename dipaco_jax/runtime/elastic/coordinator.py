@@ -27,7 +27,7 @@ import dataclasses
 import os
 import time
 
-from dipaco_jax.elastic import storage
+from dipaco_jax.runtime.elastic import storage
 
 SNAPSHOT = "coordinator.json"
 RESULTS = "coordinator"  # Folder of the per-phase results files.

@@ -43,10 +43,10 @@ import time
 import jax
 import numpy as np
 
-from dipaco_jax import outer as outer_lib
-from dipaco_jax.elastic import grid as grid_lib
-from dipaco_jax.elastic import jit_cache
-from dipaco_jax.elastic import storage
+from dipaco_jax.core import outer as outer_lib
+from dipaco_jax.runtime.elastic import grid as grid_lib
+from dipaco_jax.runtime.elastic import jit_cache
+from dipaco_jax.runtime.elastic import storage
 
 
 def snapshot_file(workdir: str, index: int):

@@ -27,24 +27,24 @@ import numpy as np
 from absl import logging
 from etils import epath
 
-from dipaco_jax import checkpoint as ckpt_lib
 from dipaco_jax import config_defaults
-from dipaco_jax import early_stopping
-from dipaco_jax import experiment as exp_lib
-from dipaco_jax import metrics as metrics_lib
-from dipaco_jax import paths as paths_lib
 from dipaco_jax import routing
-from dipaco_jax import shard_plan
-from dipaco_jax import sharding
-from dipaco_jax.elastic import coordinator as coord_lib
-from dipaco_jax.elastic import executor as exec_lib
-from dipaco_jax.elastic import grid as grid_lib
-from dipaco_jax.elastic import storage
-from dipaco_jax.elastic import worker as worker_lib
-from dipaco_jax.elastic.errors import ElasticConfigError
-from dipaco_jax.elastic.errors import check_config
-from dipaco_jax.elastic.errors import check_workdir_mode
+from dipaco_jax.core import experiment as exp_lib
+from dipaco_jax.core import paths as paths_lib
+from dipaco_jax.core import sharding
+from dipaco_jax.io import checkpoint as ckpt_lib
+from dipaco_jax.io import metrics as metrics_lib
 from dipaco_jax.routing import router as router_lib
+from dipaco_jax.runtime import early_stopping
+from dipaco_jax.runtime import shard_plan
+from dipaco_jax.runtime.elastic import coordinator as coord_lib
+from dipaco_jax.runtime.elastic import executor as exec_lib
+from dipaco_jax.runtime.elastic import grid as grid_lib
+from dipaco_jax.runtime.elastic import storage
+from dipaco_jax.runtime.elastic import worker as worker_lib
+from dipaco_jax.runtime.elastic.errors import ElasticConfigError
+from dipaco_jax.runtime.elastic.errors import check_config
+from dipaco_jax.runtime.elastic.errors import check_workdir_mode
 
 META = "meta.json"  # Under <workdir>/elastic (errors.META).
 

@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dipaco_jax import checkpoint
 from dipaco_jax import data as data_lib
+from dipaco_jax.io import checkpoint
 from dipaco_jax.types import PyTree
 
 SOURCES = ("heldout", "validation")

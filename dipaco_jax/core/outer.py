@@ -23,9 +23,9 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec
 
-from dipaco_jax import paths as paths_lib
-from dipaco_jax import sharding
-from dipaco_jax import topology as topo_lib
+from dipaco_jax.core import paths as paths_lib
+from dipaco_jax.core import sharding
+from dipaco_jax.core import topology as topo_lib
 from dipaco_jax.types import PyTree
 
 WEIGHTINGS = ("shard_size", "uniform")  # α_p ∝ |D_p|, or equal.

@@ -32,7 +32,7 @@ import os
 import numpy as np
 from etils import epath
 
-from dipaco_jax import files
+from dipaco_jax.io import files
 from dipaco_jax.types import PyTree
 
 ROOT = "elastic"
@@ -182,7 +182,7 @@ class TaskLog:
   """
 
   def __init__(self, workdir: str):
-    from dipaco_jax import summaries
+    from dipaco_jax.io import summaries
 
     part = functools.partial(task_log_part, str(workdir))
     if summaries.appends_in_place(part(0)):
@@ -198,7 +198,7 @@ class TaskLog:
 
 def read_task_log(workdir: str) -> list[dict]:
   """Every event of the task log, in order; a line torn by a kill mid-write is skipped."""
-  from dipaco_jax import summaries
+  from dipaco_jax.io import summaries
 
   out = []
   for part in summaries.existing_parts(functools.partial(task_log_part, str(workdir))):

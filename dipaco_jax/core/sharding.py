@@ -21,7 +21,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dipaco_jax import config_defaults
-from dipaco_jax import topology
+from dipaco_jax.core import topology
 from dipaco_jax.types import PyTree
 
 AXES = ("path", "data", "model")

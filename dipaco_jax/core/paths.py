@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dipaco_jax import topology as topo_lib
+from dipaco_jax.core import topology as topo_lib
 from dipaco_jax.types import PyTree
 
 

@@ -18,10 +18,10 @@ from absl import logging
 from jax.experimental import multihost_utils
 
 from dipaco_jax import data as data_lib
-from dipaco_jax import early_stopping
-from dipaco_jax import feed as feed_lib
 from dipaco_jax import routing
+from dipaco_jax.data import feed as feed_lib
 from dipaco_jax.data import shard_cache
+from dipaco_jax.runtime import early_stopping
 from dipaco_jax.types import PyTree
 
 

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dipaco_jax import model as model_lib
+from dipaco_jax.core import model as model_lib
 from dipaco_jax.types import PyTree
 
 BOS_ID = 0  # Shifted inputs start with pad (data.vocab's T5 layout): position n predicts token n.

@@ -1,0 +1,1 @@
+"""The DiPaCo math of one run: model, grid, steps, recipe; no files, no runtime."""

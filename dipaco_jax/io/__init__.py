@@ -1,0 +1,1 @@
+"""Files, checkpoints, metrics and processes: what a run reads and writes."""
