@@ -15,8 +15,8 @@ import platform
 import tempfile
 import time
 
-from dipaco_jax import config_defaults
 from dipaco_jax import data
+from dipaco_jax.config import schema
 
 
 def time_batcher(shard_set, seq_len: int, batch_size: int, seconds: float) -> dict:
@@ -49,7 +49,7 @@ def main() -> None:
   parser.add_argument("--out", default=None, help="write the results as JSON here")
   args = parser.parse_args()
   shard_dir = args.shard_dir or os.path.join(tempfile.mkdtemp(), "shards")
-  cfg = config_defaults.base().data  # The embedded corpus, its tokenizer, seed 0, top-1.
+  cfg = schema.base().data  # The embedded corpus, its tokenizer, seed 0, top-1.
   start = time.perf_counter()
   shard_set = data.prepare_shards(cfg, args.num_workers, shard_dir)
   prepare_s = time.perf_counter() - start

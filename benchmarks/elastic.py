@@ -15,7 +15,7 @@ compiling them again. Figures (docs/elastic.md "Figures"):
   pin (not in the default --only): the clean grid run with elastic.pin_cpus on and off, in
     pairs (which goes first alternates): command walls and median step seconds;
   heterogeneous: a grid whose paths share only some modules, worker actor 0 slowed
-    (elastic.step_delay_s) to ~3x the others' step time: how many phases ahead the
+    (faults.step_delay_s) to ~3x the others' step time: how many phases ahead the
     other actors started tasks while the slow one still trained;
   chaos (item 7): >= 20 worker SIGKILLs (half timed at random moments, half mid-write),
     executor SIGKILLs and one SIGKILL of the whole driver command, then the same
@@ -62,7 +62,7 @@ ONE = {"dipaco.level_groups": ("embed,block_0-1,head",), "dipaco.modules_per_lev
 
 
 def _config(H, T, shard_dir, **kw):
-  from dipaco_jax import config_defaults  # pylint: disable=g-import-not-at-top
+  from dipaco_jax import config_check  # pylint: disable=g-import-not-at-top
 
   over = {
     "model.d_model": 32,
@@ -85,7 +85,7 @@ def _config(H, T, shard_dir, **kw):
     "data.shard_dir": shard_dir,
   }
   over.update(kw)
-  return config_defaults.load(os.path.join(ROOT, "configs", "tiny.py"), **over)
+  return config_check.load(os.path.join(ROOT, "configs", "tiny.py"), **over)
 
 
 def _train_child(spec: str, workdir: str, result: str) -> None:
@@ -481,7 +481,7 @@ def main():
     # Warm-ups (untimed): the grid's shards and both modes' compilation cache entries, so
     # every timed command below starts alike.
     _Command(tmp, "warm_spmd", H, T, shards, **G, **{"stop_at_step": 1}).run()
-    _Command(tmp, "warm_el", H, T, shards, **G, **el, **{"elastic.stop_after_tasks": A}).run()
+    _Command(tmp, "warm_el", H, T, shards, **G, **el, **{"faults.stop_after_tasks": A}).run()
     clean = _Command(tmp, "clean", H, T, shards, **G, **el)
     _, clean_wall = clean.run()
     step_s = _step_s(clean.workdir, H, T)
@@ -507,7 +507,7 @@ def main():
       shards,
       **G,
       **el,
-      **{"elastic.chaos_worker_kills": kills, "elastic.chaos_seed": args.seed},
+      **{"faults.worker_kills": kills, "faults.seed": args.seed},
     )
     _, pre_wall = pre.run()
     pre_events, pre_results = _events(pre.workdir), _results(pre.workdir)
@@ -593,9 +593,9 @@ def main():
       **G,
       **el,
       **{
-        "elastic.chaos_worker_kills": args.chaos_worker_kills,
-        "elastic.chaos_executor_kills": args.chaos_executor_kills,
-        "elastic.chaos_seed": args.seed,
+        "faults.worker_kills": args.chaos_worker_kills,
+        "faults.executor_kills": args.chaos_executor_kills,
+        "faults.seed": args.seed,
       },
     )
     t0 = time.time()
@@ -641,7 +641,7 @@ def main():
       hs,
       **HETERO,
       **el,
-      **{"elastic.step_delay_s": (delay,) + (0.0,) * (A - 1)},
+      **{"faults.step_delay_s": (delay,) + (0.0,) * (A - 1)},
     )
     _, het_wall = het.run()
     ev, res = _events(het.workdir), _results(het.workdir)
@@ -676,7 +676,7 @@ def main():
 
   if "pin" in only:  # 6. elastic.pin_cpus on vs off: the clean grid run, pairs in turn.
     pin_shards = os.path.join(tmp, "shards_pin")
-    _Command(tmp, "warm_pin", H, T, pin_shards, **G, **el, **{"elastic.stop_after_tasks": A}).run()
+    _Command(tmp, "warm_pin", H, T, pin_shards, **G, **el, **{"faults.stop_after_tasks": A}).run()
     walls, steps = {True: [], False: []}, {True: [], False: []}
     for r in range(args.pairs):
       for pin in (r % 2 == 0, r % 2 == 1):  # Alternating which goes first.

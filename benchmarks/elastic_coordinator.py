@@ -27,9 +27,9 @@ sys.path.insert(0, ROOT)
 
 
 def _config(grid, H, T):
-  from dipaco_jax import config_defaults  # pylint: disable=g-import-not-at-top
+  from dipaco_jax import config_check  # pylint: disable=g-import-not-at-top
 
-  return config_defaults.load(
+  return config_check.load(
     os.path.join(ROOT, "configs", "tiny.py"),
     **{
       "dipaco.mode": "elastic",

@@ -23,7 +23,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from dipaco_jax import config_defaults  # noqa: E402
+from dipaco_jax import config_check  # noqa: E402
 from dipaco_jax import train  # noqa: E402
 from dipaco_jax.runtime.elastic import executor as exec_lib  # noqa: E402
 from dipaco_jax.runtime.elastic import grid as grid_lib  # noqa: E402
@@ -43,7 +43,7 @@ def _run(args, tmp, name, **kw):
     "data.shard_dir": os.path.join(tmp, "shards"),
     **kw,
   }
-  cfg = config_defaults.load(os.path.join(ROOT, "configs", "tiny.py"), **over)
+  cfg = config_check.load(os.path.join(ROOT, "configs", "tiny.py"), **over)
   wd = os.path.join(tmp, name)
   out = train.train_and_evaluate(cfg, wd)
   events = storage.read_task_log(wd)
@@ -94,7 +94,7 @@ def main():
   with tempfile.TemporaryDirectory() as tmp:
     res["no_delay"] = _run(args, tmp, "clean")
     s = res["no_delay"]["step_s"]
-    slow = {"elastic.step_delay_s": (0.0, 2 * s)}  # Actor 1: s + 2s per step.
+    slow = {"faults.step_delay_s": (0.0, 2 * s)}  # Actor 1: s + 2s per step.
     res["slow_quorum_1.0"] = _run(args, tmp, "q1", **slow)
     for late in ("next", "drop"):
       res[f"slow_quorum_0.5_{late}"] = _run(

@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from dipaco_jax import aot
-from dipaco_jax import config_defaults
+from dipaco_jax import config_check
 from dipaco_jax import data as data_lib
 from dipaco_jax.core import experiment
 from dipaco_jax.core import sharding
@@ -68,8 +68,8 @@ def main(argv) -> dict:
     **{k: _value(v) for k, v in overrides.items()},
   }
   # One module holding the whole model (a dense path), whatever the config's grid.
-  layers = int(over.get("model.num_layers", config_defaults.load(args.config).model.num_layers))
-  c = config_defaults.load(
+  layers = int(over.get("model.num_layers", config_check.load(args.config).model.num_layers))
+  c = config_check.load(
     args.config, **over, **{"dipaco.level_groups": (f"embed,block_0-{layers - 1},head",)}
   )
   device = jax.devices()[0]

@@ -325,7 +325,7 @@ def run_overrides(
 
 def make_config(name: str, s: Sizes, out: str, sqrt_paths: str, seed: int = 0, sqrt_cap=0.0):
   """configs/tiny.py with this mode's sizes and the model's overrides."""
-  from dipaco_jax import config_defaults
+  from dipaco_jax import config_check
 
   common = {
     "model.d_model": s.d_model,
@@ -369,7 +369,7 @@ def make_config(name: str, s: Sizes, out: str, sqrt_paths: str, seed: int = 0, s
       sqrt_cap,
     ),
   }
-  c = config_defaults.load(os.path.join(ROOT, "configs", "tiny.py"), **over)
+  c = config_check.load(os.path.join(ROOT, "configs", "tiny.py"), **over)
   c.ckpt.max_to_keep = c.dipaco.outer_steps + 2  # Every outer step is evaluated afterwards.
   return c
 

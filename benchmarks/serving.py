@@ -27,7 +27,7 @@ import sys
 import jax
 import numpy as np
 
-from dipaco_jax import config_defaults
+from dipaco_jax import config_check
 from dipaco_jax.core import decoding
 from dipaco_jax.core import experiment
 from dipaco_jax.core import model as model_lib
@@ -56,7 +56,7 @@ def parse_args(argv):
 
 def bench_model(args):
   """The config's model (shrunk with --quick) and random params."""
-  c = config_defaults.load(args.config)
+  c = config_check.load(args.config)
   if args.quick:
     c.model.vocab_size, c.model.d_model, c.model.num_layers = 256, 32, 2
     c.model.num_heads, c.model.head_dim = 2, 16

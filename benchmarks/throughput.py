@@ -154,7 +154,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dipaco_jax import config_defaults
+from dipaco_jax import config_check
 from dipaco_jax import data as data_lib
 from dipaco_jax import hlo
 from dipaco_jax.core import experiment
@@ -168,7 +168,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def bench_config(d_model: int, paths: int, quick: bool, preset: str = "tiny"):
   """configs/tiny.py (with the preset's shapes) at width d_model, a 1 x a x b grid of P paths."""
-  c = config_defaults.load(os.path.join(ROOT, "configs", "tiny.py"))
+  c = config_check.load(os.path.join(ROOT, "configs", "tiny.py"))
   for k, v in PRESETS[preset]["model"].items():
     c.model[k] = v
   if d_model % c.model.num_heads:

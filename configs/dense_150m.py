@@ -20,11 +20,12 @@ with the memory switches set below; checked by compiling for that topology:
   python -m dipaco_jax.aot --config=configs/dense_150m.py --topology=v5e:2x2 --slices=1
 """
 
-from dipaco_jax import config_defaults
+from dipaco_jax.config import paper
+from dipaco_jax.config import schema
 
 
 def get_config():
-  c = config_defaults.paper(config_defaults.base())
+  c = paper.settings(schema.base())
   c.dipaco.level_groups = ("embed,block_0-11,head",)
   c.dipaco.modules_per_level = (1,)
   c.outer.enabled = False

@@ -11,11 +11,12 @@ with the memory switches set below; checked by compiling for that topology:
   python -m dipaco_jax.aot --config=configs/dense_1b.py --topology=v5p:2x2x2 --slices=1
 """
 
-from dipaco_jax import config_defaults
+from dipaco_jax.config import paper
+from dipaco_jax.config import schema
 
 
 def get_config():
-  c = config_defaults.paper(config_defaults.base())
+  c = paper.settings(schema.base())
   c.model.d_model = 2048
   c.model.num_layers = 24
   c.model.num_heads = 16

@@ -25,11 +25,12 @@ with the memory switches set below; checked by compiling for that topology:
   python -m dipaco_jax.aot --config=configs/diloco_8.py --topology=v5e:4x4 --slices=2
 """
 
-from dipaco_jax import config_defaults
+from dipaco_jax.config import paper
+from dipaco_jax.config import schema
 
 
 def get_config():
-  c = config_defaults.paper(config_defaults.base())
+  c = paper.settings(schema.base())
   c.dipaco.level_groups = ("embed,block_0-11,head",)
   c.dipaco.modules_per_level = (1,)
   c.dipaco.replicas = 8
@@ -43,4 +44,4 @@ def get_config():
   c.inner.microbatches = 8
   c.model.remat = "save_matmuls"
   c.model.loss_chunk = 256
-  return config_defaults.paper_fork(c, router="kmeans", discriminative=False)
+  return paper.fork(c, router="kmeans", discriminative=False)

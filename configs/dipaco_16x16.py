@@ -18,7 +18,7 @@ level 2 (16 modules each); top-2 overlapping training shards (§2.4.4).
 Routing: product k-means phase-0 shards (§7.3: hundreds of paths), then one
 discriminative re-shard after outer step 107 with the LR schedule restarted,
 scoring 2**18 router documents with all 256 paths; the reasons:
-config_defaults.paper_fork.
+dipaco_jax/config/paper.py, fork().
 
 TPU memory (docs/tpu.md has the numbers): at the paper's batch (512 x 1024 tokens
 per path) the inner step fits 4 x v5p-512 (1024 chips): mesh path 256 x data 4 (not v5e:
@@ -28,14 +28,12 @@ with the memory switches set below; checked by compiling for that topology:
   python -m dipaco_jax.aot --config=configs/dipaco_16x16.py --topology=v5p:8x8x4 --slices=4
 """
 
-from dipaco_jax import config_defaults
+from dipaco_jax.config import paper
 
 
 def get_config():
   # Top-2 overlapping training shards; evaluation never overlaps.
-  c = config_defaults.paper_grid(
-    16, 16, path_specific="embed,block_0,block_5,block_6,block_11", top_k=2
-  )
+  c = paper.grid(16, 16, path_specific="embed,block_0,block_5,block_6,block_11", top_k=2)
   # Memory (docs/tpu.md): 8 microbatches of 64 sequences, matmul outputs kept for
   # the backward pass, logits 256 positions at a time.
   c.inner.microbatches = 8

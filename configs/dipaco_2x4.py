@@ -12,10 +12,10 @@ then this run (config.dipaco.init_from is required):
     --config.dipaco.init_from=gs://BUCKET/dense_150m_24k \
     --config.data.tfds_data_dir=gs://BUCKET/tfds --config.data.vocab_path=gs://BUCKET/t5_32k.model
 
-Levels (inferred; the paper gives no split): see config_defaults.paper_grid.
+Levels (inferred; the paper gives no split): see dipaco_jax/config/paper.py, grid().
 Routing: product k-means phase-0 shards on θ̄'s prefix features, then one
 discriminative re-shard after outer step 107 (16,050 of 64,050 inner steps)
-with the LR schedule restarted; the reasons: config_defaults.paper_fork.
+with the LR schedule restarted; the reasons: dipaco_jax/config/paper.py, fork().
 
 TPU memory (docs/tpu.md has the numbers): at the paper's batch (512 x 1024 tokens
 per path) the inner step fits 2 x v5litepod-16 (32 chips): mesh path 8 x data 4,
@@ -25,11 +25,11 @@ with the memory switches set below; checked by compiling for that topology:
       --config.mesh.data=4
 """
 
-from dipaco_jax import config_defaults
+from dipaco_jax.config import paper
 
 
 def get_config():
-  c = config_defaults.paper_grid(2, 4)
+  c = paper.grid(2, 4)
   # Memory (docs/tpu.md): 8 microbatches of 64 sequences, matmul outputs kept for
   # the backward pass, logits 256 positions at a time.
   c.inner.microbatches = 8

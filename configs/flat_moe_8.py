@@ -16,7 +16,7 @@ No parameter is shared; the outer Nesterov step still runs on each path's own
 delta (paper §2.6.1 footnote). Routing (§2.6.3: flat MoE with the discriminative
 router): k-means phase-0 shards (one routed level of 8 modules), then one
 discriminative re-shard after outer step 107 with the LR schedule restarted,
-as Fig. 10's flat MoE; the reasons: config_defaults.paper_fork.
+as Fig. 10's flat MoE; the reasons: dipaco_jax/config/paper.py, fork().
 
 TPU memory (docs/tpu.md has the numbers): at the paper's batch (512 x 1024 tokens
 per path) the inner step fits 2 x v5litepod-16 (32 chips): mesh path 8 x data 4,
@@ -25,11 +25,12 @@ with the memory switches set below; checked by compiling for that topology:
   python -m dipaco_jax.aot --config=configs/flat_moe_8.py --topology=v5e:4x4 --slices=2
 """
 
-from dipaco_jax import config_defaults
+from dipaco_jax.config import paper
+from dipaco_jax.config import schema
 
 
 def get_config():
-  c = config_defaults.paper(config_defaults.base())
+  c = paper.settings(schema.base())
   c.dipaco.level_groups = ("embed,block_0-11,head",)
   c.dipaco.modules_per_level = (8,)
   c.dipaco.inner_steps = 150
@@ -39,4 +40,4 @@ def get_config():
   c.inner.microbatches = 8
   c.model.remat = "save_matmuls"
   c.model.loss_chunk = 256
-  return config_defaults.paper_fork(c, router="kmeans")
+  return paper.fork(c, router="kmeans")

@@ -7,11 +7,11 @@ Grid: level 0 = embedding + head shared by all paths (K=1); level 1 = blocks
 (random assignment) until a router is fitted.
 """
 
-from dipaco_jax import config_defaults
+from dipaco_jax.config import schema
 
 
 def get_config():
-  c = config_defaults.base()
+  c = schema.base()
   c.model.vocab_size = 8192  # The shipped SentencePiece model.
   c.model.d_model = 128
   c.model.num_layers = 4

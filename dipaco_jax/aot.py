@@ -37,6 +37,7 @@ import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 from dipaco_jax import config_check  # pylint: disable=wrong-import-position
 from dipaco_jax import data as data_lib  # pylint: disable=wrong-import-position
+from dipaco_jax import errors  # pylint: disable=wrong-import-position
 from dipaco_jax import hlo  # pylint: disable=wrong-import-position
 from dipaco_jax.core import experiment as exp_lib  # pylint: disable=wrong-import-position
 from dipaco_jax.core import model as model_lib  # pylint: disable=wrong-import-position
@@ -569,7 +570,7 @@ def _parse_flags(argv: list[str]) -> list[str]:
   """absl's parsing, after a misspelt --config.a.b or a missing config file is one line."""
   try:
     config_check.check_config_args(argv)
-  except config_check.ConfigError as e:
+  except errors.ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
   return app.parse_flags_with_usage(argv)

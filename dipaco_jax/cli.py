@@ -33,7 +33,6 @@ from absl import logging as absl_logging
 from ml_collections import config_flags
 
 from dipaco_jax import config_check
-from dipaco_jax import config_defaults
 from dipaco_jax import errors
 from dipaco_jax.io import distributed
 from dipaco_jax.io import hugepages
@@ -83,7 +82,7 @@ def is_user_error(e: BaseException) -> bool:
   return isinstance(
     e,
     (
-      config_defaults.ConfigError,  # Also TopologyError, MeshError, ElasticConfigError.
+      errors.ConfigError,  # Also TopologyError, MeshError, ElasticConfigError.
       errors.UserError,  # Damaged files, no checkpoint, divergence (metrics.DivergenceError).
       FileNotFoundError,  # A missing input named by the OS.
       shards.EmptyShardError,
@@ -125,7 +124,7 @@ def _with_config(argv: list[str], saved_config: bool) -> list[str]:
     return argv
   workdir = _flag_value(argv, _WORKDIR_ARG)
   if not saved_config:
-    raise config_defaults.ConfigError(
+    raise errors.ConfigError(
       "--config is required: give the run's config file, e.g. --config=configs/tiny.py."
     )
   if workdir is None:
@@ -151,7 +150,7 @@ def parse_flags(argv: list[str], saved_config: bool = False) -> list[str]:
     return flags.FLAGS(argv)
   except flags.Error as e:
     fail(config_check.flag_error(e), verbose)
-  except (config_defaults.ConfigError, errors.UserError) as e:
+  except (errors.ConfigError, errors.UserError) as e:
     fail(e, verbose)
 
 
@@ -209,9 +208,7 @@ def start(argv: list[str]) -> tuple[Any, str]:
   config, workdir = _CONFIG.value, _WORKDIR.value
   config_check.validate(config)
   if workdir.strip() in ("", "None", "none"):
-    raise config_defaults.ConfigError(
-      f"--workdir={workdir!r} names no directory: give the run's directory."
-    )
+    raise errors.ConfigError(f"--workdir={workdir!r} names no directory: give the run's directory.")
   if config.mesh.cpu_devices:  # Before any backend starts; TPU/GPU runs are unaffected.
     jax.config.update("jax_num_cpu_devices", config.mesh.cpu_devices)
   distributed.initialize()

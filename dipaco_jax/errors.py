@@ -5,6 +5,10 @@ class UserError(Exception):
   """Bad input or a stopped run: the message says what happened and how to fix it."""
 
 
+class ConfigError(ValueError):
+  """A config that cannot run: the message names the field, the problem and the fix."""
+
+
 class DamagedFileError(UserError):
   """A file the run wrote cannot be read (truncated or corrupted); the message names it."""
 

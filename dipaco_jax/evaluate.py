@@ -30,6 +30,7 @@ from absl import flags
 from dipaco_jax import cli
 from dipaco_jax import data as data_lib
 from dipaco_jax import routing
+from dipaco_jax.config import sections
 from dipaco_jax.core import experiment as exp_lib
 from dipaco_jax.io import checkpoint as ckpt_lib
 from dipaco_jax.io import files
@@ -121,8 +122,8 @@ def rerouters_to_fit(run: Run, kinds) -> list[str]:
   `python -m dipaco_jax.evaluate` saves them under rerouter_dir; a dense run needs none.
   """
   for kind in kinds:
-    if kind not in rerouting.KINDS:
-      raise ValueError(f"unknown re-router {kind!r}: choose from {rerouting.KINDS}.")
+    if kind not in sections.REROUTERS:
+      raise ValueError(f"unknown re-router {kind!r}: choose from {sections.REROUTERS}.")
   if run.exp.topo.num_paths == 1:
     return []
   directory = rerouter_dir(run.workdir, run.step)

@@ -3,7 +3,7 @@
 The trainer writes config.json when a run starts. route, evaluate and serve
 read it when no --config is given (cli.py passes `--config=<this file>:<workdir>`,
 so --config.a.b=v overrides apply on top as they do on a configs/*.py file).
-The fields start from config_defaults.base(), so each keeps its type; a field
+The fields start from schema.base(), so each keeps its type; a field
 the file names that base() lacks is an error naming the nearest field.
 """
 
@@ -12,9 +12,8 @@ import json
 import ml_collections
 from etils import epath
 
-from dipaco_jax import config_check
-from dipaco_jax import config_defaults
 from dipaco_jax import errors
+from dipaco_jax.config import schema
 from dipaco_jax.io import files
 
 FILE = files.CONFIG_FILE
@@ -28,20 +27,18 @@ def _fill(node: ml_collections.ConfigDict, saved: dict, where: str, prefix: str 
   for key, value in saved.items():
     name = f"{prefix}{key}"
     if key not in node:
-      raise config_defaults.ConfigError(
-        f"{where}: {config_check.unknown_name_message(name)} Edit the file or pass --config."
+      raise errors.ConfigError(
+        f"{where}: {schema.unknown_name_message(name)} Edit the file or pass --config."
       )
     if isinstance(node[key], ml_collections.ConfigDict):
       if not isinstance(value, dict):
-        raise config_defaults.ConfigError(
-          f"{where}: config.{name} must be a section, not {value!r}."
-        )
+        raise errors.ConfigError(f"{where}: config.{name} must be a section, not {value!r}.")
       _fill(node[key], value, where, f"{name}.")
       continue
     try:  # JSON has lists where the config has tuples.
       node[key] = tuple(value) if isinstance(value, list) else value
     except TypeError as e:
-      raise config_defaults.ConfigError(
+      raise errors.ConfigError(
         f"{where}: config.{name}={value!r} has the wrong type ({e}); edit the file or pass "
         "--config."
       ) from e
@@ -51,7 +48,7 @@ def load(workdir: str) -> ml_collections.ConfigDict:
   """base() with the fields of <workdir>/config.json; ConfigError if there is none."""
   p = path(workdir)
   if not p.exists():
-    raise config_defaults.ConfigError(
+    raise errors.ConfigError(
       f"no --config given and no {p}: pass the run's --config=configs/NAME.py (training "
       f"writes {FILE} when it starts)."
     )
@@ -63,7 +60,7 @@ def load(workdir: str) -> ml_collections.ConfigDict:
     ) from e
   if not isinstance(saved, dict):
     raise errors.DamagedFileError(f"{p} holds no config; pass the run's --config=configs/NAME.py.")
-  config = config_defaults.base()
+  config = schema.base()
   _fill(config, saved, str(p))
   return config
 

@@ -15,11 +15,12 @@ from absl import logging
 from etils import epath
 
 from dipaco_jax import config_check
-from dipaco_jax import config_defaults
+from dipaco_jax.config import schema
 from dipaco_jax.core import experiment as exp_lib
 from dipaco_jax.core import inner as inner_lib
 from dipaco_jax.core import sharding
 from dipaco_jax.data import feed as feed_lib
+from dipaco_jax.errors import ConfigError
 from dipaco_jax.io import checkpoint as ckpt_lib
 from dipaco_jax.io import files
 from dipaco_jax.io import metrics as metrics_lib
@@ -38,12 +39,12 @@ def check_config_matches(workdir: epath.Path, config) -> None:
   if path.exists():
     old, new = files.read_json(path), json.loads(config.to_json_best_effort())
     # A field added since the run started (model.mlp, ...) had its default then.
-    default = json.loads(config_defaults.base().to_json_best_effort())
+    default = json.loads(schema.base().to_json_best_effort())
     changed = [
       s for s in _FROZEN_SECTIONS if {**default.get(s, {}), **old.get(s, {})} != new.get(s)
     ]
     if changed:
-      raise config_defaults.ConfigError(
+      raise ConfigError(
         f"{workdir} holds a run with different config sections {changed}; "
         "its checkpoints would not fit. Use a new --workdir (nothing was "
         "changed in the old one)."
@@ -58,7 +59,6 @@ def write_config(workdir: epath.Path, config) -> None:
 
 
 # config.dispatch_ahead: "auto" (on for TPU and GPU, off on CPU), "on", "off".
-DISPATCH_AHEAD = ("auto", "on", "off")
 
 
 def dispatch_ahead(config, backend: str | None = None) -> bool:

@@ -9,7 +9,7 @@ from tensorboard.compat.proto import event_pb2
 from tensorboard.compat.tensorflow_stub import errors as tb_errors
 from tensorboard.compat.tensorflow_stub import pywrap_tensorflow
 
-from dipaco_jax import config_defaults
+from dipaco_jax import config_check
 from dipaco_jax import data as data_lib
 from dipaco_jax.core import model as model_lib
 from dipaco_jax.core import paths
@@ -39,7 +39,7 @@ def micro_config(**overrides):
     "ckpt.async_save": False,
   }
   base.update(overrides)
-  return config_defaults.load(os.path.join(ROOT, "configs", "tiny.py"), **base)
+  return config_check.load(os.path.join(ROOT, "configs", "tiny.py"), **base)
 
 
 def synthetic_batch(rng: np.random.Generator, W: int, B: int, T: int, V: int):
@@ -91,8 +91,7 @@ def compile_cache(directory: str):
 
 def model_config(**fields) -> model_lib.ModelConfig:
   """A ModelConfig of base()'s model section with `fields` changed."""
-  section = {**config_defaults.base().model.to_dict(), **fields}  # Any type: tests bad values too.
-  return config_defaults.from_section(model_lib.ModelConfig, section)
+  return model_lib.ModelConfig(**fields)  # Its declared defaults; a bad value raises.
 
 
 def events(logdir) -> list:

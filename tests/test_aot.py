@@ -22,7 +22,7 @@ pytest.importorskip(
 )
 
 from dipaco_jax import aot  # pylint: disable=g-import-not-at-top,wrong-import-position
-from dipaco_jax import config_defaults  # pylint: disable=g-import-not-at-top,wrong-import-position
+from dipaco_jax import config_check  # pylint: disable=g-import-not-at-top,wrong-import-position
 from dipaco_jax.core import sharding  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 import helpers  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -49,7 +49,7 @@ def _check(result, steps=("inner", "outer", "eval")):
 
 
 def test_tiny_config_on_two_v5e_slices():
-  cfg = config_defaults.load(os.path.join(helpers.ROOT, "configs", "tiny.py"))
+  cfg = config_check.load(os.path.join(helpers.ROOT, "configs", "tiny.py"))
   r = aot.Report(cfg, "v5e:2x2", slices=2).run()
   assert r["chips"] == 8 and r["config"]["mesh"]["path"] == 4
   _check(r)
@@ -60,7 +60,7 @@ def test_tiny_config_on_two_v5e_slices():
 def test_paper_dipaco_2x4_on_two_v5e_16_slices():
   # configs/dipaco_2x4.py as shipped but 2 blocks (one per level) and the inner
   # step only, for compile time (the tiny config covers outer and eval).
-  cfg = config_defaults.load(
+  cfg = config_check.load(
     os.path.join(helpers.ROOT, "configs", "dipaco_2x4.py"),
     **{"model.num_layers": 2, "dipaco.level_groups": ("embed,head", "block_0", "block_1")},
   )
@@ -72,7 +72,7 @@ def test_paper_dipaco_2x4_on_two_v5e_16_slices():
 
 
 def test_advice_names_the_need_and_the_switches():
-  cfg = config_defaults.load(os.path.join(helpers.ROOT, "configs", "tiny.py"), **{"mesh.data": 2})
+  cfg = config_check.load(os.path.join(helpers.ROOT, "configs", "tiny.py"), **{"mesh.data": 2})
   rep = aot.Report(cfg, "v5e:2x2", slices=2)
   line = rep.advice(
     "inner",
@@ -92,9 +92,9 @@ def test_bad_input_is_refused_with_one_clear_error():
     aot.topology_devices("v5e:3x5", 1)
   tiny = os.path.join(helpers.ROOT, "configs", "tiny.py")
   with pytest.raises(sharding.MeshError, match="not divisible by the 'data' mesh axis"):
-    aot.Report(config_defaults.load(tiny, **{"mesh.data": 3}), "v5e:2x2", 2)
+    aot.Report(config_check.load(tiny, **{"mesh.data": 3}), "v5e:2x2", 2)
   with pytest.raises(ValueError, match="inner.microbatches=3"):
-    aot.Report(config_defaults.load(tiny, **{"inner.microbatches": 3}), "v5e:2x2", 2)
+    aot.Report(config_check.load(tiny, **{"inner.microbatches": 3}), "v5e:2x2", 2)
 
 
 def test_cli_reports_bad_topology_in_one_line():

@@ -6,42 +6,48 @@ import os
 import pytest
 
 from dipaco_jax import config_check
-from dipaco_jax import config_defaults
+from dipaco_jax import errors
 from dipaco_jax import train
-from dipaco_jax.core import inner
-from dipaco_jax.core import model
-from dipaco_jax.core import outer
+from dipaco_jax.config import schema
+from dipaco_jax.config import sections
 
 import helpers
 
-ConfigError = config_defaults.ConfigError
+ConfigError = errors.ConfigError
 TINY = os.path.join(helpers.ROOT, "configs", "tiny.py")
 
 
-def test_every_field_of_base_has_exactly_one_rule():
-  assert set(config_check._rules()) == set(config_check.field_names())  # pylint: disable=protected-access
+def test_base_holds_exactly_the_declared_fields_with_their_defaults():
+  flat = schema.flatten(schema.base())
+  assert sorted(flat) == sorted(schema.field_names())
+  for key, f in schema.declared().items():
+    assert flat[key] == f.default, key
+    assert f.metadata["help"] and f.metadata["rule"].need, key  # Each says what it is and needs.
 
 
 def test_base_defaults_pass_their_own_rules():
-  config_check.validate(config_defaults.base(), for_run=False)
+  config_check.validate(schema.base(), for_run=False)
 
 
-@pytest.mark.parametrize(
-  "cls,section",
-  [(model.ModelConfig, "model"), (inner.InnerConfig, "inner"), (outer.OuterConfig, "outer")],
-)
-def test_dataclasses_have_no_defaults_and_take_every_field_from_base(cls, section):
-  fields = dataclasses.fields(cls)
-  assert all(f.default is dataclasses.MISSING for f in fields), cls  # One set of defaults: base().
-  sec = config_defaults.base()[section]
-  assert {f.name for f in fields} <= set(sec)  # Every dataclass field is a config switch.
-  got = config_defaults.from_section(cls, sec, **({"total_steps": 7} if section == "inner" else {}))
-  assert all(
-    getattr(got, f.name) == (7 if f.name == "total_steps" else sec[f.name]) for f in fields
-  )
-  del sec[fields[-1].name]
-  with pytest.raises(ConfigError, match=f"no field '{fields[-1].name}'"):
-    config_defaults.from_section(cls, sec)
+@pytest.mark.parametrize("cls", sections.SECTIONS)
+def test_a_section_object_is_the_configs_section_and_checks_its_fields(cls):
+  c = schema.base()
+  got = cls.of(c)
+  node = c[cls.SECTION] if cls.SECTION else c
+  assert all(getattr(got, f.name) == node[f.name] for f in dataclasses.fields(cls))
+  assert cls() == got  # The declared defaults are base()'s.
+  f = dataclasses.fields(cls)[0]
+  with pytest.raises(ConfigError, match=f"config.{cls.key(f.name)}=<object .* is invalid"):
+    cls(**{f.name: object()})  # No rule admits an arbitrary object.
+  if cls.SECTION:
+    del node[f.name]
+    with pytest.raises(ConfigError, match=f"config.{cls.key(f.name)} is missing"):
+      cls.of(c)
+
+
+def test_derived_values_replace_fields():
+  inner_cfg = sections.InnerConfig.of(schema.base(), total_steps=7)
+  assert inner_cfg.total_steps == 7 and inner_cfg.lr == schema.base().inner.lr
 
 
 @pytest.mark.parametrize(
@@ -101,7 +107,7 @@ def test_dataclasses_have_no_defaults_and_take_every_field_from_base(cls, sectio
 )
 def test_load_refuses_unknown_keys_and_bad_values(overrides, match):
   with pytest.raises(ConfigError, match=match) as e:
-    config_defaults.load(TINY, **overrides)
+    config_check.load(TINY, **overrides)
   assert "\n" not in str(e.value)
 
 
@@ -116,34 +122,34 @@ def test_load_refuses_unknown_keys_and_bad_values(overrides, match):
   ],
 )
 def test_dispatch_ahead_auto_is_on_for_accelerators_only(value, backend, ahead):
-  assert train.dispatch_ahead(config_defaults.load(TINY, dispatch_ahead=value), backend) is ahead
+  assert train.dispatch_ahead(config_check.load(TINY, dispatch_ahead=value), backend) is ahead
 
 
 def test_a_config_file_may_not_add_a_field(tmp_path):
   path = tmp_path / "typo.py"
   path.write_text(
-    "from dipaco_jax import config_defaults\n\ndef get_config():\n"
-    "  c = config_defaults.base()\n  c.inner.warmup = 10\n  return c\n"
+    "from dipaco_jax.config import schema\n\ndef get_config():\n"
+    "  c = schema.base()\n  c.inner.warmup = 10\n  return c\n"
   )
   with pytest.raises(
     ConfigError,
     match=r"config.inner.warmup is not a config field: did you "
     r"mean config.inner.warmup_steps\?",
   ):
-    config_defaults.load(str(path))
+    config_check.load(str(path))
   with pytest.raises(ConfigError, match="no config file at"):
-    config_defaults.load(str(tmp_path / "missing.py"))
+    config_check.load(str(tmp_path / "missing.py"))
 
 
 def test_load_locks_the_config():
-  c = config_defaults.load(TINY)
+  c = config_check.load(TINY)
   c.inner.lr = 1e-3  # A known field stays settable.
   with pytest.raises(AttributeError, match="lrr"):
     c.inner.lrr = 1e-3
 
 
 def test_the_run_checks_read_the_tokenizer_and_init_from(tmp_path):
-  ok = config_defaults.load(TINY)
+  ok = config_check.load(TINY)
   config_check.validate(ok)  # 8192 = the shipped tokenizer.
   cases = [
     (
@@ -161,11 +167,11 @@ def test_the_run_checks_read_the_tokenizer_and_init_from(tmp_path):
     ({"dipaco.init_from": str(tmp_path / "none")}, r"init_from=.* does not exist"),
   ]
   for overrides, match in cases:
-    c = config_defaults.load(TINY, **overrides)  # Loads: these need files, checked per run.
+    c = config_check.load(TINY, **overrides)  # Loads: these need files, checked per run.
     with pytest.raises(ConfigError, match=match):
       config_check.validate(c)
   config_check.validate(
-    config_defaults.load(TINY, **{"model.vocab_size": 8192 + 64, "model.pad_vocab": True})
+    config_check.load(TINY, **{"model.vocab_size": 8192 + 64, "model.pad_vocab": True})
   )
 
 
@@ -173,9 +179,9 @@ def test_the_trainer_validates_before_it_touches_the_workdir(tmp_path):
   workdir = tmp_path / "run"
   for overrides in ({"model.vocab_size": 9000}, {"data.vocab_path": str(tmp_path / "x.model")}):
     with pytest.raises(ConfigError):
-      train.train_and_evaluate(config_defaults.load(TINY, **overrides), str(workdir))
+      train.train_and_evaluate(config_check.load(TINY, **overrides), str(workdir))
     assert not workdir.exists()
-  c = config_defaults.load(TINY)
+  c = config_check.load(TINY)
   c.outer.momentum = 1.0  # Set after load: the trainer's own pass still refuses it.
   with pytest.raises(ConfigError, match="config.outer.momentum=1.0"):
     train.train_and_evaluate(c, str(workdir))

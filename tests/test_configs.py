@@ -6,9 +6,11 @@ import jax
 import numpy as np
 import pytest
 
-from dipaco_jax import config_defaults
+from dipaco_jax import config_check
+from dipaco_jax import errors
 from dipaco_jax import routing
 from dipaco_jax import train
+from dipaco_jax.config import paper
 from dipaco_jax.core import experiment
 from dipaco_jax.core import sharding
 from dipaco_jax.core import topology
@@ -40,7 +42,7 @@ CASES = [
 
 
 def _load(name: str, **overrides):
-  return config_defaults.load(os.path.join(ROOT, "configs", f"{name}.py"), **overrides)
+  return config_check.load(os.path.join(ROOT, "configs", f"{name}.py"), **overrides)
 
 
 @pytest.mark.parametrize("name,paths,replicas,per_path,store", CASES)
@@ -60,7 +62,7 @@ def test_paper_configs_build_abstract_state(name, paths, replicas, per_path, sto
 
 
 def test_tiny_config_on_four_devices_puts_one_path_per_device():
-  c = config_defaults.load(os.path.join(ROOT, "configs", "tiny.py"))
+  c = config_check.load(os.path.join(ROOT, "configs", "tiny.py"))
   exp = experiment.Experiment(c)
   assert dict(exp.mesh.shape) == {"path": 4, "data": 1, "model": 1}
   assert exp.topo.num_workers == 4
@@ -71,7 +73,7 @@ def test_tiny_config_on_four_devices_puts_one_path_per_device():
 # (§7.3, Table 5), k-means for one routed level; one discriminative phase for every
 # DiPaCo / flat MoE (§4), none for DiLoCo, whose non-i.i.d. shards are one k-means
 # cluster per worker.
-DISC = [config_defaults.DISCRIMINATIVE_AT_OUTER_STEP]
+DISC = [paper.DISCRIMINATIVE_AT_OUTER_STEP]
 ROUTING = [
   # (config, router, phase-0 grid, discriminative steps, top_k, replica_shards)
   ("dipaco_2x4", "product_kmeans", (2, 4), DISC, 1, "hash"),
@@ -99,7 +101,7 @@ def test_paper_configs_route_as_the_paper(name, router, grid, steps, top_k, repl
   assert all(1 <= s <= c.dipaco.outer_steps - 1 for s in got)
   if steps:
     assert c.routing.restart_schedule  # Fig. 10: the cosine restarts at the re-shard.
-    assert c.routing.router_max_docs == config_defaults.ROUTER_MAX_DOCS
+    assert c.routing.router_max_docs == paper.ROUTER_MAX_DOCS
     # The restarted cosine ends with the run: H * (T - s) steps.
     H, T = c.dipaco.inner_steps, c.dipaco.outer_steps
     assert c.inner.total_steps == H * (T - steps[0]) == 48_000
@@ -125,7 +127,7 @@ def test_no_paper_config_routes_randomly_or_reshards_a_dense_run():
 def test_forked_configs_require_init_from(name, tmp_path):
   c = _load(name)
   with pytest.raises(ValueError, match=r"config.dipaco.init_from is required") as e:
-    config_defaults.check_init_from(c)
+    paper.check_init_from(c)
   assert "--config=configs/dense_150m.py" in str(e.value)
   assert "--config.dipaco.init_from=DENSE_WORKDIR" in str(e.value)
   # The trainer refuses before it writes anything to the workdir.
@@ -133,15 +135,15 @@ def test_forked_configs_require_init_from(name, tmp_path):
   with pytest.raises(ValueError, match=r"config.dipaco.init_from is required"):
     train.train_and_evaluate(c, str(workdir))
   assert not workdir.exists()
-  config_defaults.check_init_from(_load(name, **{"dipaco.init_from": "gs://b/dense_150m_24k"}))
-  config_defaults.check_init_from(_load(name, **{"dipaco.init_from": ""}))  # Random, on request.
+  paper.check_init_from(_load(name, **{"dipaco.init_from": "gs://b/dense_150m_24k"}))
+  paper.check_init_from(_load(name, **{"dipaco.init_from": ""}))  # Random, on request.
 
 
 @pytest.mark.parametrize("name", DENSE + ["tiny"])
 def test_dense_and_tiny_configs_need_no_init_from(name):
   c = _load(name)
   assert c.dipaco.init_from == ""
-  config_defaults.check_init_from(c)
+  paper.check_init_from(c)
 
 
 def test_phase0_grid_refuses_product_kmeans_off_the_full_grid():
@@ -149,9 +151,7 @@ def test_phase0_grid_refuses_product_kmeans_off_the_full_grid():
 
   The config check runs phase0_grid, so loading such a config is refused.
   """
-  with pytest.raises(config_defaults.ConfigError, match="product_kmeans needs the full grid"):
+  with pytest.raises(errors.ConfigError, match="product_kmeans needs the full grid"):
     _load("dipaco_2x4", **{"dipaco.paths": ("0-0-0", "0-1-3")})
-  with pytest.raises(
-    config_defaults.ConfigError, match="replica_shards='router' clusters per worker"
-  ):
+  with pytest.raises(errors.ConfigError, match="replica_shards='router' clusters per worker"):
     _load("diloco_8", **{"routing.router": "product_kmeans"})

@@ -9,8 +9,8 @@ import seqio
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
-from dipaco_jax import config_defaults
 from dipaco_jax import data
+from dipaco_jax.config import schema
 from dipaco_jax.data import corpus
 from dipaco_jax.data import vocab
 
@@ -22,7 +22,7 @@ def _tfds_dir(tmp_path_factory):
 
 def data_cfg(tfds_dir: str, **overrides) -> ml_collections.ConfigDict:
   """base()'s config.data on this tfds dir, short sequences."""
-  cfg = config_defaults.base().data
+  cfg = schema.base().data
   cfg.update(dict(tfds_data_dir=tfds_dir, seq_len=64, batch_size=2, **overrides))
   return cfg
 

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 from etils import epath
 
-from dipaco_jax import config_defaults
 from dipaco_jax import data as data_lib
+from dipaco_jax import errors
 from dipaco_jax import evaluate
 from dipaco_jax import routing
 from dipaco_jax import serve
@@ -31,7 +31,7 @@ from dipaco_jax.io import metrics as metrics_lib
 from dipaco_jax.routing import router as router_lib
 from dipaco_jax.runtime.elastic import coordinator as coord_lib
 from dipaco_jax.runtime.elastic import driver as elastic_driver
-from dipaco_jax.runtime.elastic import errors
+from dipaco_jax.runtime.elastic import errors as elastic_errors
 from dipaco_jax.runtime.elastic import executor as exec_lib
 from dipaco_jax.runtime.elastic import grid as grid_lib
 from dipaco_jax.runtime.elastic import jit_cache
@@ -626,25 +626,27 @@ def test_queue_timeout_requeues(tmp_path):
 )
 def test_bad_config_is_refused(tmp_path, field, value, match):
   # Refused by load's config check (elastic check_config is part of it), else by the trainer's.
-  with pytest.raises(config_defaults.ConfigError, match=match):
+  with pytest.raises(errors.ConfigError, match=match):
     train.train_and_evaluate(_config(**{field: value}), str(tmp_path))
   assert not os.listdir(tmp_path)
 
 
 def test_bad_mode_and_address_are_refused(tmp_path):
-  with pytest.raises(config_defaults.ConfigError, match="config.dipaco.mode='async'"):
+  with pytest.raises(errors.ConfigError, match="config.dipaco.mode='async'"):
     train.train_and_evaluate(_config(**{"dipaco.mode": "async"}), str(tmp_path))
   cfg = _config(**{"elastic.address": "127.0.0.1:1", "data.shard_dir": str(tmp_path / "s")})
-  with pytest.raises(errors.ElasticConfigError, match="elastic.address='127.0.0.1:1' does not"):
+  with pytest.raises(
+    elastic_errors.ElasticConfigError, match="elastic.address='127.0.0.1:1' does not"
+  ):
     train.train_and_evaluate(cfg, str(tmp_path / "run"))
 
 
 def test_workdir_of_the_other_mode_is_refused(tmp_path):
   (tmp_path / "spmd" / "checkpoints").mkdir(parents=True)
-  with pytest.raises(errors.ElasticConfigError, match="mode='spmd'"):
+  with pytest.raises(elastic_errors.ElasticConfigError, match="mode='spmd'"):
     train.train_and_evaluate(_config(), str(tmp_path / "spmd"))
   storage.save_json(storage.root(str(tmp_path / "el")) / "meta.json", {"mode": "elastic"})
-  with pytest.raises(errors.ElasticConfigError, match="mode='elastic'"):
+  with pytest.raises(elastic_errors.ElasticConfigError, match="mode='elastic'"):
     train.train_and_evaluate(_config(**{"dipaco.mode": "spmd"}), str(tmp_path / "el"))
 
 
@@ -779,13 +781,13 @@ def test_elastic_matches_spmd_and_survives_kills(tmp_path, ray_cluster):
   # then the same command again: the clean run's bytes. Workers dispatch ahead here (the
   # TPU/GPU default; the clean run reads every step): the same steps, the same bytes.
   faulty = str(tmp_path / "faulty")
-  slow = {"elastic.step_delay_s": (0.5, 0.5), "dispatch_ahead": "on"}
+  slow = {"faults.step_delay_s": (0.5, 0.5), "dispatch_ahead": "on"}
   first = train.train_and_evaluate(
-    cfg(**{"elastic.chaos_worker_kills": 1, "elastic.stop_after_tasks": 4, **slow}), faulty
+    cfg(**{"faults.worker_kills": 1, "faults.stop_after_tasks": 4, **slow}), faulty
   )
   assert first["stopped"] and first["status"]["done"] >= 4
   out = train.train_and_evaluate(
-    cfg(**{"elastic.chaos_worker_kills": 3, "elastic.chaos_executor_kills": 2, **slow}), faulty
+    cfg(**{"faults.worker_kills": 3, "faults.executor_kills": 2, **slow}), faulty
   )
   assert out["step"] == 4 and out["status"]["done"] == 12
   kills = first["status"]["worker_kills"] + out["status"]["worker_kills"]
@@ -822,7 +824,7 @@ def test_quorum_end_to_end_with_a_slow_worker(tmp_path, ray_cluster):
     **{
       "data.shard_dir": str(tmp_path / "shards"),
       "elastic.quorum": 0.5,
-      "elastic.step_delay_s": (0.0, 3.0),
+      "faults.step_delay_s": (0.0, 3.0),
     }
   )
   out = train.train_and_evaluate(cfg, wd)
@@ -929,12 +931,12 @@ def _reshard_matches_spmd_and_survives_kills(tmp_path, monkeypatch, stack):
   # Seed 2 draws, of 2 kills each: the 1st invocation's dispatches 0 (killed mid-write) and 1
   # (at a random moment), the 2nd's dispatch 0 (task (1, ·): the new phase's first, mid-write),
   # the 3rd's dispatch 0 (mid-write) and 5.
-  slow = {"elastic.step_delay_s": (0.3, 0.3), "dispatch_ahead": "on"}
-  kw = {"elastic.chaos_worker_kills": 2, "elastic.chaos_seed": 2, **slow}
-  first = train.train_and_evaluate(cfg(**{"elastic.stop_after_tasks": 4, **kw}), faulty)
-  second = train.train_and_evaluate(cfg(**{"elastic.stop_after_tasks": 2, **kw}), faulty)
+  slow = {"faults.step_delay_s": (0.3, 0.3), "dispatch_ahead": "on"}
+  kw = {"faults.worker_kills": 2, "faults.seed": 2, **slow}
+  first = train.train_and_evaluate(cfg(**{"faults.stop_after_tasks": 4, **kw}), faulty)
+  second = train.train_and_evaluate(cfg(**{"faults.stop_after_tasks": 2, **kw}), faulty)
   assert first["stopped"] and second["stopped"] and second["status"]["reshards"] == [1]
-  last = train.train_and_evaluate(cfg(**{**kw, "elastic.chaos_executor_kills": 1}), faulty)
+  last = train.train_and_evaluate(cfg(**{**kw, "faults.executor_kills": 1}), faulty)
   assert last["step"] == 4 and last["status"]["done"] == 12
   kills = [r["status"]["worker_kills"] for r in (first, second, last)]
   assert sum(kills) >= 3, kills

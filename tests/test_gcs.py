@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 from etils import epath
 
-from dipaco_jax import config_defaults
+from dipaco_jax import errors
 from dipaco_jax import evaluate
 from dipaco_jax import routing
 from dipaco_jax import train
@@ -191,7 +191,7 @@ def test_config_json_written_by_the_trainer_is_read_back(bucket):
   train.check_config_matches(epath.Path(workdir), cfg)  # Same config: resumes.
   with pytest.raises(Exception, match="different config sections"):
     train.check_config_matches(epath.Path(workdir), helpers.micro_config(**{"model.d_model": 64}))
-  with pytest.raises(config_defaults.ConfigError, match="no --config given and no .*/other/config"):
+  with pytest.raises(errors.ConfigError, match="no --config given and no .*/other/config"):
     evaluate.config_from_workdir(f"{bucket}/other")
 
 

@@ -327,7 +327,7 @@ def test_swiglu_params_by_hand_and_the_config_field_checked():
   count = sum(x.size for x in jax.tree.leaves(_shapes(_cfg(num_layers=1, mlp="swiglu"))))
   assert count == 104 + 656 + 8
   assert _cfg(mlp="swiglu").mlp_params == 384 and _cfg().mlp_params == 256
-  with pytest.raises(ValueError, match="model.mlp='relu': use one of"):
+  with pytest.raises(ValueError, match="config.model.mlp='relu' is invalid: it must be one of"):
     _cfg(mlp="relu")
 
 

@@ -13,7 +13,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dipaco_jax import config_defaults
 from dipaco_jax.core import experiment
 from dipaco_jax.core import outer
 from dipaco_jax.core import paths
@@ -41,7 +40,7 @@ def _workers(v):
 
 def _outer_config(**kw):
   """base()'s config.outer (the paper's lr 0.7, momentum 0.9, Nesterov) with `kw` changed."""
-  return config_defaults.from_section(outer.OuterConfig, config_defaults.base().outer, **kw)
+  return outer.OuterConfig(**kw)
 
 
 def _first(tree, g):

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from dipaco_jax import config_check
-from dipaco_jax import config_defaults
 from dipaco_jax import data as data_lib
+from dipaco_jax import errors
 from dipaco_jax import routing
 from dipaco_jax.core import topology
 from dipaco_jax.routing import phases
@@ -63,20 +63,20 @@ def test_discriminative_steps(at, phases, every, want):
     every,
   )
   if isinstance(want, str):
-    with pytest.raises(config_defaults.ConfigError, match=want):
+    with pytest.raises(errors.ConfigError, match=want):
       routing.discriminative_steps(cfg)
-    with pytest.raises(config_defaults.ConfigError):
+    with pytest.raises(errors.ConfigError):
       config_check.validate(cfg, for_run=False)
   else:
     assert routing.discriminative_steps(cfg) == want
 
 
 def test_unknown_router_kind_is_refused(tmp_path):
-  with pytest.raises(config_defaults.ConfigError, match="routing.router='hash'"):
+  with pytest.raises(errors.ConfigError, match="routing.router='hash'"):
     helpers.micro_config(**{"routing.router": "hash"})
   cfg = helpers.micro_config()
   cfg.routing.router = "hash"  # After load's check: the router refuses it itself.
-  with pytest.raises(config_defaults.ConfigError, match="routing.router='hash'"):
+  with pytest.raises(errors.ConfigError, match="routing.router='hash'"):
     routing.phase0_router(cfg, str(tmp_path), topology.from_config(cfg), None)
 
 
@@ -100,10 +100,10 @@ def test_balanced_kmeans_switch_reaches_the_fit_and_is_refused_for_product_kmean
   saved = router_lib.fit_kmeans_router(x, phases.phase0_grid(cfg, t), restarts=1)
   saved.info["features"] = ex.fingerprint
   saved.save(routing.router_dir(str(tmp_path), 0))
-  with pytest.raises(config_defaults.ConfigError, match="kmeans_min_share=0.5"):
+  with pytest.raises(errors.ConfigError, match="kmeans_min_share=0.5"):
     routing.phase0_router(cfg, str(tmp_path), t, ex)
   cfg.routing.router = "product_kmeans"
-  with pytest.raises(config_defaults.ConfigError, match="balances router='kmeans' only"):
+  with pytest.raises(errors.ConfigError, match="balances router='kmeans' only"):
     phases.phase0_grid(cfg, t)
 
 

@@ -6,7 +6,7 @@ import pytest
 from test_data_tasks import data_cfg
 from test_data_tasks import write_fake_c4
 
-from dipaco_jax import config_defaults
+from dipaco_jax.config import schema
 from dipaco_jax.data import shard_cache
 from dipaco_jax.data import tasks
 from dipaco_jax.data import vocab
@@ -16,7 +16,7 @@ import helpers
 
 
 def run_config(tfds_dir: str, cache: str, **data):
-  c = config_defaults.base()
+  c = schema.base()
   c.data = data_cfg(tfds_dir, task="c4_en", vocab_path=vocab.DEFAULT_VOCAB_PATH, **data)
   c.data.shard_cache = cache
   return c

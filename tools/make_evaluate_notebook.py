@@ -105,7 +105,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 from IPython.display import Markdown, display
 
-from dipaco_jax import config_check, evaluate
+from dipaco_jax import evaluate
+from dipaco_jax.config import schema
 from dipaco_jax.io import files, metrics
 from dipaco_jax.runtime import early_stopping
 from dipaco_jax.routing import report as router_report
@@ -117,7 +118,7 @@ if not (files.path(WORKDIR) / "config.json").exists():
   )
 config = evaluate.config_from_workdir(WORKDIR)  # The run's own config, no source checkout.
 for key, value in OVERRIDES.items():
-  config_check.check_name(key)  # A misspelt field is an error, as on the command line.
+  schema.check_name(key)  # A misspelt field is an error, as on the command line.
   *parents, leaf = key.split(".")
   node = config
   for p in parents:

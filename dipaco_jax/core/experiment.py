@@ -13,7 +13,6 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dipaco_jax import config_defaults
 from dipaco_jax.core import inner as inner_lib
 from dipaco_jax.core import model as model_lib
 from dipaco_jax.core import outer as outer_lib
@@ -21,9 +20,8 @@ from dipaco_jax.core import paths as paths_lib
 from dipaco_jax.core import sharding
 from dipaco_jax.core import topology
 from dipaco_jax.data import feed
+from dipaco_jax.errors import ConfigError
 from dipaco_jax.types import PyTree
-
-INITS = ("shared", "independent")  # dipaco.init: every module from one θ̄, or each its own.
 
 
 @flax.struct.dataclass
@@ -39,21 +37,20 @@ class TrainState:
 
 
 def model_config(config) -> model_lib.ModelConfig:
-  return config_defaults.from_section(model_lib.ModelConfig, config.model)
+  return model_lib.ModelConfig.of(config)
 
 
 def inner_config(config) -> inner_lib.InnerConfig:
   """Inner settings; the cosine runs over all H*T inner steps unless given."""
   d, total = config.dipaco, config.inner.total_steps
-  return config_defaults.from_section(
-    inner_lib.InnerConfig,
-    config.inner,
+  return inner_lib.InnerConfig.of(
+    config,
     total_steps=d.inner_steps * d.outer_steps if total is None else total,
   )
 
 
 def outer_config(config) -> outer_lib.OuterConfig:
-  return config_defaults.from_section(outer_lib.OuterConfig, config.outer)
+  return outer_lib.OuterConfig.of(config)
 
 
 class Experiment:
@@ -73,7 +70,7 @@ class Experiment:
     sharding.check_batch_divides(config.data.batch_size, self.mesh.shape["data"])
     mb = self.inner_cfg.microbatches
     if config.data.batch_size % (mb * self.mesh.shape["data"]):
-      raise config_defaults.ConfigError(
+      raise ConfigError(
         f"config.inner.microbatches={mb} must split the batch (config.data.batch_size="
         f"{config.data.batch_size}) into microbatches that the 'data' mesh axis "
         f"({self.mesh.shape['data']}) divides: choose a divisor of batch_size / data."

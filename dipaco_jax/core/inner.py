@@ -7,32 +7,17 @@ reduces across workers, so no collective crosses the path axis.
 """
 # pylint: disable=invalid-name
 
-import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from dipaco_jax.config import sections
 from dipaco_jax.core import model as model_lib
 from dipaco_jax.types import PyTree
 
-
-@dataclasses.dataclass(frozen=True)
-class InnerConfig:
-  """Inner optimizer (config.inner; defaults in config_defaults.base)."""
-
-  lr: float
-  warmup_steps: int
-  total_steps: int  # Length of the cosine decay (inner steps).
-  final_lr_fraction: float
-  b1: float
-  b2: float
-  eps: float
-  weight_decay: float
-  clip_norm: float  # Global-norm clip per path; 0 disables.
-  decay_norms: bool  # Weight-decay norm scales too (default: matrices only).
-  microbatches: int  # Gradient accumulation: the batch in this many scanned parts.
+InnerConfig = sections.InnerConfig  # config.inner, declared in config/sections.py.
 
 
 def schedule(cfg: InnerConfig) -> optax.Schedule:

@@ -6,67 +6,26 @@ topology assigns groups to levels, so the model knows nothing of paths.
 """
 # pylint: disable=invalid-name
 
-import dataclasses
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from dipaco_jax.config import sections
 from dipaco_jax.types import PyTree
 
-POSITIONS = ("rope", "learned")
-DTYPES = ("float32", "bfloat16")
-# model.remat: what a block keeps for its backward pass. "none" keeps every
-# activation; "full" keeps only the block's input and recomputes the rest;
-# "save_matmuls" keeps the outputs of the weight matmuls (not the attention
-# scores, whose einsums carry a batch dim) and recomputes the cheap rest.
+# Each config.model.remat choice (config/sections.py REMAT) as a policy: "none" keeps every
+# activation; "full" keeps only the block's input and recomputes the rest; "save_matmuls" keeps
+# the outputs of the weight matmuls (not the attention scores, whose einsums carry a batch dim)
+# and recomputes the cheap rest.
 REMAT_POLICIES = {
   "none": None,
   "full": jax.checkpoint_policies.nothing_saveable,
   "save_matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
-ATTENTION = ("xla", "dot_product_attention")
 # model.mlp: "gelu" is up (D -> F), GELU, down (F -> D): 2 D F weights. "swiglu" is
 # down(silu(gate x) * up x) with gate and up both D -> F: 3 D F weights, so a SwiGLU of width
 # F costs what a GELU MLP of width 1.5 F does (Llama's 8/3 d_model matches GELU's 4 d_model).
-MLPS = ("gelu", "swiglu")
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-  """Hyper-parameters of one path model (config.model; defaults in config_defaults.base)."""
-
-  vocab_size: int
-  d_model: int
-  num_layers: int
-  num_heads: int
-  head_dim: int  # The paper's "key/value size".
-  mlp_ratio: float
-  max_len: int  # Only bounds learned positions; RoPE has no limit.
-  positions: str  # One of POSITIONS.
-  tie_embeddings: bool
-  dtype: str  # Compute dtype (one of DTYPES); parameters stay float32.
-  remat: str  # Block activations kept for the backward pass: REMAT_POLICIES.
-  attention: str  # "xla" (einsums here) | "dot_product_attention" (jax.nn's).
-  mlp: str  # One of MLPS; mlp_dim is the hidden width F of each of its D -> F projections.
-  loss_chunk: int  # Sequence positions per cross-entropy chunk (inner.loss_sums); 0 = all.
-
-  def __post_init__(self):
-    if self.remat not in REMAT_POLICIES:
-      raise ValueError(f"model.remat={self.remat!r}: use one of {tuple(REMAT_POLICIES)}.")
-    if self.attention not in ATTENTION:
-      raise ValueError(f"model.attention={self.attention!r}: use one of {ATTENTION}.")
-    if self.mlp not in MLPS:
-      raise ValueError(f"model.mlp={self.mlp!r}: use one of {MLPS}.")
-
-  @property
-  def mlp_dim(self) -> int:
-    return int(self.d_model * self.mlp_ratio)
-
-  @property
-  def mlp_params(self) -> int:
-    """Weights of one block's MLP: 2 D F (gelu) or 3 D F (swiglu)."""
-    return (3 if self.mlp == "swiglu" else 2) * self.d_model * self.mlp_dim
+ModelConfig = sections.ModelConfig  # config.model, declared in config/sections.py.
 
 
 def _rope(x_BxTxHxK: jax.Array, positions_BxT: jax.Array) -> jax.Array:

@@ -15,43 +15,19 @@ params and its momentum.
 """
 # pylint: disable=invalid-name
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import PartitionSpec
 
+from dipaco_jax.config import sections
 from dipaco_jax.core import paths as paths_lib
 from dipaco_jax.core import sharding
 from dipaco_jax.core import topology as topo_lib
 from dipaco_jax.types import PyTree
 
-WEIGHTINGS = ("shard_size", "uniform")  # α_p ∝ |D_p|, or equal.
-SQRT_MODES = ("multiply", "divide", "none")  # √P_{l,e} rescale of Δ (paper §2.7).
-
-
-@dataclasses.dataclass(frozen=True)
-class OuterConfig:
-  """Outer optimizer (config.outer, paper §3.3, §3.5; defaults in config_defaults.base)."""
-
-  lr: float
-  momentum: float
-  nesterov: bool
-  weighting: str  # One of WEIGHTINGS.
-  sqrt_paths: str  # One of SQRT_MODES ("multiply": the paper's, direction inferred).
-  sqrt_paths_cap: float  # > 0: the √P factor is at most this (a bounded ×√P); 0 = none.
-
-  def __post_init__(self):
-    if self.weighting not in WEIGHTINGS:
-      raise ValueError(f"outer.weighting={self.weighting!r}: use one of {WEIGHTINGS}.")
-    if self.sqrt_paths not in SQRT_MODES:
-      raise ValueError(f"outer.sqrt_paths={self.sqrt_paths!r}: use one of {SQRT_MODES}.")
-    if not self.sqrt_paths_cap >= 0:
-      raise ValueError(
-        f"outer.sqrt_paths_cap={self.sqrt_paths_cap}: use a number >= 1 (a cap), or 0 (none)."
-      )
+OuterConfig = sections.OuterConfig  # config.outer, declared in config/sections.py.
 
 
 def optimizer(cfg: OuterConfig) -> optax.GradientTransformation:

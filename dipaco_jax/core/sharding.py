@@ -20,8 +20,8 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dipaco_jax import config_defaults
 from dipaco_jax.core import topology
+from dipaco_jax.errors import ConfigError
 from dipaco_jax.types import PyTree
 
 AXES = ("path", "data", "model")
@@ -40,7 +40,7 @@ _MODEL_DIM = {
 }
 
 
-class MeshError(config_defaults.ConfigError):
+class MeshError(ConfigError):
   """A mesh (config.mesh) that does not fit the devices or the grid."""
 
 

@@ -19,12 +19,12 @@ from typing import Sequence
 
 import numpy as np
 
-from dipaco_jax import config_defaults
+from dipaco_jax.errors import ConfigError
 
 PRIVATE = "private"
 
 
-class TopologyError(config_defaults.ConfigError):
+class TopologyError(ConfigError):
   """An invalid grid description (config.dipaco)."""
 
 

@@ -3,6 +3,7 @@
 Everything here but `iter_documents` runs without TensorFlow: the trainer reads shards with numpy.
 """
 
+from dipaco_jax.config import sections
 from dipaco_jax.data.assign import random_assignment
 from dipaco_jax.data.assign import with_description
 from dipaco_jax.data.batcher import Holdout
@@ -18,20 +19,12 @@ from dipaco_jax.data.shards import EmptyShardError
 from dipaco_jax.data.shards import IncompleteShardsError
 from dipaco_jax.data.shards import ShardSet
 
-TASKS = ("dipaco_embedded", "c4_en")  # The seqio tasks data/tasks.py registers.
-# The tfds dataset the c4_en task reads (config.data.tfds_name): the version of the public
-# prepared copy (gs://allennlp-tensorflow-datasets/c4/en/3.0.1, docs/data.md).
-C4_TFDS_NAME = "c4/en:3.0.1"
-# name[/config]:major.minor.patch, the version pinned (tfds would otherwise pick its newest).
-TFDS_NAME_PATTERN = r"^[a-z][a-z0-9_]*(/[A-Za-z0-9_.\-]+)?:\d+\.\d+\.\d+$"
-
 __all__ = [
   "Document",
   "EmptyShardError",
   "IncompleteShardsError",
   "WorkerBatcher",
   "ShardSet",
-  "TASKS",
   "finish_shards",
   "iter_documents",
   "prepare_shards",
@@ -50,7 +43,7 @@ def iter_documents(
   data_dir: str | None = None,
   vocab_path: str | None = None,
   subsample: int = 1,
-  tfds_name: str = C4_TFDS_NAME,
+  tfds_name: str = sections.C4_TFDS_NAME,
   part: int = 0,
   num_parts: int = 1,
 ):

@@ -11,6 +11,7 @@ import time
 
 from etils import epath
 
+from dipaco_jax.config import sections
 from dipaco_jax.data import assign as assign_lib
 from dipaco_jax.data import corpus
 from dipaco_jax.data import shard_writer
@@ -33,13 +34,12 @@ PENDING = "pending.json"  # the config of a prepare_shards call that has not fin
 SPLITS = ("train", "validation")  # what a run's shard dir holds
 
 
-EMPTY_POLICIES = (*shards.EMPTY_POLICIES, "allow_validation")
-
-
 def split_policy(policy: str, split: str) -> str:
   """write_shards' policy for one split: "allow_validation" lets only validation be empty."""
-  if policy not in EMPTY_POLICIES:
-    raise ValueError(f"config.data.empty_shard_policy={policy!r}: choose one of {EMPTY_POLICIES}.")
+  if policy not in sections.EMPTY_POLICIES:
+    raise ValueError(
+      f"config.data.empty_shard_policy={policy!r}: choose one of {sections.EMPTY_POLICIES}."
+    )
   if policy == "allow_validation":
     return "error" if split == "train" else "allow"
   return policy

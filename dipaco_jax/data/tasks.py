@@ -10,9 +10,9 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 from etils import epath
 
-from dipaco_jax.data import C4_TFDS_NAME
-from dipaco_jax.data import TASKS
-from dipaco_jax.data import TFDS_NAME_PATTERN
+from dipaco_jax.config.sections import C4_TFDS_NAME
+from dipaco_jax.config.sections import TASKS
+from dipaco_jax.config.sections import TFDS_NAME_PATTERN
 from dipaco_jax.data import corpus
 from dipaco_jax.data import tf_setup  # noqa: F401  (side effect: TensorFlow set up before tfds)
 from dipaco_jax.data import tfds_builder

@@ -27,7 +27,6 @@ from dipaco_jax.routing.features import FeatureExtractor
 from dipaco_jax.routing.features import check_prefix_len
 from dipaco_jax.routing.features import extractor_from_config
 from dipaco_jax.routing.features import pad_rows
-from dipaco_jax.routing.phases import PHASE0_ROUTERS
 from dipaco_jax.routing.phases import ROUTER_DIR
 from dipaco_jax.routing.phases import discriminative_steps
 from dipaco_jax.routing.phases import fit_discriminative_router

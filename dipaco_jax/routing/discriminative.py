@@ -16,10 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from dipaco_jax.config import sections
 from dipaco_jax.routing import kmeans
 
 LinearParams = dict[str, np.ndarray]  # w [D, P], b [P], mean [D], std [D].
-TARGETS = ("labels", "uniform")  # Shard sizes the bias matches: label frequencies, or equal.
 
 
 def labels_from_scores(scores_NxP) -> np.ndarray:
@@ -139,8 +139,10 @@ def target_distribution(
   """
   n = len(labels_N)
   if isinstance(target, str):
-    if target not in TARGETS:
-      raise ValueError(f"target must be one of {TARGETS} or P shard sizes; got {target!r}.")
+    if target not in sections.DISCRIMINATIVE_TARGETS:
+      raise ValueError(
+        f"target must be one of {sections.DISCRIMINATIVE_TARGETS} or P shard sizes; got {target!r}."
+      )
     if target == "labels":
       w_N = None if weights_N is None else np.asarray(weights_N, np.float64)
       t_P = np.bincount(np.asarray(labels_N), weights=w_N, minlength=num_paths).astype(np.float64)

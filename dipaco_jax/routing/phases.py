@@ -21,9 +21,10 @@ import numpy as np
 from etils import epath
 
 from dipaco_jax import data as data_lib
-from dipaco_jax.config_defaults import ConfigError
+from dipaco_jax.config import sections
 from dipaco_jax.core import topology as topo_lib
 from dipaco_jax.data import shard_cache
+from dipaco_jax.errors import ConfigError
 from dipaco_jax.io import files
 from dipaco_jax.io import progress
 from dipaco_jax.routing import assignment as assign_lib
@@ -32,8 +33,6 @@ from dipaco_jax.routing import report as report_lib
 from dipaco_jax.routing import router as router_lib
 from dipaco_jax.routing import scoring
 
-PHASE0_ROUTERS = ("random", "kmeans", "product_kmeans")
-REPLICA_SHARDS = ("hash", "router")
 ROUTER_DIR = "router"
 REPORT_FILE = "report.md"  # route_run's phase-0 routing report, in router_dir(workdir, 0).
 
@@ -52,8 +51,10 @@ def shard_dir(config, workdir: str, phase: int) -> str:
 def replicas_by_router(config, topo: topo_lib.Topology) -> bool:
   """Whether phase 0 routes documents to workers (config.routing.replica_shards="router")."""
   how = config.routing.replica_shards
-  if how not in REPLICA_SHARDS:
-    raise ConfigError(f"config.routing.replica_shards={how!r}: choose one of {REPLICA_SHARDS}.")
+  if how not in sections.REPLICA_SHARDS:
+    raise ConfigError(
+      f"config.routing.replica_shards={how!r}: choose one of {sections.REPLICA_SHARDS}."
+    )
   if how == "hash" or topo.replicas == 1:
     return False
   if discriminative_steps(config):
@@ -71,8 +72,8 @@ def phase0_grid(config, topo: topo_lib.Topology) -> tuple[int, ...]:
   The check before any fitting (fit_phase0 and phase0_router call it).
   """
   kind = config.routing.router
-  if kind not in PHASE0_ROUTERS:
-    raise ConfigError(f"config.routing.router={kind!r}: choose one of {PHASE0_ROUTERS}.")
+  if kind not in sections.PHASE0_ROUTERS:
+    raise ConfigError(f"config.routing.router={kind!r}: choose one of {sections.PHASE0_ROUTERS}.")
   if kind == "random":  # Nothing is fitted; shards and replicas follow a hash of the doc id.
     return assign_lib.router_grid(topo)
   grid = assign_lib.router_grid(topo, replicas_by_router(config, topo))

@@ -27,7 +27,6 @@ from dipaco_jax.io import progress
 from dipaco_jax.routing import router as router_lib
 from dipaco_jax.types import PyTree
 
-KINDS = ("linear", "transformer")
 PARAMS_FILE = "params.msgpack"  # The transformer re-router's params.
 
 

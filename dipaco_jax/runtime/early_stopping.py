@@ -25,17 +25,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from dipaco_jax import data as data_lib
+from dipaco_jax.config import sections
 from dipaco_jax.io import checkpoint
 from dipaco_jax.types import PyTree
-
-SOURCES = ("heldout", "validation")
 
 
 def holdouts(config) -> tuple[data_lib.Holdout | None, data_lib.Holdout | None]:
   """(training part, held-out part) of each shard; (None, None) unless stopping on held-out."""
   es = config.early_stopping
-  if es.source not in SOURCES:
-    raise ValueError(f"config.early_stopping.source={es.source!r}: choose one of {SOURCES}.")
+  if es.source not in sections.STOP_SOURCES:
+    raise ValueError(
+      f"config.early_stopping.source={es.source!r}: choose one of {sections.STOP_SOURCES}."
+    )
   if not es.enabled or es.source != "heldout":
     return None, None
   kw = dict(docs=es.heldout_docs, fraction=es.heldout_fraction)

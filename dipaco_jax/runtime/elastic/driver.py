@@ -27,8 +27,8 @@ import numpy as np
 from absl import logging
 from etils import epath
 
-from dipaco_jax import config_defaults
 from dipaco_jax import routing
+from dipaco_jax.config import paper
 from dipaco_jax.core import experiment as exp_lib
 from dipaco_jax.core import paths as paths_lib
 from dipaco_jax.core import sharding
@@ -417,7 +417,7 @@ def run(config, workdir: str) -> dict:
     ) from None
   from dipaco_jax import train  # pylint: disable=g-import-not-at-top
 
-  config_defaults.check_init_from(config)
+  paper.check_init_from(config)
   workdir = str(workdir)
   epath.Path(workdir).mkdir(parents=True, exist_ok=True)
   check_workdir_mode(workdir, "elastic")
@@ -522,12 +522,14 @@ def _loop(
   timed_out = set()  # Scoring futures whose actor was killed for the task timeout.
   results = call(coord.results)
   left = (grid.T + 1) * grid.W - len(results)  # Kills are drawn among this invocation's tasks.
-  kills_w = e.chaos_worker_kills  # Half of them mid-write.
-  chaos_w = _Chaos(kills_w, left, e.chaos_seed, log, "worker", in_write=kills_w // 2)
-  chaos_x = _Chaos(e.chaos_executor_kills, left * len(executors), e.chaos_seed + 1, log, "executor")
+  kills_w = config.faults.worker_kills  # Half of them mid-write.
+  chaos_w = _Chaos(kills_w, left, config.faults.seed, log, "worker", in_write=kills_w // 2)
+  chaos_x = _Chaos(
+    config.faults.executor_kills, left * len(executors), config.faults.seed + 1, log, "executor"
+  )
   # With worker kills on, one re-shard scoring task per invocation dies before its write.
   P, one = grid.topo.num_paths, int(kills_w > 0)
-  chaos_s = _Chaos(one, P, e.chaos_seed + 2, log, "worker", in_write=one)
+  chaos_s = _Chaos(one, P, config.faults.seed + 2, log, "worker", in_write=one)
   task_time = [1.0]
   accepted_here = 0
   saves_progress = 0 < e.progress_every_steps < grid.H
@@ -726,7 +728,7 @@ def _loop(
         rec = _record(grid, results, t)
         mlog.write((t + 1) * grid.H, {**rec, **resharder.records.get((t + 1) * grid.H, {})})
         phases_logged += 1
-      if 0 <= e.stop_after_tasks <= accepted_here:
+      if 0 <= config.faults.stop_after_tasks <= accepted_here:
         logging.info("elastic: stopping after %d accepted tasks (stop_after_tasks)", accepted_here)
         status = call(coord.status)
         status.update(worker_kills=chaos_w.killed + chaos_s.killed, executor_kills=chaos_x.killed)

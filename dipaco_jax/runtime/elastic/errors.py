@@ -4,14 +4,13 @@ import json
 
 from etils import epath
 
-from dipaco_jax import config_defaults
+from dipaco_jax.config import sections
+from dipaco_jax.errors import ConfigError
 
-MODES = ("spmd", "elastic")
-LATE_DELTAS = ("next", "drop")  # elastic.late_deltas: join the next outer step, or ignored.
 META = "elastic/meta.json"  # Written when an elastic run initializes its storage.
 
 
-class ElasticConfigError(config_defaults.ConfigError):
+class ElasticConfigError(ConfigError):
   """A config or workdir the elastic mode cannot run; the message names the field and the fix."""
 
 
@@ -53,15 +52,15 @@ def check_config(config) -> None:
   if config.stop_at_step >= 0:
     raise ElasticConfigError(
       f"config.stop_at_step={config.stop_at_step}: elastic runs stop on "
-      "config.elastic.stop_after_tasks instead; set stop_at_step=-1."
+      "config.faults.stop_after_tasks instead; set stop_at_step=-1."
     )
 
 
 def mode(config) -> str:
   """config.dipaco.mode, checked."""
   value = config.dipaco.mode
-  if value not in MODES:
-    raise ElasticConfigError(f"config.dipaco.mode={value!r}: choose one of {MODES}.")
+  if value not in sections.MODES:
+    raise ElasticConfigError(f"config.dipaco.mode={value!r}: choose one of {sections.MODES}.")
   return value
 
 

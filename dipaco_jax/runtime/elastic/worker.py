@@ -94,7 +94,7 @@ class PathWorker:
     from dipaco_jax import train  # pylint: disable=g-import-not-at-top
 
     self._ahead = train.dispatch_ahead(config)  # As the spmd loop: on TPU/GPU, off on CPU.
-    delays = tuple(config.elastic.step_delay_s)
+    delays = tuple(config.faults.step_delay_s)
     self._delay = float(delays[self.index]) if self.index < len(delays) else 0.0
 
   def pid(self) -> int:
