@@ -216,7 +216,7 @@ def modules_rows(args) -> list[dict]:
     c = modules_config(K, W, args)
     exp = experiment.Experiment(c, mesh=sharding.make_mesh(c.mesh, W, devices=jax.devices()))
     st = exp.init_state(0)
-    alpha_W = exp.alpha(np.ones(W))
+    alpha_W = exp.recipe.alpha(np.ones(W))
     t0 = time.perf_counter()
     compiled = exp.outer_step.lower(st.store, st.outer_opt, st.params, alpha_W).compile()
     compile_s = time.perf_counter() - t0

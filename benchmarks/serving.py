@@ -28,8 +28,8 @@ import jax
 import numpy as np
 
 from dipaco_jax import config_check
+from dipaco_jax.config import sections
 from dipaco_jax.core import decoding
-from dipaco_jax.core import experiment
 from dipaco_jax.core import model as model_lib
 
 from timing import Loop, interleave, paired_ratio, write_json  # Beside us.
@@ -60,7 +60,7 @@ def bench_model(args):
   if args.quick:
     c.model.vocab_size, c.model.d_model, c.model.num_layers = 256, 32, 2
     c.model.num_heads, c.model.head_dim = 2, 16
-  cfg = experiment.model_config(c)
+  cfg = sections.ModelConfig.of(c)
   params = jax.jit(model_lib.init_params, static_argnums=0)(cfg, jax.random.key(0))
   return model_lib.Transformer(cfg), params
 

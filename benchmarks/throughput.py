@@ -208,7 +208,7 @@ def step_loops(exp, batch_np) -> tuple[Loop, Loop]:
   """The Experiment's inner and outer steps, from one initial state."""
   st = exp.init_state(0)
   batch = exp.put_batch(batch_np)
-  alpha_W = exp.alpha(np.ones(exp.topo.num_workers))
+  alpha_W = exp.recipe.alpha(np.ones(exp.topo.num_workers))
 
   def inner(s):
     return exp.inner_step(s[0], s[1], batch)[:2]
@@ -226,7 +226,7 @@ def step_loops(exp, batch_np) -> tuple[Loop, Loop]:
 
 def plain_loop(exp, batch_np, device) -> Loop:
   """The textbook loop on one path model, written independently of inner.py."""
-  model, tx = exp.model, exp.tx
+  model, tx = exp.model, exp.recipe.inner_tx
 
   def train_step(params, opt_state, batch):
     def loss_fn(p):

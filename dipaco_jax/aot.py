@@ -325,7 +325,7 @@ class Report:
     if M > 1:
       exp, st = self.exp, self.exp.abstract_state
       update = jax.jit(
-        jax.vmap(exp.tx.update),
+        jax.vmap(exp.recipe.inner_tx.update),
         in_shardings=(
           exp.state_sharding.params,
           exp.state_sharding.inner_opt,

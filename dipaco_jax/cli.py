@@ -83,7 +83,7 @@ def is_user_error(e: BaseException) -> bool:
     e,
     (
       errors.ConfigError,  # Also TopologyError, MeshError, ElasticConfigError.
-      errors.UserError,  # Damaged files, no checkpoint, divergence (metrics.DivergenceError).
+      errors.UserError,  # Damaged files, no checkpoint, divergence (guard.DivergenceError).
       FileNotFoundError,  # A missing input named by the OS.
       shards.EmptyShardError,
       app.UsageError,

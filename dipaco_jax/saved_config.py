@@ -9,6 +9,7 @@ the file names that base() lacks is an error naming the nearest field.
 
 import json
 
+import jax
 import ml_collections
 from etils import epath
 
@@ -68,3 +69,32 @@ def load(workdir: str) -> ml_collections.ConfigDict:
 def get_config(workdir: str) -> ml_collections.ConfigDict:
   """The config-file entry config_flags calls (`--config=saved_config.py:<workdir>`)."""
   return load(workdir)
+
+
+# Sections of the config that must not change when a run resumes.
+_FROZEN_SECTIONS = ("model", "dipaco", "data")
+
+
+def check_matches(workdir: epath.Path, config) -> None:
+  """Refuses to resume a workdir written by a different grid, model or data."""
+  path = workdir / files.CONFIG_FILE
+  if path.exists():
+    old, new = files.read_json(path), json.loads(config.to_json_best_effort())
+    # A field added since the run started (model.mlp, ...) had its default then.
+    default = json.loads(schema.base().to_json_best_effort())
+    changed = [
+      s for s in _FROZEN_SECTIONS if {**default.get(s, {}), **old.get(s, {})} != new.get(s)
+    ]
+    if changed:
+      raise errors.ConfigError(
+        f"{workdir} holds a run with different config sections {changed}; "
+        "its checkpoints would not fit. Use a new --workdir (nothing was "
+        "changed in the old one)."
+      )
+
+
+def write(workdir: epath.Path, config) -> None:
+  """config.json, once the config is valid and the run's shards are ready."""
+  path = workdir / files.CONFIG_FILE
+  if jax.process_index() == 0 and not path.exists():
+    files.write_json(path, json.loads(config.to_json_best_effort()))

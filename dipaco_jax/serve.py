@@ -31,8 +31,8 @@ from absl import flags
 
 from dipaco_jax import cli
 from dipaco_jax import routing
+from dipaco_jax.config import sections
 from dipaco_jax.core import decoding
-from dipaco_jax.core import experiment as exp_lib
 from dipaco_jax.core import model as model_lib
 from dipaco_jax.core import topology as topo_lib
 from dipaco_jax.data import vocab as vocab_lib
@@ -76,7 +76,7 @@ def load_path_params(
       f"source={source!r}: use 'store' (trained modules) or 'best' (per-path early stopping)."
     )
   theta = jax.eval_shape(
-    functools.partial(model_lib.init_params, exp_lib.model_config(config)), jax.random.key(0)
+    functools.partial(model_lib.init_params, sections.ModelConfig.of(config)), jax.random.key(0)
   )
   step = checkpoint.latest_step(workdir) if step is None else step
   worker = int(np.flatnonzero(topo.path_of_worker == path)[0])
@@ -121,7 +121,7 @@ class PathServer:
     self.topo = topo_lib.from_config(self.config)
     c = self.config
     self.sp = vocab_lib.load(vocab_lib.resolve(c.data.task, c.data.vocab_path))
-    self.model = model_lib.Transformer(exp_lib.model_config(c))
+    self.model = model_lib.Transformer(sections.ModelConfig.of(c))
     self.step = checkpoint.latest_step(self.workdir) if self.step is None else self.step
     self.phase = checkpoint.routing_phase(checkpoint.read_data_state(self.workdir, self.step))
     self.prefix_len = routing.check_prefix_len(c.routing.prefix_len)

@@ -17,6 +17,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax
 import pytest
 
+from dipaco_jax.config import sections
 from dipaco_jax.core import experiment
 from dipaco_jax.core import model as model_lib
 from dipaco_jax.routing import features
@@ -34,8 +35,8 @@ def _own_shard_cache(tmp_path_factory, monkeypatch):
 def micro_extractor():
   """θ̄'s 5-token prefix features on micro_config's model, built once for every test file."""
   cfg = helpers.micro_config()
-  params = model_lib.init_params(experiment.model_config(cfg), jax.random.key(0))
-  return features.FeatureExtractor(experiment.model_config(cfg), params, prefix_len=5, batch_size=4)
+  params = model_lib.init_params(sections.ModelConfig.of(cfg), jax.random.key(0))
+  return features.FeatureExtractor(sections.ModelConfig.of(cfg), params, prefix_len=5, batch_size=4)
 
 
 @pytest.fixture

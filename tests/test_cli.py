@@ -23,7 +23,9 @@ from dipaco_jax import cli
 from dipaco_jax import config_check
 from dipaco_jax import errors
 from dipaco_jax import main
+from dipaco_jax import saved_config
 from dipaco_jax.config import schema
+from dipaco_jax.core import guard as guard_lib
 from dipaco_jax.io import metrics
 
 import helpers
@@ -110,8 +112,7 @@ BAD_INPUTS = [
   ),
   (
     ["--config.dipaco.mode=elastic", "--config.stop_at_step=2"],
-    "ElasticConfigError: config.stop_at_step=2: elastic runs stop on "
-    "config.faults.stop_after_tasks instead",
+    "ElasticConfigError: config.stop_at_step=2: the elastic pool stops on no inner step",
   ),
   (
     ["--config.data.task=c5"],
@@ -241,8 +242,8 @@ def test_user_errors_are_named_in_one_place():
   assert cli.is_user_error(errors.ConfigError("x"))
   assert cli.is_user_error(FileNotFoundError("x"))
   assert cli.is_user_error(errors.DamagedFileError("x"))
-  assert cli.is_user_error(metrics.NonFiniteLossError("x"))
-  assert cli.is_user_error(metrics.DivergenceError("x"))  # The guard's other stops.
+  assert cli.is_user_error(guard_lib.NonFiniteLossError("x"))
+  assert cli.is_user_error(guard_lib.DivergenceError("x"))  # The guard's other stops.
   assert not cli.is_user_error(KeyError("x"))  # A bug: its traceback is kept.
   assert cli.one_line(ValueError("first\n  detail\nlast")) == "ValueError: first ... last"
 
@@ -262,10 +263,9 @@ def _parse_cli(argv: list[str], monkeypatch, capsys, saved_config: bool = True):
 def _saved_run(tmp_path, monkeypatch):
   """A workdir whose config.json the trainer's writer saved: tiny with two overrides."""
   monkeypatch.chdir(helpers.ROOT)
-  from dipaco_jax import train  # pylint: disable=g-import-not-at-top
 
   config = config_check.load(TINY, **{"data.batch_size": 4, "eval.max_docs": 7})
-  train.write_config(epath.Path(tmp_path), config)
+  saved_config.write(epath.Path(tmp_path), config)
   return tmp_path, config
 
 

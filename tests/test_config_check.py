@@ -10,6 +10,7 @@ from dipaco_jax import errors
 from dipaco_jax import train
 from dipaco_jax.config import schema
 from dipaco_jax.config import sections
+from dipaco_jax.runtime import dispatch
 
 import helpers
 
@@ -122,7 +123,7 @@ def test_load_refuses_unknown_keys_and_bad_values(overrides, match):
   ],
 )
 def test_dispatch_ahead_auto_is_on_for_accelerators_only(value, backend, ahead):
-  assert train.dispatch_ahead(config_check.load(TINY, dispatch_ahead=value), backend) is ahead
+  assert dispatch.dispatch_ahead(config_check.load(TINY, dispatch_ahead=value), backend) is ahead
 
 
 def test_a_config_file_may_not_add_a_field(tmp_path):

@@ -14,6 +14,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import outer_oracle
 import pytest
 from etils import epath
 
@@ -24,11 +25,11 @@ from dipaco_jax import routing
 from dipaco_jax import serve
 from dipaco_jax import train
 from dipaco_jax.core import experiment
-from dipaco_jax.core import outer
 from dipaco_jax.core import paths
 from dipaco_jax.io import checkpoint
 from dipaco_jax.io import metrics as metrics_lib
 from dipaco_jax.routing import router as router_lib
+from dipaco_jax.runtime import faults as faults_lib
 from dipaco_jax.runtime.elastic import coordinator as coord_lib
 from dipaco_jax.runtime.elastic import driver as elastic_driver
 from dipaco_jax.runtime.elastic import errors as elastic_errors
@@ -63,17 +64,16 @@ def _random_phase(workdir, grid, rng):
       storage.save_tree(storage.module_file(workdir, s.name, e, 0), m)
       storage.save_tree(
         storage.module_file(workdir, s.name, e, 0, "opt"),
-        jax.tree.map(np.zeros_like, grid.outer_tx.init(m)),
+        jax.tree.map(np.zeros_like, grid.recipe.outer_tx.init(m)),
       )
     store[s.name] = jax.tree.map(lambda *xs: np.concatenate(xs), *[m[s.name] for m in mods])
   params = paths.assemble(store, grid.topo)
   params = jax.tree.map(lambda x: x + 0.1 * rng.normal(size=x.shape).astype(np.float32), params)
+  start = paths.assemble(store, grid.topo)  # What each worker started from: its modules.
   for w in range(grid.W):
     for s in grid.groups:
-      storage.save_tree(
-        storage.worker_out_dir(workdir, w, 1) / f"{s.name}.npz",
-        {s.name: jax.tree.map(lambda x, w=w: x[w : w + 1], params[s.name])},
-      )
+      delta = jax.tree.map(lambda a, b, w=w: a[w : w + 1] - b[w : w + 1], start, params)
+      storage.save_tree(storage.delta_file(workdir, w, 1, s.name), {s.name: delta[s.name]})
   return store, params
 
 
@@ -106,13 +106,13 @@ def test_executor_result_does_not_depend_on_arrival_order_and_matches_outer_step
     results.append(_stepped(wd, grid))
   assert results[0] == results[1] == results[2]  # Bytes: the sum is taken in worker order.
   # The same math as the synchronous outer step over all workers at once.
-  full, _, _, _ = outer.outer_step(
+  full, _, _, _ = outer_oracle.outer_step(
     store,
-    grid.outer_tx.init(store),
+    grid.recipe.outer_tx.init(store),
     params,
     jnp.asarray(alpha, jnp.float32),
     topo=grid.topo,
-    cfg=grid.outer_cfg,
+    cfg=grid.recipe.outer_cfg,
   )
   wd = str(tmp_path / "order0")
   for s in grid.groups:
@@ -175,13 +175,19 @@ def test_executor_forgets_settled_phases_and_still_answers_for_them(tmp_path):
 
 
 def _constant_phase(workdir, grid, phase: int, values) -> None:
-  """Worker w's phase-`phase` outputs: every leaf of every group filled with values[w]."""
+  """Worker w's phase-`phase` outputs if its params ended at values[w] in every leaf.
+
+  Its delta of each group: the module version `phase` it started from (one value, read
+  here; NaN where that version does not exist yet) minus values[w].
+  """
   for w, v in values.items():
-    for s in grid.groups:
+    for s, (g, e) in zip(grid.groups, grid.modules_of_worker(w)):
+      exists = storage.module_file(workdir, g, e, phase).exists()
+      theta = _value(workdir, grid, g, e, phase) if exists else np.nan
       t = grid.module_template(s.name)
       storage.save_tree(
-        storage.worker_out_dir(workdir, w, phase + 1) / f"{s.name}.npz",
-        jax.tree.map(lambda x, v=v: np.full(x.shape, v, x.dtype), t),
+        storage.delta_file(workdir, w, phase + 1, s.name),
+        jax.tree.map(lambda x, d=theta - v: np.full(x.shape, d, x.dtype), t),
       )
 
 
@@ -214,10 +220,8 @@ def test_quorum_steps_without_the_slow_worker_and_handles_its_late_delta(tmp_pat
     for e in range(s.num_modules):
       m = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), grid.module_template(s.name))
       storage.save_tree(storage.module_file(wd, s.name, e, 0), m)
-      storage.save_tree(storage.module_file(wd, s.name, e, 0, "opt"), grid.outer_tx.init(m))
+      storage.save_tree(storage.module_file(wd, s.name, e, 0, "opt"), grid.recipe.outer_tx.init(m))
   _constant_phase(wd, grid, 0, {0: 1.0, 1: 2.0, 2: 3.0, 3: 4.0})
-  _constant_phase(wd, grid, 1, {0: 2.5, 1: 3.5})
-  _constant_phase(wd, grid, 2, {0: 9.0})
   groups = [s.name for s in grid.groups]
   ex = exec_lib.OuterExecutor(cfg, wd, 0, groups, [1.0] * 4)
   # Phase 0: embed (all 4 workers, α 1 each) needs 2 reports; block_0/0 (workers 0, 1) needs 1.
@@ -230,6 +234,7 @@ def test_quorum_steps_without_the_slow_worker_and_handles_its_late_delta(tmp_pat
   ex = exec_lib.OuterExecutor(cfg, wd, 0, groups, [1.0] * 4)  # Restart: state from the snapshot.
   assert ex.used[0]["embed/0"] == [0, 1]
   ex.report(0, 3)  # A duplicate: no effect.
+  _constant_phase(wd, grid, 1, {0: 2.5, 1: 3.5})  # From the versions phase 0 made.
   # Phase 1: workers 0 (2.5) and 1 (3.5) report; θ1 = 1.5 for embed, 1.0 for block_0/0.
   ex.report(1, 0)
   assert ex.report(1, 1)[1] == ["block_0/0", "block_1/0", "block_1/1", "embed/0", "head/0"]
@@ -241,6 +246,7 @@ def test_quorum_steps_without_the_slow_worker_and_handles_its_late_delta(tmp_pat
   else:  # Dropped: Δ = mean(−1, −2) = −1.5; block_0/0: −1.5.
     assert _value(wd, grid, "embed", 0, 2) == 1.5 + 1.5
     assert _value(wd, grid, "block_0", 0, 2) == 1.0 + 1.5
+  _constant_phase(wd, grid, 2, {0: 9.0})
   # The last step (phase 2): in "next" mode it waits for every report (no later step). In
   # "drop" mode block_0/0 steps with worker 0; block_1/0 (workers 0, 2) waits for worker 2's
   # phase-1 report first (staleness is bounded to one phase).
@@ -264,7 +270,7 @@ def test_quorum_grace_window_runs_from_the_quorum(tmp_path, monkeypatch):
     for e in range(s.num_modules):
       m = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), grid.module_template(s.name))
       storage.save_tree(storage.module_file(wd, s.name, e, 0), m)
-      storage.save_tree(storage.module_file(wd, s.name, e, 0, "opt"), grid.outer_tx.init(m))
+      storage.save_tree(storage.module_file(wd, s.name, e, 0, "opt"), grid.recipe.outer_tx.init(m))
   _constant_phase(wd, grid, 0, {0: 1.0, 1: 2.0, 2: 3.0, 3: 4.0})
   clock = [100.0]
   monkeypatch.setattr(exec_lib.time, "time", lambda: clock[0])
@@ -499,10 +505,10 @@ def test_worker_resumes_from_its_progress_save_with_the_same_bytes(tmp_path, mon
   want = {t: _task_outputs(wd, 1, t + 1) for t in (0, 1)}
 
   def kill(pid, sig):
-    assert pid == os.getpid() and sig == worker_lib.signal.SIGKILL
+    assert pid == os.getpid() and sig == faults_lib.signal.SIGKILL
     raise _Killed
 
-  monkeypatch.setattr(worker_lib.os, "kill", kill)
+  monkeypatch.setattr(faults_lib.os, "kill", kill)
   files = len(grid.modules_of_worker(1)) + 3  # Its groups, AdamW state, data, at.json.
   for t in (0, 1):
     storage.worker_dir(wd, 1).rmtree()
@@ -511,14 +517,14 @@ def test_worker_resumes_from_its_progress_save_with_the_same_bytes(tmp_path, mon
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data)
     with pytest.raises(_Killed):  # Cut short before at.json: nothing to resume from.
-      w.run(t, 1, die_in_progress=files - 1)
+      w.run(t, 1, faults={"die_in_progress": files - 1})
     at = storage.progress_dir(wd, 1, t) / "at.json"
     assert not at.exists()
     with pytest.raises(_Killed):  # Killed right after its first save (step 2) is complete.
-      w.run(t, 1, die_in_progress=files)
+      w.run(t, 1, faults={"die_in_progress": files})
     assert storage.load_json(at)["step"] == 2
     with pytest.raises(_Killed):  # Resumed at 2, then cut short inside the save of step 4.
-      w.run(t, 1, die_in_progress=2)
+      w.run(t, 1, faults={"die_in_progress": 2})
     assert storage.load_json(at)["step"] == 2
     out = w.run(t, 1)
     assert out["resumed_at_step"] == 2

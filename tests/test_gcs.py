@@ -32,6 +32,7 @@ from etils import epath
 from dipaco_jax import errors
 from dipaco_jax import evaluate
 from dipaco_jax import routing
+from dipaco_jax import saved_config
 from dipaco_jax import train
 from dipaco_jax.core import experiment
 from dipaco_jax.data import shards as shards_lib
@@ -184,13 +185,13 @@ def test_rerouters_round_trip(bucket):
 def test_config_json_written_by_the_trainer_is_read_back(bucket):
   cfg = helpers.micro_config(**{"routing.router": "kmeans"})
   workdir = f"{bucket}/run"
-  train.write_config(epath.Path(workdir), cfg)
+  saved_config.write(epath.Path(workdir), cfg)
   assert objects(bucket) == ["run/config.json"]
   back = evaluate.config_from_workdir(workdir)
   assert back.to_dict() == cfg.to_dict()
-  train.check_config_matches(epath.Path(workdir), cfg)  # Same config: resumes.
+  saved_config.check_matches(epath.Path(workdir), cfg)  # Same config: resumes.
   with pytest.raises(Exception, match="different config sections"):
-    train.check_config_matches(epath.Path(workdir), helpers.micro_config(**{"model.d_model": 64}))
+    saved_config.check_matches(epath.Path(workdir), helpers.micro_config(**{"model.d_model": 64}))
   with pytest.raises(errors.ConfigError, match="no --config given and no .*/other/config"):
     evaluate.config_from_workdir(f"{bucket}/other")
 

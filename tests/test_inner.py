@@ -64,7 +64,7 @@ def test_h1_with_outer_sgd_lr1_equals_plain_adamw():
   rng = np.random.default_rng(1)
   batches = [helpers.synthetic_batch(rng, 1, 2, 16, 256) for _ in range(6)]
   st = exp.init_state(0)
-  alpha = exp.alpha(np.ones(1))
+  alpha = exp.recipe.alpha(np.ones(1))
   params, opt, store, oopt = st.params, st.inner_opt, st.store, st.outer_opt
   params_first = None
   for b in batches:
@@ -76,10 +76,12 @@ def test_h1_with_outer_sgd_lr1_equals_plain_adamw():
 
   # The plain loop: the same AdamW step, vmapped over the single worker so
   # both programs reduce in the same order.
-  tx = inner.optimizer(experiment.inner_config(cfg))
+  tx = inner.optimizer(exp.recipe.inner_cfg)
   theta = jax.tree.map(lambda x: x[None], model.init_params(exp.model_cfg, jax.random.key(0)))
   opt_plain = jax.vmap(tx.init)(theta)
-  step = jax.jit(jax.vmap(functools.partial(inner.train_step, model=exp.model, tx=tx)))
+  step = jax.jit(
+    jax.vmap(functools.partial(inner.train_step, model=exp.model, tx=tx, microbatches=1))
+  )
   first = None
   for b in batches:
     theta, opt_plain, _ = step(theta, opt_plain, b)

@@ -7,6 +7,7 @@ import jax
 import numpy as np
 import pytest
 
+from dipaco_jax.config import sections
 from dipaco_jax.io import progress
 from dipaco_jax.routing import rerouting
 
@@ -59,10 +60,9 @@ def test_timer_skips_the_compile_and_averages_the_next_steps(monkeypatch):
 @pytest.mark.slow  # Compiles a fine-tuning step: 3-25 s with the machine's load.
 def test_the_transformer_rerouter_says_how_long_it_will_take(capsys):
   cfg = helpers.micro_config()
-  from dipaco_jax.core import experiment as exp_lib  # pylint: disable=g-import-not-at-top
   from dipaco_jax.core import model as model_lib  # pylint: disable=g-import-not-at-top
 
-  model_cfg = exp_lib.model_config(cfg)
+  model_cfg = sections.ModelConfig.of(cfg)
   base = model_lib.init_params(model_cfg, jax.random.key(0))
   tokens = np.arange(4 * 8, dtype=np.int32).reshape(4, 8) % model_cfg.vocab_size
   labels, mask = np.zeros((4, 8), np.int32), np.ones((4, 8), bool)

@@ -13,8 +13,10 @@ import numpy as np
 import pytest
 from etils import epath
 
+from dipaco_jax import saved_config
 from dipaco_jax import train
 from dipaco_jax.core import experiment
+from dipaco_jax.core import guard as guard_lib
 from dipaco_jax.io import checkpoint
 from dipaco_jax.io import metrics
 
@@ -124,7 +126,7 @@ def test_nan_guard_stops_and_keeps_last_good_checkpoint(tmp_path, shard_dir):
       "guard.max_param_norm_ratio": 0.0,
     },
   )  # The NaN rule alone.
-  with pytest.raises(metrics.NonFiniteLossError, match="non-finite"):
+  with pytest.raises(guard_lib.NonFiniteLossError, match="non-finite"):
     train.train_and_evaluate(cfg, str(tmp_path))
   last = checkpoint.Checkpointer(str(tmp_path)).latest_step()
   if last is not None:
@@ -154,14 +156,14 @@ def _trace(monkeypatch, events: list, bad_step: int | None = None) -> None:
 
       self.inner_step = inner_step
 
-  check = metrics.DivergenceGuard.check
+  check = guard_lib.DivergenceGuard.check
 
   def traced_check(self, step, *args):
     events.append(("check", step))
     return check(self, step, *args)
 
   monkeypatch.setattr(train.exp_lib, "Experiment", Traced)
-  monkeypatch.setattr(metrics.DivergenceGuard, "check", traced_check)
+  monkeypatch.setattr(guard_lib.DivergenceGuard, "check", traced_check)
 
 
 def _untimed(records):
@@ -216,7 +218,7 @@ def test_dispatch_ahead_never_saves_past_a_nan(tmp_path, shard_dir, monkeypatch,
     workdir = str(tmp_path / mode)
     with monkeypatch.context() as m, helpers.compile_cache(tmp_path / "jax_cache"):
       _trace(m, events[mode], bad_step)
-      with pytest.raises(metrics.NonFiniteLossError) as e:
+      with pytest.raises(guard_lib.NonFiniteLossError) as e:
         train.train_and_evaluate(_config(shard_dir, dispatch_ahead=mode, **kw), workdir)
     errors[mode] = str(e.value)
     assert checkpoint.Checkpointer(workdir).latest_step() == 2
@@ -240,7 +242,7 @@ def test_an_exploding_run_stops_in_one_line_and_keeps_the_last_checkpoint(tmp_pa
   train.train_and_evaluate(_config(shard_dir, stop_at_step=2, **kw), workdir)
   ckpts = os.path.join(workdir, "checkpoints")
   before = helpers.tree_bytes(ckpts)
-  with pytest.raises(metrics.DivergenceError) as e:
+  with pytest.raises(guard_lib.DivergenceError) as e:
     train.train_and_evaluate(_config(shard_dir, **{"inner.lr": 1e6, **kw}), workdir)
   msg = str(e.value)
   assert "\n" not in msg, msg
@@ -269,13 +271,13 @@ def test_resuming_with_another_grid_is_refused(tmp_path, shard_dir):
 def test_a_field_added_since_the_run_started_reads_as_its_default(tmp_path):
   # A config.json written before model.mlp existed: the run used GELU, today's default.
   cfg = helpers.micro_config()
-  train.write_config(epath.Path(tmp_path), cfg)
+  saved_config.write(epath.Path(tmp_path), cfg)
   saved = json.loads((tmp_path / "config.json").read_text())
   del saved["model"]["mlp"]
   (tmp_path / "config.json").write_text(json.dumps(saved))
-  train.check_config_matches(epath.Path(tmp_path), cfg)  # Resumes.
+  saved_config.check_matches(epath.Path(tmp_path), cfg)  # Resumes.
   with pytest.raises(ValueError, match=r"different config sections \['model'\]"):
-    train.check_config_matches(
+    saved_config.check_matches(
       epath.Path(tmp_path), helpers.micro_config(**{"model.mlp": "swiglu"})
     )
 

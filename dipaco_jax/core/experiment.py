@@ -1,74 +1,38 @@
-"""A run's fixed parts: grid, model, optimizers, mesh, shardings, jitted steps.
+"""A recipe placed on a mesh: shardings and the jitted inner, outer and eval programs.
 
-`Experiment` derives everything from the config once; `train.py` runs the loop.
+`Experiment` is the spmd runtime's form of the recipe (recipe.py): the
+single-path steps mapped over the workers with `jax.vmap`, jitted once each with
+explicit shardings and donation, and the outer step as one program over the
+mesh. Routing, evaluation, serving and the AOT tool use the same programs.
 """
 # pylint: disable=invalid-name
 
-import functools
-
-import flax
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dipaco_jax.core import inner as inner_lib
-from dipaco_jax.core import model as model_lib
-from dipaco_jax.core import outer as outer_lib
+from dipaco_jax.core import guard as guard_lib
 from dipaco_jax.core import paths as paths_lib
+from dipaco_jax.core import recipe as recipe_lib
 from dipaco_jax.core import sharding
-from dipaco_jax.core import topology
 from dipaco_jax.data import feed
 from dipaco_jax.errors import ConfigError
 from dipaco_jax.types import PyTree
 
-
-@flax.struct.dataclass
-class TrainState:
-  """Everything that changes during training (and is checkpointed)."""
-
-  step: jax.Array  # Inner steps done by every worker.
-  rng: jax.Array
-  store: PyTree  # Global modules, leaves [K, ...].
-  outer_opt: PyTree  # Outer momentum, store-shaped.
-  params: PyTree  # Worker params, leaves [W, ...].
-  inner_opt: PyTree  # Worker AdamW states, leading W.
-
-
-def model_config(config) -> model_lib.ModelConfig:
-  return model_lib.ModelConfig.of(config)
-
-
-def inner_config(config) -> inner_lib.InnerConfig:
-  """Inner settings; the cosine runs over all H*T inner steps unless given."""
-  d, total = config.dipaco, config.inner.total_steps
-  return inner_lib.InnerConfig.of(
-    config,
-    total_steps=d.inner_steps * d.outer_steps if total is None else total,
-  )
-
-
-def outer_config(config) -> outer_lib.OuterConfig:
-  return outer_lib.OuterConfig.of(config)
+TrainState = recipe_lib.TrainState
 
 
 class Experiment:
-  """Grid, model, optimizers, mesh, shardings and jitted steps of a config."""
+  """A config's recipe on a mesh: shardings and jitted steps over all workers."""
 
   def __init__(self, config, mesh=None):
     self.config = config
-    self.topo = topology.from_config(config)
-    self.model_cfg = model_config(config)
-    self.model = model_lib.Transformer(self.model_cfg)
-    self.inner_cfg = inner_config(config)
-    self.tx = inner_lib.optimizer(self.inner_cfg)
-    self.outer_cfg = outer_config(config)
-    self.outer_tx = outer_lib.optimizer(self.outer_cfg)
-    self.outer_enabled = config.outer.enabled
+    self.recipe = r = recipe_lib.Recipe.from_config(config)
+    self.topo, self.model, self.model_cfg = r.topo, r.model, r.model_cfg
     self.mesh = mesh or sharding.make_mesh(config.mesh, self.topo.num_workers)
     sharding.check_batch_divides(config.data.batch_size, self.mesh.shape["data"])
-    mb = self.inner_cfg.microbatches
+    mb = r.inner_cfg.microbatches
     if config.data.batch_size % (mb * self.mesh.shape["data"]):
       raise ConfigError(
         f"config.inner.microbatches={mb} must split the batch (config.data.batch_size="
@@ -76,7 +40,7 @@ class Experiment:
         f"({self.mesh.shape['data']}) divides: choose a divisor of batch_size / data."
       )
     self.fsdp = config.mesh.fsdp
-    abstract = jax.eval_shape(self._init, jax.random.key(0), None)
+    abstract = jax.eval_shape(r.init_state, jax.random.key(0), None)
     specs = self._state_specs(abstract)
     self.state_sharding = sharding.named(self.mesh, specs)
     self.abstract_state = jax.tree.map(
@@ -87,62 +51,36 @@ class Experiment:
     per_worker = NamedSharding(self.mesh, P("path"))
     replicated = NamedSharding(self.mesh, P())
     self.inner_step = jax.jit(
-      jax.vmap(
-        functools.partial(inner_lib.train_step, model=self.model, tx=self.tx, microbatches=mb)
-      ),
+      jax.vmap(r.train_step),
       in_shardings=(ps, self.state_sharding.inner_opt, self.batch_sharding),
       out_shardings=(ps, self.state_sharding.inner_opt, per_worker),
       donate_argnums=(0, 1),
     )
     self.outer_step = jax.jit(
-      outer_lib.sharded_outer_step(
-        self.topo, self.outer_cfg, self.mesh, (specs.store, specs.outer_opt, specs.params)
-      ),
+      r.outer_program(self.mesh, (specs.store, specs.outer_opt, specs.params)),
       in_shardings=(ss, self.state_sharding.outer_opt, ps, replicated),
       out_shardings=(ss, self.state_sharding.outer_opt, ps, replicated),
       donate_argnums=(0, 1, 2),
     )
     self.eval_step = jax.jit(
-      jax.vmap(functools.partial(inner_lib.eval_step, model=self.model, microbatches=mb)),
-      in_shardings=(ps, self.batch_sharding),
-      out_shardings=per_worker,
+      jax.vmap(r.eval_step), in_shardings=(ps, self.batch_sharding), out_shardings=per_worker
     )
     self.sync_store = jax.jit(
-      functools.partial(paths_lib.disassemble, topo=self.topo), in_shardings=(ps,), out_shardings=ss
+      lambda params: paths_lib.disassemble(params, self.topo), in_shardings=(ps,), out_shardings=ss
     )
     self.group_norms = jax.jit(
-      jax.vmap(inner_lib.group_norms), in_shardings=(ps,), out_shardings=per_worker
+      jax.vmap(r.group_norms), in_shardings=(ps,), out_shardings=per_worker
     )
-    self.all_finite = jax.jit(
-      lambda t: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(t)]))
+    # The norms of the params each worker starts a phase from: its modules in the store.
+    self.store_norms = jax.jit(
+      lambda store: jax.vmap(r.group_norms)(paths_lib.assemble(store, self.topo)),
+      in_shardings=(ss,),
+      out_shardings=per_worker,
     )
-
-  def _init(self, rng: jax.Array, theta: PyTree | None) -> TrainState:
-    """All modules from θ̄ (given, or one random init), or independent inits."""
-    if theta is None and self.config.dipaco.init == "independent":
-      kmax = max(s.num_modules for s in self.topo.store_groups())
-      thetas = jax.vmap(lambda k: model_lib.init_params(self.model_cfg, k))(
-        jax.random.split(rng, kmax)
-      )
-      store = {
-        s.name: jax.tree.map(lambda x, k=s.num_modules: x[:k], thetas[s.name])
-        for s in self.topo.store_groups()
-      }
-    else:
-      if theta is None:
-        theta = model_lib.init_params(self.model_cfg, rng)
-      store = paths_lib.init_store(theta, self.topo)
-    params = paths_lib.assemble(store, self.topo)
-    return TrainState(
-      step=jnp.zeros((), jnp.int32),
-      rng=jax.random.key_data(rng),
-      store=store,
-      outer_opt=self.outer_tx.init(store),
-      params=params,
-      inner_opt=inner_lib.init_opt_state(self.tx, params),
-    )
+    self.all_finite = jax.jit(guard_lib.all_finite)
 
   def _state_specs(self, abstract: TrainState) -> TrainState:
+    r = self.recipe
     ps = sharding.worker_specs(abstract.params, self.mesh, self.fsdp)
     ss = sharding.store_specs(abstract.store, self.mesh, self.topo, self.fsdp)
     return TrainState(
@@ -150,13 +88,13 @@ class Experiment:
       rng=P(),
       store=ss,
       params=ps,
-      outer_opt=sharding.opt_state_specs(self.outer_tx, abstract.outer_opt, ss, leading=None),
-      inner_opt=sharding.opt_state_specs(self.tx, abstract.inner_opt, ps, leading="path"),
+      outer_opt=sharding.opt_state_specs(r.outer_tx, abstract.outer_opt, ss, leading=None),
+      inner_opt=sharding.opt_state_specs(r.inner_tx, abstract.inner_opt, ps, leading="path"),
     )
 
   def init_state(self, seed: int, theta: PyTree | None = None) -> TrainState:
     """A fresh, sharded state (θ̄ given, e.g. from a dense pretraining)."""
-    init = jax.jit(self._init, out_shardings=self.state_sharding)
+    init = jax.jit(self.recipe.init_state, out_shardings=self.state_sharding)
     return init(jax.random.key(seed), theta)
 
   @property
@@ -170,12 +108,6 @@ class Experiment:
       k: jax.make_array_from_process_local_data(self.batch_sharding, v, self.batch_shape)
       for k, v in batch.items()
     }
-
-  def alpha(self, sizes_W: np.ndarray) -> jax.Array:
-    """Outer weights α_w: shard sizes |D_w| or uniform."""
-    if self.outer_cfg.weighting == "uniform":
-      return jnp.ones(self.topo.num_workers, jnp.float32)
-    return jnp.asarray(np.asarray(sizes_W, np.float64) / max(np.max(sizes_W), 1), jnp.float32)
 
   def evaluate_sums(self, params: PyTree, batches) -> tuple[np.ndarray, np.ndarray]:
     """Summed validation loss and token count of each worker on its own shard, [W] each."""

@@ -1,9 +1,9 @@
-"""The inner phase: one AdamW train step for ONE path, mapped over workers.
+"""The inner phase: one AdamW train step for ONE path.
 
-`train_step` and `eval_step` see a single path's params and batch. The
-trainer maps them over the leading worker axis with `jax.vmap` and jits them
-once with the worker axis sharded on the 'path' mesh axis; nothing in here
-reduces across workers, so no collective crosses the path axis.
+`train_step` and `eval_step` see a single path's params and batch; the recipe
+(recipe.py) binds the model, the optimizer and the microbatches, and each
+runtime maps or jits the result. Nothing in here reduces across workers, so no
+collective crosses the path axis.
 """
 # pylint: disable=invalid-name
 
@@ -147,7 +147,7 @@ def train_step(
   *,
   model: model_lib.Transformer,
   tx: optax.GradientTransformation,
-  microbatches: int = 1,
+  microbatches: int,
 ):
   """One AdamW step on one path; returns (params, opt_state, metrics).
 
@@ -169,7 +169,7 @@ def group_norms(params: PyTree) -> dict:
   return {g: optax.tree.norm(sub) for g, sub in params.items()}
 
 
-def eval_step(params: PyTree, batch: dict, *, model: model_lib.Transformer, microbatches: int = 1):
+def eval_step(params: PyTree, batch: dict, *, model: model_lib.Transformer, microbatches: int):
   """Summed loss and token count of one batch for one path (scanned in microbatches)."""
   if microbatches == 1:
     loss_sum, weight = loss_sums(params, batch, model)
@@ -182,11 +182,6 @@ def eval_step(params: PyTree, batch: dict, *, model: model_lib.Transformer, micr
     zero = jnp.zeros((), jnp.float32)
     (loss_sum, weight), _ = jax.lax.scan(body, (zero, zero), microbatch(batch, microbatches))
   return {"loss_sum": loss_sum, "weight": weight}
-
-
-def init_opt_state(tx: optax.GradientTransformation, params_W: PyTree) -> PyTree:
-  """One independent AdamW state per worker (DiLoCo never syncs them)."""
-  return jax.vmap(tx.init)(params_W)
 
 
 def restart_schedule(inner_opt: PyTree) -> PyTree:

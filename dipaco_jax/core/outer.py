@@ -1,17 +1,22 @@
-"""The outer step: per-module averaged deltas, then Nesterov on the store.
+"""The outer step: per-module averaged deltas (the pseudo-gradient), then Nesterov on the store.
 
 For module e of a level (or a path-specific copy), over the workers w through
-it and active this phase:
+it and active this phase, with Δ_w = θ_e − θ_w each worker's own delta:
 
-  Δ_e = Σ_w α_w (θ_e − θ_w) / Σ_w α_w      (α_w ∝ |D_w| or uniform)
+  Δ_e = Σ_w α_w Δ_w / Σ_w α_w      (α_w ∝ |D_w| or uniform)
   Δ_e ← Δ_e · √P_e  (or / √P_e, or unchanged: `sqrt_paths` config; √P_e capped
                      at `sqrt_paths_cap` when that is > 0)
-  θ_e ← optax.sgd(lr, momentum, nesterov)(Δ_e)   — Δ plays the gradient.
+  θ_e ← optax.sgd(lr, momentum, nesterov)(Δ_e)   — the pseudo-gradient Δ_e plays the gradient.
 
-Per level this is one assignment matrix A[K, W] times the deltas [W, ...]: a
-single reduction over the worker (path) axis, which on a multislice is the one
-DCN reduction every H inner steps. A module with no active worker keeps its
-params and its momentum.
+The pieces, shared by both runtimes: `weights` (α, √P per module and worker),
+`average` (the pseudo-gradient of each module from its workers' deltas: per
+level one assignment matrix [K, W] times the deltas [W, ...], a single
+reduction over the worker axis), `apply` (Nesterov; a module with no active
+worker keeps its params and its momentum). Two forms put them together:
+`sharded_outer_step`, the spmd program over the mesh, whose reduction over
+'path' is the one DCN exchange every H inner steps; and `module_outer_step`,
+an elastic executor's step of one module from the deltas its workers wrote.
+The one-device formula over all workers at once is the tests' oracle.
 """
 # pylint: disable=invalid-name
 
@@ -22,25 +27,21 @@ import optax
 from jax.sharding import PartitionSpec
 
 from dipaco_jax.config import sections
-from dipaco_jax.core import paths as paths_lib
 from dipaco_jax.core import sharding
 from dipaco_jax.core import topology as topo_lib
 from dipaco_jax.types import PyTree
 
-OuterConfig = sections.OuterConfig  # config.outer, declared in config/sections.py.
 
-
-def optimizer(cfg: OuterConfig) -> optax.GradientTransformation:
+def optimizer(cfg: sections.OuterConfig) -> optax.GradientTransformation:
   """SGD with (Nesterov) momentum; momentum 0 means plain SGD."""
   return optax.sgd(
     cfg.lr, momentum=cfg.momentum or None, nesterov=cfg.nesterov and cfg.momentum > 0
   )
 
 
-def _weights(
-  s: topo_lib.StoreGroup, alpha_W: jax.Array, sqrt_paths: str, sqrt_paths_cap: float = 0.0
-):
+def weights(s: topo_lib.StoreGroup, alpha_W: jax.Array, cfg: sections.OuterConfig):
   """Each worker's weight in each module's Δ [K, W] (α-mean and √P folded in), Σα [K], P [K]."""
+  sqrt_paths, sqrt_paths_cap = cfg.sqrt_paths, cfg.sqrt_paths_cap
   onehot_KxW = jax.nn.one_hot(s.module_of_worker, s.num_modules, dtype=jnp.float32).T
   a_KxW = onehot_KxW * alpha_W[None, :]
   norm_K = a_KxW.sum(axis=1)
@@ -57,44 +58,19 @@ def _weights(
   return a_KxW * (scale_K / jnp.maximum(norm_K, 1e-30))[:, None], norm_K, count_K
 
 
+def worker_deltas(x_K: jax.Array, x_W: jax.Array, idx_W) -> jax.Array:
+  """Each worker's own delta Δ_w = θ_k(w) − θ_w of one leaf, in float32."""
+  return x_K[idx_W].astype(jnp.float32) - x_W.astype(jnp.float32)
+
+
+def average(w_KxW: jax.Array, delta_W: jax.Array) -> jax.Array:
+  """Σ_w w_kw Δ_w: each module's pseudo-gradient, one reduction over the workers."""
+  return jnp.einsum("kw,w...->k...", w_KxW, delta_W)
+
+
 def _delta(x_K: jax.Array, x_W: jax.Array, w_KxW: jax.Array, idx_W) -> jax.Array:
-  """Σ_w w_kw (θ_k − θ_w) in float32: one reduction over the workers."""
-  d_W = x_K[idx_W].astype(jnp.float32) - x_W.astype(jnp.float32)
-  return jnp.einsum("kw,w...->k...", w_KxW, d_W)
-
-
-def module_deltas(
-  store: PyTree,
-  params_W: PyTree,
-  alpha_W: jax.Array,
-  topo: topo_lib.Topology,
-  sqrt_paths: str = "multiply",
-  sqrt_paths_cap: float = 0.0,
-):
-  """Averaged outer gradient per module, which modules were trained, counts.
-
-  Args:
-    store: global modules, leaves [K, ...] per group.
-    params_W: params after the inner phase, leaves [W, ...].
-    alpha_W: weight of each worker (0 = did not train this phase).
-    topo: the grid.
-    sqrt_paths: how to rescale by √P_{l,e}.
-    sqrt_paths_cap: > 0: √P_{l,e} is capped at this before it multiplies or divides.
-
-  Returns:
-    (deltas shaped like store, {group: trained_K bool}, {group: count_K}).
-  """
-  deltas, trained, counts = {}, {}, {}
-  for s in topo.store_groups():
-    w_KxW, norm_K, count_K = _weights(s, alpha_W, sqrt_paths, sqrt_paths_cap)
-    deltas[s.name] = jax.tree.map(
-      lambda x_K, x_W, w=w_KxW, i=s.module_of_worker: _delta(x_K, x_W, w, i).astype(x_K.dtype),
-      store[s.name],
-      params_W[s.name],
-    )
-    trained[s.name] = norm_K > 0
-    counts[s.name] = count_K
-  return deltas, trained, counts
+  """The pseudo-gradient of one leaf from the workers' params (`average` of `worker_deltas`)."""
+  return average(w_KxW, worker_deltas(x_K, x_W, idx_W))
 
 
 def _where_trained(new: PyTree, old: PyTree, masks: PyTree) -> PyTree:
@@ -107,9 +83,9 @@ def _where_trained(new: PyTree, old: PyTree, masks: PyTree) -> PyTree:
   return jax.tree.unflatten(jax.tree.structure(new), kept)
 
 
-def _nesterov(tx, store: PyTree, opt_state: PyTree, deltas: PyTree, masks: PyTree):
-  """The store's step with Δ as the gradient; a module whose mask is False keeps all."""
-  updates, new_opt_state = tx.update(deltas, opt_state, store)
+def apply(tx, store: PyTree, opt_state: PyTree, pseudo_grads: PyTree, masks: PyTree):
+  """The store's step with the pseudo-gradient as the gradient; a module masked False keeps all."""
+  updates, new_opt_state = tx.update(pseudo_grads, opt_state, store)
   # An untrained module keeps its params and momentum (its Δ is 0, but
   # momentum alone would still move it).
   new_store = _where_trained(optax.apply_updates(store, updates), store, masks)
@@ -117,26 +93,6 @@ def _nesterov(tx, store: PyTree, opt_state: PyTree, deltas: PyTree, masks: PyTre
     tx, lambda _, m: m, new_opt_state, masks, transform_non_params=lambda _: None
   )
   return new_store, _where_trained(new_opt_state, opt_state, opt_masks)
-
-
-def outer_step(
-  store: PyTree,
-  opt_state: PyTree,
-  params_W: PyTree,
-  alpha_W: jax.Array,
-  *,
-  topo: topo_lib.Topology,
-  cfg: OuterConfig,
-):
-  """One outer step; returns (store, opt_state, worker params, metrics)."""
-  tx = optimizer(cfg)
-  deltas, trained, _ = module_deltas(
-    store, params_W, alpha_W, topo, cfg.sqrt_paths, cfg.sqrt_paths_cap
-  )
-  masks = {g: jax.tree.map(lambda _, m=trained[g]: m, store[g]) for g in store}
-  new_store, new_opt_state = _nesterov(tx, store, opt_state, deltas, masks)
-  metrics = {"delta_norm": delta_norms(deltas, topo)}
-  return new_store, new_opt_state, paths_lib.assemble(new_store, topo), metrics
 
 
 def delta_norms(deltas: PyTree, topo: topo_lib.Topology) -> dict[str, jax.Array]:
@@ -158,10 +114,11 @@ def _data_part(x: jax.Array, dim: int, ndata: int) -> jax.Array:
 
 
 def _leaf_on_mesh(x_K, x_L, spec, param_spec, s: topo_lib.StoreGroup, w_KxW, trained_K, shape):
-  """One store leaf's Δ on its layout, inside the shard_map (see `sharded_outer_step`).
+  """One store leaf's pseudo-gradient on its layout, inside the shard_map (`sharded_outer_step`).
 
-  Returns (Δ of the rows here, their trained mask, first row's index in K,
-  a function from the new rows here to this device's L workers' params).
+  Returns (the pseudo-gradient of the rows here, their trained mask, first
+  row's index in K, a function from the new rows here to this device's L
+  workers' params).
   """
   npath, ndata = shape["path"], shape["data"]
   p = jax.lax.axis_index("path")
@@ -177,8 +134,8 @@ def _leaf_on_mesh(x_K, x_L, spec, param_spec, s: topo_lib.StoreGroup, w_KxW, tra
     i_L = idx_L - p * k
     d = _delta(x_K, x_L, jax.lax.dynamic_slice_in_dim(w_KxL, p * k, k), i_L)
     return d, jax.lax.dynamic_slice_in_dim(trained_K, p * k, k), p * k, lambda new: new[i_L]
-  if j is None:  # Replicated (K = 1): this device's workers, then a sum over 'path'.
-    d = _delta(x_K, x_L, w_KxL, idx_L)
+  if j is None:  # Replicated (K = 1): this device's workers' part, summed over 'path'.
+    d = _delta(x_K, x_L, w_KxL, idx_L)  # The partial pseudo-gradient: what crosses 'path'.
     free = [i for i in range(1, d.ndim) if d.shape[i] % ndata == 0]
     if ndata > 1 and "data" not in sharding.spec_axes(spec) and free:
       # Each of a path's data-parallel devices sums its own part across paths.
@@ -188,8 +145,10 @@ def _leaf_on_mesh(x_K, x_L, spec, param_spec, s: topo_lib.StoreGroup, w_KxW, tra
     else:
       d = jax.lax.psum(d, "path")
     return d, trained_K, 0, lambda new: new[idx_L]
-  # Dim j on 'path': every worker's slice j here; Δ of this slice of every module.
-  # With 'data' there too (and not in the params'), a device moves its part.
+  # Dim j on 'path': every worker's slice j here; the pseudo-gradient of this slice of every
+  # module. No device holds a whole module here, so a worker cannot form its own Δ_w: its params'
+  # slices cross 'path' and the slice's owner forms the deltas. With 'data' there too (and not in
+  # the params'), a device moves its part.
   split = "data" in sharding.spec_axes(spec[j : j + 1]) - sharding.spec_axes(param_spec[j : j + 1])
   x_W = jax.lax.all_to_all(_data_part(x_L, j, ndata) if split else x_L, "path", j, 0, tiled=True)
   d = _delta(x_K, x_W, w_KxW, idx_W)
@@ -201,28 +160,29 @@ def _leaf_on_mesh(x_K, x_L, spec, param_spec, s: topo_lib.StoreGroup, w_KxW, tra
   return d, trained_K, 0, to_workers
 
 
-def sharded_outer_step(topo: topo_lib.Topology, cfg: OuterConfig, mesh, specs):
-  """`outer_step` over `mesh` (a shard_map), its collectives across 'path' written out.
+def sharded_outer_step(topo: topo_lib.Topology, cfg: sections.OuterConfig, tx, mesh, specs):
+  """The outer step over `mesh` (a shard_map), its collectives across 'path' written out.
 
   specs: the PartitionSpecs of (store, outer_opt, params). A device holds
   L = W / path workers; per store leaf of m bytes per module, its layout
   (sharding.store_specs) fixes what crosses 'path':
     K on 'path': the device's modules are its own workers' only: nothing.
-    replicated (K = 1): its workers' weighted deltas summed, one psum: m.
+    replicated (K = 1): its workers' part of the pseudo-gradient (their weighted
+      deltas), summed over 'path' by one psum: m.
     an inner dim on 'path': an all_to_all gives each device its slice of all
       W workers' params (L m), it updates its slice of every module, and an
       all_to_all returns each worker its module's slices (L m).
   So at most 2 L m per leaf, whatever K and the 'data' axis, plus one psum of
-  the ‖Δ‖ metric (ΣK float32). The same Δ (`_delta`) and Nesterov
-  (`_nesterov`) as `outer_step`; only the order of the sums may differ.
+  the ‖Δ‖ metric (ΣK float32). The same `weights`, `average` and `apply` as
+  `module_outer_step` and the one-device formula; only the order of the sums
+  may differ. `tx`: the outer optimizer (`optimizer(cfg)`, the recipe's).
   """
   store_specs, opt_specs, param_specs = specs
-  tx = optimizer(cfg)
 
   def body(store, opt_state, params_L, alpha_W):
-    deltas, masks, back, sq = {}, {}, {}, {}
+    pseudo_grads, masks, back, sq = {}, {}, {}, {}
     for s in topo.store_groups():
-      w_KxW, norm_K, _ = _weights(s, alpha_W, cfg.sqrt_paths, cfg.sqrt_paths_cap)
+      w_KxW, norm_K, _ = weights(s, alpha_W, cfg)
       x_K, treedef = jax.tree.flatten(store[s.name])
       x_L = treedef.flatten_up_to(params_L[s.name])
       spec = treedef.flatten_up_to(store_specs[s.name])
@@ -240,8 +200,8 @@ def sharded_outer_step(topo: topo_lib.Topology, cfg: OuterConfig, mesh, specs):
           if a not in sharding.spec_axes(sp):
             part = jnp.where(jax.lax.axis_index(a) == 0, part, 0.0)
         sq[s.level] = sq.get(s.level, 0.0) + part
-      deltas[s.name], masks[s.name] = treedef.unflatten(d_K), treedef.unflatten(m_K)
-    new_store, new_opt_state = _nesterov(tx, store, opt_state, deltas, masks)
+      pseudo_grads[s.name], masks[s.name] = treedef.unflatten(d_K), treedef.unflatten(m_K)
+    new_store, new_opt_state = apply(tx, store, opt_state, pseudo_grads, masks)
     new_params = {
       g: t.unflatten([f(x) for f, x in zip(fs, t.flatten_up_to(new_store[g]))])
       for g, (t, fs) in back.items()
@@ -264,35 +224,32 @@ def sharded_outer_step(topo: topo_lib.Topology, cfg: OuterConfig, mesh, specs):
   )
 
 
-class _OneModule:
-  """A topology of one store group with one module that all N given workers read."""
-
-  def __init__(self, group: str, level: str, num_workers: int):
-    self._group = topo_lib.StoreGroup(group, level, np.zeros(num_workers, np.int32), 1)
-
-  def store_groups(self):
-    return (self._group,)
-
-
 def module_outer_step(
   theta: PyTree,
   opt_state: PyTree,
-  params_N: PyTree,
+  deltas_N: PyTree,
   alpha_N: jax.Array,
   *,
-  group: str,
-  level: str,
-  cfg: OuterConfig,
+  tx: optax.GradientTransformation,
+  cfg: sections.OuterConfig,
 ):
-  """`outer_step` of ONE module from the N workers through it (the elastic executors).
+  """The outer step of ONE module from the deltas of the N workers through it (an executor's).
 
-  theta: {group: leaves [1, ...]}; opt_state: `optimizer(cfg).init(theta)`;
-  params_N: {group: leaves [N, ...]}, the workers' params in worker order.
-  The same code as `outer_step`, so α, √P (P = N active workers) and Nesterov
-  are the synchronous mode's; returns (theta, opt_state, metrics).
+  theta: {group: leaves [1, ...]}; opt_state: `tx.init(theta)`; deltas_N:
+  {group: leaves [N, ...]}, each worker's own Δ_w = θ − θ_w (`worker_deltas`),
+  in worker order. The same `weights` (α, √P with P = the N active workers),
+  `average` and `apply` as the spmd program; returns (theta, opt_state, metrics).
   """
-  topo = _OneModule(group, level, jax.tree.leaves(params_N)[0].shape[0])
-  new_theta, new_opt, _, metrics = outer_step(
-    theta, opt_state, params_N, alpha_N, topo=topo, cfg=cfg
+  (group,) = theta
+  n = jax.tree.leaves(deltas_N)[0].shape[0]
+  one = topo_lib.StoreGroup(group, "", np.zeros(n, np.int32), 1)
+  w_1xN, norm_1, _ = weights(one, alpha_N, cfg)
+  pseudo_grads = jax.tree.map(
+    lambda x, d: average(w_1xN, d.astype(jnp.float32)).astype(x.dtype), theta, deltas_N
   )
-  return new_theta, new_opt, metrics
+  masks = jax.tree.map(lambda _: norm_1 > 0, theta)
+  new_theta, new_opt = apply(tx, theta, opt_state, pseudo_grads, masks)
+  norm = jnp.sqrt(
+    sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(pseudo_grads))
+  )
+  return new_theta, new_opt, {"delta_norm": norm}

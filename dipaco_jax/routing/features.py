@@ -22,7 +22,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dipaco_jax.core import experiment as exp_lib
+from dipaco_jax.config import sections
 from dipaco_jax.core import model as model_lib
 from dipaco_jax.io import checkpoint as ckpt_lib
 from dipaco_jax.io import progress
@@ -44,7 +44,7 @@ def base_params(config) -> tuple[PyTree, str]:
   src = config.dipaco.init_from
   if src:
     return ckpt_lib.restore_worker_params(src), f"init_from:{src}"
-  cfg = exp_lib.model_config(config)
+  cfg = sections.ModelConfig.of(config)
   # The run's initial θ̄: Experiment._init draws it from jax.random.key(config.seed).
   init = jax.jit(functools.partial(model_lib.init_params, cfg))  # One compile, not one per op.
   return init(jax.random.key(config.seed)), f"init_seed:{config.seed}"
@@ -165,7 +165,7 @@ def extractor_from_config(config, params: PyTree | None = None) -> FeatureExtrac
     identity = "given"
   r = config.routing
   return FeatureExtractor(
-    exp_lib.model_config(config),
+    sections.ModelConfig.of(config),
     params,
     prefix_len=r.prefix_len,
     batch_size=r.feature_batch_size,

@@ -73,7 +73,7 @@ class ShardPlan:
       routing.shard_dir(self.config, self.workdir, phase),
       assign=assign,
     )
-    self.alpha_W = self.exp.alpha(self.shard_set.sizes("train"))
+    self.alpha_W = self.exp.recipe.alpha(self.shard_set.sizes("train"))
     rest, heldout = early_stopping.holdouts(self.config)
     self.train_it = feed_lib.make_feed(self.exp, self.shard_set, "train", holdout=rest)
     n = self.config.eval.batches

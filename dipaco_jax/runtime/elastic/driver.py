@@ -17,8 +17,6 @@ only then lets the coordinator hand out the phase's tasks.
 
 import json
 import os
-import random
-import signal
 import socket
 import time
 
@@ -28,23 +26,24 @@ from absl import logging
 from etils import epath
 
 from dipaco_jax import routing
-from dipaco_jax.config import paper
+from dipaco_jax import saved_config
 from dipaco_jax.core import experiment as exp_lib
 from dipaco_jax.core import paths as paths_lib
+from dipaco_jax.core import recipe as recipe_lib
 from dipaco_jax.core import sharding
 from dipaco_jax.io import checkpoint as ckpt_lib
 from dipaco_jax.io import metrics as metrics_lib
 from dipaco_jax.routing import router as router_lib
 from dipaco_jax.runtime import early_stopping
+from dipaco_jax.runtime import faults as faults_lib
 from dipaco_jax.runtime import shard_plan
 from dipaco_jax.runtime.elastic import coordinator as coord_lib
 from dipaco_jax.runtime.elastic import executor as exec_lib
 from dipaco_jax.runtime.elastic import grid as grid_lib
 from dipaco_jax.runtime.elastic import storage
 from dipaco_jax.runtime.elastic import worker as worker_lib
+from dipaco_jax.runtime.elastic.errors import FORMAT
 from dipaco_jax.runtime.elastic.errors import ElasticConfigError
-from dipaco_jax.runtime.elastic.errors import check_config
-from dipaco_jax.runtime.elastic.errors import check_workdir_mode
 
 META = "meta.json"  # Under <workdir>/elastic (errors.META).
 
@@ -87,7 +86,12 @@ def _init_storage(config, workdir: str, exp, grid: grid_lib.Grid, alpha_W) -> No
       )
   storage.save_json(
     storage.root(workdir) / META,
-    {"mode": "elastic", "workers": grid.W, "alpha_W": [float(a) for a in alpha_W]},
+    {
+      "mode": "elastic",
+      "format": FORMAT,
+      "workers": grid.W,
+      "alpha_W": [float(a) for a in alpha_W],
+    },
   )
 
 
@@ -218,7 +222,7 @@ def _final_state(config, workdir: str, exp, grid: grid_lib.Grid):
     for s in grid.groups
   }
   groups = [s.name for s in grid.groups]
-  full_opt = jax.eval_shape(grid.outer_tx.init, store)
+  full_opt = jax.eval_shape(grid.recipe.outer_tx.init, store)
   leaves = []
   for kp, t in jax.tree_util.tree_flatten_with_path(full_opt)[0]:
     key = jax.tree_util.keystr(kp)
@@ -234,7 +238,7 @@ def _final_state(config, workdir: str, exp, grid: grid_lib.Grid):
   data = {
     str(w): storage.load_json(storage.worker_data_file(workdir, w, grid.T)) for w in range(grid.W)
   }
-  state = exp_lib.TrainState(
+  state = recipe_lib.TrainState(
     step=np.asarray(grid.H * grid.T, np.int32),
     rng=np.asarray(jax.random.key_data(jax.random.key(config.seed))),
     store=store,
@@ -337,77 +341,8 @@ def _control_options(ray) -> dict:
   }
 
 
-class _Chaos:
-  """Fault injection: SIGKILLs of actor processes while they work (tests, benchmarks).
-
-  `kills` of the first `slots` dispatches (seeded) arm a kill. Of those,
-  `in_write` make the worker SIGKILL itself with files half written: the task's
-  outputs (`die_in_write`), or, for tasks that save progress, every other one
-  its first mid-task save (`die_in_progress`); the others kill the actor at a
-  random moment of the call (mid-step, mid-load, mid-write alike); if the call
-  ends first, the actor's next call takes it. Each kill is logged (`log`) as
-  event "kill".
-  """
-
-  def __init__(self, kills: int, slots: int, seed: int, log, target: str, in_write: int = 0):
-    self.rng = random.Random(seed)
-    self.at = set(self.rng.sample(range(slots), min(kills, slots))) if kills else set()
-    self.write_at = set(self.rng.sample(sorted(self.at), min(in_write, len(self.at))))
-    self.count, self.killed, self.log, self.target = 0, 0, log, target
-    self.due, self._carry = {}, set()  # actor index -> kill time; actors owed a kill.
-    self.armed = {}  # future -> (actor, how, after) of a dispatch told to die mid-write.
-    self._writes = 0  # Mid-write kills armed so far (alternating outputs and progress).
-
-  def on_dispatch(self, index: int, est_s: float, writes: bool = True, progress=False) -> dict:
-    """Arms this dispatch's kill if drawn; returns the task's fault arguments ({}: none).
-
-    A call that writes nothing (`writes` False: an evaluation-only task) takes a
-    timed kill; `progress`: the task makes a mid-task save.
-    """
-    n, self.count = self.count, self.count + 1
-    if n in self.write_at and writes:
-      self._writes += 1
-      key = "die_in_progress" if progress and self._writes % 2 == 0 else "die_in_write"
-      return {key: self.rng.randint(1, 3)}
-    if n in self.at or index in self._carry:
-      self._carry.discard(index)
-      self.due[index] = time.time() + self.rng.uniform(0, est_s)
-    return {}
-
-  def arm(self, future, index: int, faults: dict) -> None:
-    for key, after in faults.items():
-      self.armed[future] = (index, "progress" if key == "die_in_progress" else "write", after)
-
-  def failed(self, future) -> None:
-    """The call `future` died: counts and logs it if it was told to die mid-write."""
-    if future in self.armed:
-      index, how, after = self.armed.pop(future)
-      self.killed += 1
-      self.log(event="kill", target=self.target, actor=index, how=how, after_writes=after)
-
-  def fire(self, ray, handles, busy) -> None:
-    """Kills the actors whose time has come and that are still busy."""
-    for index, when in list(self.due.items()):
-      if time.time() < when:
-        continue
-      del self.due[index]
-      if index not in busy:
-        self._carry.add(index)
-        continue
-      try:
-        pid = ray.get(handles[index].pid.remote(), timeout=120)
-        os.kill(pid, signal.SIGKILL)
-        self.killed += 1
-        self.log(event="kill", target=self.target, actor=index, how="timed", pid=pid)
-        logging.info("chaos: SIGKILL actor %d (pid %d)", index, pid)
-      except Exception as e:  # pylint: disable=broad-except
-        logging.warning("chaos: kill of actor %d failed (%s); owed to its next call", index, e)
-        self._carry.add(index)
-
-
 def run(config, workdir: str) -> dict:
   """Trains (or resumes) `workdir` on a Ray pool; returns a summary."""
-  check_config(config)
   try:
     import ray  # pylint: disable=g-import-not-at-top
     from ray import exceptions as ray_errors  # pylint: disable=g-import-not-at-top
@@ -415,13 +350,8 @@ def run(config, workdir: str) -> dict:
     raise ElasticConfigError(
       "config.dipaco.mode='elastic' needs Ray: pip install 'dipaco_jax[elastic]'."
     ) from None
-  from dipaco_jax import train  # pylint: disable=g-import-not-at-top
-
-  paper.check_init_from(config)
   workdir = str(workdir)
   epath.Path(workdir).mkdir(parents=True, exist_ok=True)
-  check_workdir_mode(workdir, "elastic")
-  train.check_config_matches(epath.Path(workdir), config)
   e = config.elastic
   t0, actors, task_log = time.time(), [], storage.TaskLog(workdir)
   started = _connect(config, num_cpus=e.num_workers + 1)  # A bad address fails before any work.
@@ -482,8 +412,6 @@ def run(config, workdir: str) -> dict:
 
 def _prepare(config, workdir: str, grid: grid_lib.Grid):
   """The driver's Experiment, phase-0 shards and α, and version 0 of the store."""
-  from dipaco_jax import train  # pylint: disable=g-import-not-at-top
-
   # The driver's Experiment on one device: it builds θ̄, the shards, α and the final state.
   exp = exp_lib.Experiment(
     config,
@@ -492,7 +420,7 @@ def _prepare(config, workdir: str, grid: grid_lib.Grid):
     ),
   )
   plan = shard_plan.ShardPlan(config, workdir, exp)  # Phase-0 shards and α, as the SPMD loop.
-  train.write_config(epath.Path(workdir), config)
+  saved_config.write(epath.Path(workdir), config)
   alpha_W = np.asarray(jax.device_get(plan.alpha_W), np.float32)
   if not (storage.root(workdir) / META).exists():
     _init_storage(config, workdir, exp, grid, alpha_W)
@@ -521,15 +449,8 @@ def _loop(
   scoring = {}  # future -> (actor, path, start): a re-shard's scoring tasks (the driver's queue).
   timed_out = set()  # Scoring futures whose actor was killed for the task timeout.
   results = call(coord.results)
-  left = (grid.T + 1) * grid.W - len(results)  # Kills are drawn among this invocation's tasks.
-  kills_w = config.faults.worker_kills  # Half of them mid-write.
-  chaos_w = _Chaos(kills_w, left, config.faults.seed, log, "worker", in_write=kills_w // 2)
-  chaos_x = _Chaos(
-    config.faults.executor_kills, left * len(executors), config.faults.seed + 1, log, "executor"
-  )
-  # With worker kills on, one re-shard scoring task per invocation dies before its write.
-  P, one = grid.topo.num_paths, int(kills_w > 0)
-  chaos_s = _Chaos(one, P, config.faults.seed + 2, log, "worker", in_write=one)
+  left = (grid.T + 1) * grid.W - len(results)  # Faults are drawn among this invocation's tasks.
+  faults = faults_lib.driver_plan(config.faults, left, grid.topo.num_paths, len(executors), log)
   task_time = [1.0]
   accepted_here = 0
   saves_progress = 0 < e.progress_every_steps < grid.H
@@ -569,7 +490,7 @@ def _loop(
     for j, ex in enumerate(executors):
       if owned[j]:
         outer[ex.report.remote(phase, worker)] = (j, phase, worker)
-        chaos_x.on_dispatch(j, 0.2)
+        faults.at("report", executor=j)
 
   def stepped(j, keys):
     """Executor j's {phase: modules it stepped} to the queue (and the task log)."""
@@ -611,18 +532,20 @@ def _loop(
           continue
         if resharder.todo:  # Scoring first: the re-shard's phase waits for it.
           path = resharder.todo.pop(0)
-          faults = chaos_s.on_dispatch(i, task_time[0])
-          future = workers[i].score.remote(resharder.due, path, **faults)
-          chaos_s.arm(future, i, faults)
+          spec = faults.at("lease_score", actor=i, est_s=task_time[0])
+          future = workers[i].score.remote(resharder.due, path, faults=spec)
+          faults.at("leased", future=future, actor=i, spec=spec, scoring=True)
           scoring[future] = (i, path, time.time())
           log(event="start_score", step=resharder.due, path=path, actor=i)
           continue
         task = call(coord.lease, i)
         if task is None:
           break
-        faults = chaos_w.on_dispatch(i, task_time[0], task[0] < grid.T, saves_progress)
-        future = workers[i].run.remote(*task, **faults)
-        chaos_w.arm(future, i, faults)
+        spec = faults.at(
+          "lease", actor=i, est_s=task_time[0], writes=task[0] < grid.T, progress=saves_progress
+        )
+        future = workers[i].run.remote(*task, faults=spec)
+        faults.at("leased", future=future, actor=i, spec=spec)
         running[future] = (i, tuple(task), time.time())
         log(event="start", phase=task[0], worker=task[1], actor=i)
       if poll_s and time.time() >= next_poll:
@@ -635,12 +558,18 @@ def _loop(
           break
         if not (polls or any(waiting.values())):  # Nothing can make a task ready any more.
           raise RuntimeError(f"elastic: no task ready and none running: {call(coord.status)}")
-      chaos_w.fire(ray, workers, {a for a, _, _ in running.values()} | set(scoring_actors()))
-      chaos_x.fire(ray, executors, {j for j, _, _ in outer.values()})
+      faults.at(
+        "tick",
+        ray=ray,
+        workers=workers,
+        executors=executors,
+        busy_workers={a for a, _, _ in running.values()} | set(scoring_actors()),
+        busy_executors={j for j, _, _ in outer.values()},
+      )
       ready, _ = ray.wait(
         list(running) + list(outer) + list(probes) + list(ex_probes) + list(polls) + list(scoring),
         num_returns=1,
-        timeout=0.05 if chaos_w.due or chaos_x.due else (poll_s or 1.0),
+        timeout=faults.at("wait_s") or poll_s or 1.0,
       )
       for f in ready:
         if f in ex_probes:
@@ -665,7 +594,7 @@ def _loop(
           try:
             done = ray.get(f)
           except ray_errors.RayActorError as err:  # Scored again, on the next idle worker.
-            chaos_s.failed(f)
+            faults.at("failed", future=f)
             resharder.todo.insert(0, path)
             log(event="failed_score", path=path, actor=actor, error=type(err).__name__)
             probes[workers[actor].pid.remote()] = actor
@@ -678,7 +607,7 @@ def _loop(
           try:
             result = ray.get(f)
           except ray_errors.RayActorError as err:
-            chaos_w.failed(f)
+            faults.at("failed", future=f)
             call(coord.failed, *task)
             log(
               event="failed", phase=task[0], worker=task[1], actor=actor, error=type(err).__name__
@@ -728,11 +657,9 @@ def _loop(
         rec = _record(grid, results, t)
         mlog.write((t + 1) * grid.H, {**rec, **resharder.records.get((t + 1) * grid.H, {})})
         phases_logged += 1
-      if 0 <= config.faults.stop_after_tasks <= accepted_here:
-        logging.info("elastic: stopping after %d accepted tasks (stop_after_tasks)", accepted_here)
-        status = call(coord.status)
-        status.update(worker_kills=chaos_w.killed + chaos_s.killed, executor_kills=chaos_x.killed)
-        return {"stopped": True, "status": status}
+      if faults.at("accepted", count=accepted_here):
+        logging.info("elastic: stopping after %d accepted tasks (faults)", accepted_here)
+        return {"stopped": True, "status": {**call(coord.status), **(faults.at("counts") or {})}}
   finally:
     mlog.close()
   early_stop(results)  # A rerun that finds every task done replays it here.
@@ -745,9 +672,7 @@ def _loop(
     data_state = {"train": data, "routing": routing_state}
     ckpt.save(grid.H * grid.T, state, data_state, best=best.saved() if best else None)
   ckpt.close()
-  status = call(coord.status)
-  status.update(worker_kills=chaos_w.killed + chaos_s.killed, executor_kills=chaos_x.killed)
-  return {**out, "status": status}
+  return {**out, "status": {**call(coord.status), **(faults.at("counts") or {})}}
 
 
 def _record(grid, results, t: int) -> dict:

@@ -5,9 +5,12 @@ import json
 from etils import epath
 
 from dipaco_jax.config import sections
+from dipaco_jax.core import topology
 from dipaco_jax.errors import ConfigError
 
 META = "elastic/meta.json"  # Written when an elastic run initializes its storage.
+# Its storage's format: 2 since the workers write deltas (θ_module − θ_worker), not params.
+FORMAT = 2
 
 
 class ElasticConfigError(ConfigError):
@@ -51,9 +54,23 @@ def check_config(config) -> None:
     raise ElasticConfigError(f"config.elastic.task_timeout_s={e.task_timeout_s}: must be > 0.")
   if config.stop_at_step >= 0:
     raise ElasticConfigError(
-      f"config.stop_at_step={config.stop_at_step}: elastic runs stop on "
-      "config.faults.stop_after_tasks instead; set stop_at_step=-1."
+      f"config.stop_at_step={config.stop_at_step}: the elastic pool stops on no inner step (it "
+      "stores every phase's state as it goes: stop the command and rerun it to resume); set "
+      "stop_at_step=-1."
     )
+  if not config.outer.enabled:
+    shared = [
+      s.name
+      for s in topology.from_config(config).store_groups()
+      if len(set(s.module_of_worker.tolist())) < len(s.module_of_worker)
+    ]
+    if shared:
+      raise ElasticConfigError(
+        f"config.outer.enabled=False with modules that several workers share (group "
+        f"{shared[0]}): the spmd loop then keeps each worker's own params from phase to phase, "
+        "while an elastic task starts from the store's module; use dipaco.mode='spmd', or a "
+        "grid in which no two workers share a module."
+      )
 
 
 def mode(config) -> str:
@@ -78,3 +95,11 @@ def check_workdir_mode(workdir: str, run_mode: str) -> None:
       f"{workdir} holds a run of config.dipaco.mode='elastic'; rerun with "
       "--config.dipaco.mode=elastic or use a new --workdir."
     )
+  if elastic:
+    found = json.loads((wd / META).read_text()).get("format", 1)
+    if found != FORMAT:
+      raise ElasticConfigError(
+        f"{workdir} holds an elastic run of storage format {found} (this version writes "
+        f"{FORMAT}: workers' deltas, not params): finish it with the version that started it, "
+        "or use a new --workdir."
+      )

@@ -1,10 +1,11 @@
 """Outer executors: each owns some store groups and steps a module once its workers reported.
 
 `report(phase, worker)` records that task (phase, worker) is complete and
-loads that worker's params for the executor's groups (online gathering). When
-every worker through a module has reported, the module takes the outer step of
-`outer.py` (`module_outer_step`: α, √P, Nesterov) on the workers' params in
-WORKER order, so the result does not depend on the order reports arrive in.
+loads that worker's deltas for the executor's groups (online gathering). When
+every worker through a module has reported, the module takes the recipe's outer
+step (`Recipe.module_outer_step`: α, √P, Nesterov, the spmd program's pieces)
+on the workers' deltas in WORKER order, so the result does not depend on the
+order reports arrive in.
 Version t+1 of a module is a pure function of version t and the phase's task
 outputs, written once to its own file: a delta can never be applied twice.
 
@@ -12,11 +13,11 @@ Quorum (config.elastic.quorum < 1, beyond the paper; docs/elastic.md): a module
 may step once the workers that reported hold that fraction of its α-weight and
 `grace_s` has passed since that moment (`poll` checks the clock). The workers
 it stepped with are recorded; a delta that missed the step (late) either joins
-the module's next step (`late_deltas="next"`, as params shifted by the step it
-missed, so it counts its own Δ against its own starting version) or is dropped
-("drop"). Staleness is bounded to one phase: step t+1 waits until every phase-t
-report through the module is in. In "next" mode the last step (phase T-1) waits
-for every report: there is no later step to carry a late delta to.
+the module's next step (`late_deltas="next"`: its own Δ, against its own
+starting version) or is dropped ("drop"). Staleness is bounded to one phase:
+step t+1 waits until every phase-t report through the module is in. In "next"
+mode the last step (phase T-1) waits for every report: there is no later step
+to carry a late delta to.
 
 α: phase t's step weighs its workers with the α of t's routing phase (phase 0:
 the constructor's; after a discriminative re-shard: the file the driver wrote
@@ -35,7 +36,6 @@ module stepped, and steps nothing.
 """
 # pylint: disable=invalid-name
 
-import functools
 import os
 import threading
 import time
@@ -43,7 +43,6 @@ import time
 import jax
 import numpy as np
 
-from dipaco_jax.core import outer as outer_lib
 from dipaco_jax.runtime.elastic import grid as grid_lib
 from dipaco_jax.runtime.elastic import jit_cache
 from dipaco_jax.runtime.elastic import storage
@@ -104,8 +103,8 @@ class OuterExecutor:
     self.settled = int(state.get("settled", 0))  # Phases < settled: complete and forgotten.
     mine = [(g, e) for g, e in self.grid.used_modules() if g in self.groups]
     self._mine = sorted(grid_lib.module_key(g, e) for g, e in mine)
-    self._cache = {}  # (phase, group, worker) -> that worker's params of the group.
-    self._steps = {}
+    self._cache = {}  # (phase, group, worker) -> that worker's delta of the group.
+    self._step = None
     self._lock = threading.Lock()  # report/poll vs each other (max_concurrency=2 for pid()).
 
   def pid(self) -> int:
@@ -134,22 +133,15 @@ class OuterExecutor:
       self._alphas[k] = np.asarray(alpha, np.float32)
     return self._alphas[k]
 
-  def _step_fn(self, group: str):
-    if group not in self._steps:
-      self._steps[group] = jax.jit(
-        functools.partial(
-          outer_lib.module_outer_step,
-          group=group,
-          level=self.grid.group[group].level,
-          cfg=self.grid.outer_cfg,
-        )
-      )
-    return self._steps[group]
+  def _step_fn(self):
+    if self._step is None:
+      self._step = jax.jit(self.grid.recipe.module_outer_step)
+    return self._step
 
-  def _worker_params(self, phase: int, group: str, worker: int):
+  def _worker_delta(self, phase: int, group: str, worker: int):
     key = (phase, group, worker)
     if key not in self._cache:
-      path = storage.worker_out_dir(self.workdir, worker, phase + 1) / f"{group}.npz"
+      path = storage.delta_file(self.workdir, worker, phase + 1, group)
       self._cache[key] = storage.load_tree(path, self.grid.module_template(group))
     return self._cache[key]
 
@@ -165,24 +157,21 @@ class OuterExecutor:
     """Module (group, module): version phase -> phase + 1 from the workers, in worker order.
 
     `late`: workers whose phase-1 deltas missed that step (quorum, "next"); each
-    enters as its params shifted by the step it missed, θ_t − (θ_{t−1} − p_w), so
-    the outer step sees its own Δ = θ_{t−1} − p_w.
+    joins with its own Δ, taken against the version it started from.
     """
     wd = self.workdir
     theta = self._module(group, module, phase)
     opt = self._module(group, module, phase, "opt")
-    parts = [self._worker_params(phase, group, w) for w in workers]
-    if late:
-      before = self._module(group, module, phase - 1)
-      for w in late:
-        p = self._worker_params(phase - 1, group, w)
-        parts.append(jax.tree.map(lambda t, b, x: t - (b - x), theta, before, p))
-    params_N = jax.tree.map(lambda *xs: np.concatenate(xs), *parts)
+    parts = [self._worker_delta(phase, group, w) for w in workers]
+    parts += [self._worker_delta(phase - 1, group, w) for w in late]
+    deltas_N = jax.tree.map(lambda *xs: np.concatenate(xs), *parts)
     alpha_N = self._alpha(phase)[list(workers) + list(late)]
     if self.outer_enabled:
-      theta, opt, _ = jax.device_get(self._step_fn(group)(theta, opt, params_N, alpha_N))
-    else:  # No outer step: the module mirrors its first worker (train.py's sync_store).
-      theta = parts[0]
+      theta, opt, _ = jax.device_get(self._step_fn()(theta, opt, deltas_N, alpha_N))
+    else:  # No outer step: the module becomes its first worker's params (spmd's sync_store).
+      theta = jax.tree.map(
+        lambda t, d: (t.astype(np.float32) - d[:1]).astype(t.dtype), theta, parts[0]
+      )
     storage.save_tree(storage.module_file(wd, group, module, phase + 1, "opt"), opt)
     storage.save_tree(storage.module_file(wd, group, module, phase + 1), theta)
 
@@ -281,7 +270,7 @@ class OuterExecutor:
       for group in self.groups:
         module = int(self.grid.group[group].module_of_worker[worker])
         if grid_lib.module_key(group, module) not in self.applied.get(phase, ()):
-          self._worker_params(phase, group, worker)  # Gathered as it arrives.
+          self._worker_delta(phase, group, worker)  # Gathered as it arrives.
         self._try_step(phase, group, module, now)
         self._try_step(phase + 1, group, module, now)
       out = self._stepped((phase, phase + 1))

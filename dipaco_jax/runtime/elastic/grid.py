@@ -6,17 +6,11 @@ process holds only the arrays it loads.
 """
 # pylint: disable=invalid-name
 
-import functools
-
 import jax
 import numpy as np
 
 from dipaco_jax import routing
-from dipaco_jax.core import experiment as exp_lib
-from dipaco_jax.core import inner as inner_lib
-from dipaco_jax.core import model as model_lib
-from dipaco_jax.core import outer as outer_lib
-from dipaco_jax.core import topology
+from dipaco_jax.core import recipe as recipe_lib
 from dipaco_jax.runtime.elastic import coordinator as coord_lib
 from dipaco_jax.types import PyTree
 
@@ -30,7 +24,9 @@ class Grid:
 
   def __init__(self, config):
     self.config = config
-    self.topo = topology.from_config(config)
+    # The run's recipe: the model, both optimizers and the steps every process uses.
+    self.recipe = recipe_lib.Recipe.from_config(config)
+    self.topo = self.recipe.topo
     self.groups = self.topo.store_groups()
     self.group = {s.name: s for s in self.groups}
     self.W = self.topo.num_workers
@@ -38,13 +34,7 @@ class Grid:
     # Outer steps after which a discriminative re-shard runs: tasks (t, ·) with t >= the k-th
     # read routing phase k's shards, and the outer steps of those phases use its α.
     self.reshard_steps = routing.discriminative_steps(config)
-    self.model_cfg = exp_lib.model_config(config)
-    self.inner_tx = inner_lib.optimizer(exp_lib.inner_config(config))
-    self.outer_cfg = exp_lib.outer_config(config)
-    self.outer_tx = outer_lib.optimizer(self.outer_cfg)
-    self.theta = jax.eval_shape(
-      functools.partial(model_lib.init_params, self.model_cfg), jax.random.key(0)
-    )
+    self.theta = jax.eval_shape(self.recipe.init_params, jax.random.key(0))
 
   def routing_phase(self, phase: int) -> int:
     """The routing phase whose shards task `phase` trains on (re-shards at or before it)."""
@@ -89,11 +79,11 @@ class Grid:
     }
 
   def module_opt_template(self, group: str) -> PyTree:
-    return jax.eval_shape(self.outer_tx.init, self.module_template(group))
+    return jax.eval_shape(self.recipe.outer_tx.init, self.module_template(group))
 
   def params_template(self) -> PyTree:
     """One worker's params with a leading axis of 1 (as the SPMD program's per-device block)."""
     return {s.name: self.module_template(s.name)[s.name] for s in self.groups}
 
   def inner_opt_template(self) -> PyTree:
-    return jax.eval_shape(jax.vmap(self.inner_tx.init), self.params_template())
+    return jax.eval_shape(jax.vmap(self.recipe.init_opt), self.params_template())

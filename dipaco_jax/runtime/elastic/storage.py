@@ -10,7 +10,7 @@ here unpickles. Layout (t = outer steps applied, i.e. the phase that reads it):
   store/<group>/m<e>/opt<t>.npz    its outer momentum
   workers/w<w>/opt<t>.npz          worker w's AdamW state at the start of phase t
   workers/w<w>/data<t>.json        its data position at the start of phase t
-  workers/w<w>/out<t>/<group>.npz  its params after phase t-1's inner steps
+  workers/w<w>/out<t>/delta_<group>.npz  its delta θ_module − θ_w after phase t-1's inner steps
   workers/w<w>/out<t>/done.json    written last: the task's outputs are complete
   workers/w<w>/progress<t>/s<i>/   task (t, w)'s params, AdamW state, data after i of H steps
   workers/w<w>/progress<t>/at.json written last: the newest complete s<i> (removed when done)
@@ -60,8 +60,17 @@ def worker_data_file(workdir: str, worker: int, phase: int) -> epath.Path:
 
 
 def worker_out_dir(workdir: str, worker: int, phase: int) -> epath.Path:
-  """Outputs of task (phase - 1, worker): the params that start phase `phase`."""
+  """Outputs of task (phase - 1, worker): its deltas, AdamW state, data position, done.json."""
   return worker_dir(workdir, worker) / f"out{phase:05d}"
+
+
+def delta_file(workdir: str, worker: int, phase: int, group: str) -> epath.Path:
+  """Task (phase - 1, worker)'s delta of `group`: its module at version phase-1 minus its params.
+
+  What crosses the slow network from a worker: the outer executors average these
+  (the pseudo-gradient) into each module's outer step.
+  """
+  return worker_out_dir(workdir, worker, phase) / f"delta_{group}.npz"
 
 
 def progress_dir(workdir: str, worker: int, phase: int) -> epath.Path:

@@ -4,12 +4,16 @@ Task (t, w) also evaluates the path on its own validation shard at step t*H
 when train.py would (after outer step t: every eval.every_steps, and at the
 end); tasks (T, w) only evaluate.
 
-A worker jits the single-path inner step once (`inner.train_step`, mapped over
-a leading axis of 1: the per-device block of the synchronous program) and
-reuses it for every task of every path. A task reads only versioned inputs
-(the path's modules at version `phase`, the worker's AdamW state and data
-position at `phase`) and writes versioned outputs for `phase + 1`, so
-running a task twice (a retry after a kill or a timeout) writes the same bytes.
+A worker jits the recipe's single-path steps once (recipe.py: the train step
+with its microbatches, remat and chunked loss, the eval and scoring steps, each
+mapped over a leading axis of 1: the per-device block of the synchronous
+program) and reuses them for every task of every path; each step's metrics pass
+the recipe's divergence guard, as in the spmd loop. A task reads only versioned
+inputs (the path's modules at version `phase`, the worker's AdamW state and data
+position at `phase`) and writes versioned outputs for `phase + 1`: its deltas
+Δ = θ_module − θ_worker (what the executors average), AdamW state and data
+position, so running a task twice (a retry after a kill or a timeout) writes
+the same bytes.
 
 Discriminative re-shards: task t reads routing phase k's shards (k = the
 re-shards at or before t; the coordinator runs no such task before the driver
@@ -22,7 +26,6 @@ as train.py); the inputs in storage stay as written, so a retry is the same.
 
 import functools
 import os
-import signal
 import time
 
 import jax
@@ -30,22 +33,21 @@ import numpy as np
 
 from dipaco_jax import data as data_lib
 from dipaco_jax import routing
-from dipaco_jax.core import inner as inner_lib
-from dipaco_jax.core import model as model_lib
-from dipaco_jax.io import metrics as metrics_lib
+from dipaco_jax.core import guard as guard_lib
 from dipaco_jax.routing import scoring
+from dipaco_jax.runtime import dispatch
 from dipaco_jax.runtime import early_stopping
+from dipaco_jax.runtime import faults as faults_lib
 from dipaco_jax.runtime.elastic import grid as grid_lib
 from dipaco_jax.runtime.elastic import jit_cache
 from dipaco_jax.runtime.elastic import storage
 
 
-def _write_all(writes, die_after: int) -> None:
-  """Runs `writes` in order; fault injection: SIGKILL this process after `die_after` of them."""
+def _write_all(writes, plan: faults_lib.Plan, kind: str) -> None:
+  """Runs `writes` in order, telling the fault plan after each one."""
   for n, write in enumerate(writes, 1):
     write()
-    if n == min(die_after, len(writes)):
-      os.kill(os.getpid(), signal.SIGKILL)
+    plan.at("wrote", kind=kind, n=n, of=len(writes))
 
 
 def _pin_cpus(node: str, cpus) -> None:
@@ -77,25 +79,21 @@ class PathWorker:
       jit_cache.use(compile_cache)
     self.config, self.workdir, self.index = config, str(workdir), int(index)
     self.grid = grid_lib.Grid(config)
-    model = model_lib.Transformer(self.grid.model_cfg)
-    self._step = jax.jit(
-      jax.vmap(functools.partial(inner_lib.train_step, model=model, tx=self.grid.inner_tx)),
-      donate_argnums=(0, 1),
-    )
-    self._init_opt = jax.jit(jax.vmap(self.grid.inner_tx.init))
-    self._eval = jax.jit(jax.vmap(functools.partial(inner_lib.eval_step, model=model)))
+    recipe = self.recipe = self.grid.recipe
+    self._step = jax.jit(jax.vmap(recipe.train_step), donate_argnums=(0, 1))
+    self._init_opt = jax.jit(jax.vmap(recipe.init_opt))
+    self._eval = jax.jit(jax.vmap(recipe.eval_step))
+    self._norms = jax.jit(jax.vmap(recipe.group_norms))
+    self._deltas = jax.jit(recipe.worker_deltas)
+    self._finite = jax.jit(guard_lib.all_finite)
     # Re-shard scoring tasks: per-token log p of one path, the batch layout [1, B, T].
-    self._logp = jax.jit(jax.vmap(functools.partial(scoring.token_logprobs, model=model)))
+    self._logp = jax.jit(jax.vmap(recipe.token_logprobs))
     # (split, routing phase, worker) -> its evaluation batches (the same at every evaluation).
     self._val = {}
     # Early stopping on held-out training documents (shard_plan's): trained on the rest only.
     self._rest, self._heldout = early_stopping.holdouts(config)
     self._shard_sets = {}  # Routing phase -> its shards, opened on first use.
-    from dipaco_jax import train  # pylint: disable=g-import-not-at-top
-
-    self._ahead = train.dispatch_ahead(config)  # As the spmd loop: on TPU/GPU, off on CPU.
-    delays = tuple(config.faults.step_delay_s)
-    self._delay = float(delays[self.index]) if self.index < len(delays) else 0.0
+    self._ahead = dispatch.dispatch_ahead(config)  # As the spmd loop: on TPU/GPU, off on CPU.
 
   def pid(self) -> int:
     return os.getpid()
@@ -129,10 +127,10 @@ class PathWorker:
     """The path's modules at version `phase` (the store)."""
     return self._load_groups(worker, lambda g, e: storage.module_file(self.workdir, g, e, phase))
 
-  def _group_writes(self, folder, params, worker: int) -> list:
-    """Writes of each group of worker `worker`'s params to folder/<group>.npz."""
+  def _group_writes(self, file_of, tree, worker: int) -> list:
+    """Writes of each group of worker `worker`'s `tree` (params or deltas) to file_of(group)."""
     return [
-      functools.partial(storage.save_tree, folder / f"{g}.npz", {g: params[g]})
+      functools.partial(storage.save_tree, file_of(g), {g: tree[g]})
       for g, _ in self.grid.modules_of_worker(worker)
     ]
 
@@ -179,14 +177,14 @@ class PathWorker:
     weight = np.asarray(weight)
     return float(np.where(weight > 0, np.asarray(loss_sum) / np.maximum(weight, 1.0), np.nan)[0])
 
-  def score(self, step: int, path: int, die_in_write: int = 0) -> dict:
+  def score(self, step: int, path: int, faults: dict | None = None) -> dict:
     """Re-shard scoring task: path `path` at module version `step` scores the router split.
 
     The expensive half of a discriminative re-shard (every path's log-likelihood
     of up to routing.router_max_docs documents) runs on the pool, one task per
     path; the driver fits the router on the gathered columns. Writes
     `storage.scores_file` (whole, or not at all), so a retry writes the same
-    bytes. `die_in_write` (fault injection): SIGKILL this process before the write.
+    bytes. `faults`: the driver's fault spec for this task (runtime/faults.py).
     """
     start = time.time()
     worker = int(np.flatnonzero(self.grid.topo.path_of_worker == path)[0])
@@ -203,8 +201,9 @@ class PathWorker:
       return out
 
     s_N = routing.score_router_split(self.config, units, self.config.routing.prefix_len)
-    if die_in_write:
-      os.kill(os.getpid(), signal.SIGKILL)
+    faults_lib.task_plan(self.config.faults, self.index, faults).at(
+      "wrote", kind="score", n=1, of=1
+    )  # Before the write: it is whole or absent.
     k = self.grid.reshard_steps.index(int(step)) + 1
     storage.save_array(storage.scores_file(self.workdir, k, int(path)), s_N)
     return {"path": int(path), "docs": len(s_N), "seconds": time.time() - start}
@@ -223,35 +222,52 @@ class PathWorker:
       )
     return rec, at.parent / f"s{rec['step']:06d}"
 
-  def _save_progress(self, phase, worker, rec, params, opt, batcher, die_after: int) -> None:
-    """A mid-task save after rec["step"] inner steps; at.json names it once it is complete.
-
-    `die_after` (fault injection): SIGKILL this process after that many of its files.
-    """
+  def _save_progress(self, phase, worker, rec, params, opt, batcher, plan) -> None:
+    """A mid-task save after rec["step"] inner steps; at.json names it once it is complete."""
     top = storage.progress_dir(self.workdir, worker, phase)
     folder = top / f"s{rec['step']:06d}"
     params, opt = jax.device_get((params, opt))
-    writes = self._group_writes(folder, params, worker)
+    writes = self._group_writes(lambda g: folder / f"{g}.npz", params, worker)
     writes.append(functools.partial(storage.save_tree, folder / "opt.npz", opt))
     writes.append(functools.partial(storage.save_json, folder / "data.json", batcher.get_state()))
     writes.append(functools.partial(storage.save_json, top / "at.json", rec))
-    _write_all(writes, die_after)
+    _write_all(writes, plan, "progress")
     for old in top.glob("s*"):  # The saves before this one.
       if old.name != folder.name:
         old.rmtree(missing_ok=True)
 
-  def run(self, phase: int, worker: int, die_in_write: int = 0, die_in_progress: int = 0) -> dict:
+  def _guard(self, phase: int, worker: int, start_params, losses_so_far):
+    """The recipe's divergence guard for task (phase, worker), as the spmd loop's for it.
+
+    The phase's reference norms: the path's modules at version `phase`, which the
+    task started from. The loss window: this worker's earlier steps, read from its
+    earlier tasks' results (the run's, as the spmd guard's in one process).
+    """
+    kept = f"every module up to outer step {phase} is kept"
+    guard = self.recipe.guard([self.grid.topo.worker_labels()[worker]], kept=kept)
+    guard.start_phase(phase, jax.device_get(self._norms(start_params)))
+    n, earlier = self.recipe.guard_cfg.stuck_steps - len(losses_so_far), []
+    t = phase
+    while n > 0 and t > 0:
+      done = storage.worker_out_dir(self.workdir, worker, t) / "done.json"
+      if not done.exists():  # A shorter window: the rule fires later, never wrongly.
+        break
+      earlier = list(storage.load_json(done)["loss"])[-n:] + earlier
+      n, t = n - self.grid.H, t - 1
+    guard.seed_losses([[x] for x in earlier + list(losses_so_far)])
+    return guard
+
+  def run(self, phase: int, worker: int, faults: dict | None = None) -> dict:
     """Task (phase, worker): validation at step phase*H if due, then H inner steps (none at T).
 
     With elastic.progress_every_steps = n > 0 the task saves its progress every n
     inner steps, and an attempt that finds a save resumes there (the same bytes
     as one attempt from the start: the state saved is all the steps read).
-    Fault injection: `die_in_write` SIGKILLs this process after that many of the
-    task's output files are written (0: never), i.e. with its outputs half
-    written; `die_in_progress` after that many files of its first mid-task save.
+    `faults`: the driver's fault spec for this task (runtime/faults.py).
     """
     start = time.time()
     wd, phase, worker = self.workdir, int(phase), int(worker)
+    plan = faults_lib.task_plan(self.config.faults, self.index, faults)
     result = {"phase": phase, "worker": worker, "actor": self.index, "pid": os.getpid()}
     if hasattr(os, "sched_getaffinity"):  # The cores it ran on (elastic.pin_cpus).
       result["cpus"] = sorted(os.sched_getaffinity(0))
@@ -260,6 +276,7 @@ class PathWorker:
     saved = self._saved_progress(phase, worker) if phase < self.grid.T else None
     batcher = self._batcher(worker, k) if phase < self.grid.T else None
     losses = []
+    start_params = self._load_params(phase, worker)  # The path's modules: what Δ is against.
     if saved is not None:  # A retry: the evaluation and the first steps are in the save.
       rec, folder = saved
       params = self._load_groups(worker, lambda g, _: folder / f"{g}.npz")
@@ -269,11 +286,11 @@ class PathWorker:
       result.update({key: rec[key] for key in ("val_loss", "stop_loss") if key in rec})
       result["resumed_at_step"] = rec["step"]
     else:
-      params = self._load_params(phase, worker)
+      params = start_params
       step0 = phase * H
       eval_every = self.config.eval.every_steps
       if phase > 0 and (step0 % eval_every == 0 or phase == self.grid.T):
-        # After outer step `phase` (and its re-shard), as train.py.
+        # After outer step `phase` (and its re-shard), as the spmd loop.
         result["val_loss"] = self._evaluate(params, worker, k)
         if self._heldout is not None:  # Early stopping's loss (shard_plan's stop_batches).
           result["stop_loss"] = self._evaluate(params, worker, k, "heldout")
@@ -288,17 +305,17 @@ class PathWorker:
         if phase in self.grid.reshard_steps:  # A new routing phase: a fresh feed of its shards.
           if self.config.routing.restart_schedule:  # Paper Fig. 10: the cosine starts over.
             # Back on the host, as every other task's loaded state (the step's jit cache key).
-            opt = jax.device_get(inner_lib.restart_schedule(jax.device_put(opt)))
+            opt = jax.device_get(self.recipe.restart_schedule(jax.device_put(opt)))
         else:
           batcher.set_state(storage.load_json(storage.worker_data_file(wd, worker, phase)))
+    guard = self._guard(phase, worker, start_params, losses)
     clock = {"load": time.time() - start, "progress_save": 0.0}
     t0 = time.time()
     pending, m = None, None  # pending: a dispatched step's metrics, unread.
 
-    def read(m):  # Blocks on a step's metrics and feeds the NaN guard.
+    def read(m):  # Blocks on a step's metrics and passes them through the guard.
       m = jax.device_get(m)
-      step = phase * H + len(losses) + 1
-      metrics_lib.guard_losses(step, m["loss"], [f"worker {worker}"])
+      guard.check(phase * H + len(losses) + 1, m["loss"], m["param_norm"])
       losses.append(float(m["loss"][0]))
       return m
 
@@ -314,20 +331,25 @@ class PathWorker:
         m, pending = read(pending), None
       if save:
         s0 = time.time()
+        if not bool(self._finite(params)):
+          guard.not_finite(phase * H + i + 1)
         rec = {"H": H, "step": i + 1, "loss": losses, "grad_norm": float(m["grad_norm"][0])}
         rec.update({key: result[key] for key in ("val_loss", "stop_loss") if key in result})
-        self._save_progress(phase, worker, rec, params, opt, batcher, die_in_progress)
-        die_in_progress = 0
+        self._save_progress(phase, worker, rec, params, opt, batcher, plan)
         clock["progress_save"] += time.time() - s0
-      if self._delay:
-        time.sleep(self._delay)
+      plan.at("step")
     if pending is not None:
       m = read(pending)
-    params, opt = jax.device_get((params, opt))
+    if not bool(self._finite(params)):  # Nothing non-finite leaves the task (as spmd's saves).
+      guard.not_finite((phase + 1) * H)
+    deltas = self._deltas(start_params, params)
+    deltas, opt = jax.device_get((deltas, opt))
     clock["steps"] = time.time() - t0 - clock["progress_save"]
     t0 = time.time()
     out = storage.worker_out_dir(wd, worker, phase + 1)
-    writes = self._group_writes(out, params, worker)
+    writes = self._group_writes(
+      lambda g: storage.delta_file(wd, worker, phase + 1, g), deltas, worker
+    )
     writes.append(
       functools.partial(storage.save_tree, storage.worker_opt_file(wd, worker, phase + 1), opt)
     )
@@ -336,7 +358,7 @@ class PathWorker:
         storage.save_json, storage.worker_data_file(wd, worker, phase + 1), batcher.get_state()
       )
     )
-    _write_all(writes, die_in_write)  # The last one: everything but done.json.
+    _write_all(writes, plan, "output")  # The last one: everything but done.json.
     clock["save"] = time.time() - t0
     result.update(
       start=start,

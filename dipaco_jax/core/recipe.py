@@ -1,0 +1,190 @@
+"""Everything a run is made of, built once from a config, before any device placement.
+
+    recipe = Recipe.from_config(config)
+    params, opt, metrics = recipe.train_step(params, opt, batch)  # ONE path, un-jitted
+
+The grid, the model (config.model: remat, attention, the chunked loss), the inner
+optimizer (config.inner: clipped AdamW on the warmup-cosine, microbatches), the
+outer optimizer (config.outer), the divergence guard's thresholds (config.guard),
+and the pure functions of a run: one path's train, eval and scoring steps, the
+initial state, and the outer step of a module from its workers' deltas. Both
+runtimes take them as they are. The spmd `Experiment` maps the single-path steps
+over the workers (`jax.vmap`) and jits them with shardings, and runs the outer
+step as one program over the mesh (`outer_program`); the elastic worker jits the
+same single-path step for its one path and the executors jit `module_outer_step`.
+Neither builds a model or an optimizer, so a field of those sections reaches both
+runtimes the same way (tests/test_runtimes.py holds every field to that).
+"""
+# pylint: disable=invalid-name
+
+import dataclasses
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from dipaco_jax.config import sections
+from dipaco_jax.core import guard as guard_lib
+from dipaco_jax.core import inner as inner_lib
+from dipaco_jax.core import model as model_lib
+from dipaco_jax.core import outer as outer_lib
+from dipaco_jax.core import paths as paths_lib
+from dipaco_jax.core import topology
+from dipaco_jax.types import PyTree
+
+
+@flax.struct.dataclass
+class TrainState:
+  """Everything that changes during training (and is checkpointed)."""
+
+  step: jax.Array  # Inner steps done by every worker.
+  rng: jax.Array
+  store: PyTree  # Global modules, leaves [K, ...].
+  outer_opt: PyTree  # Outer momentum, store-shaped.
+  params: PyTree  # Worker params, leaves [W, ...].
+  inner_opt: PyTree  # Worker AdamW states, leading W.
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Recipe:
+  """A run's grid, model, optimizers, guard thresholds and its pure single-path functions."""
+
+  topo: topology.Topology
+  model_cfg: sections.ModelConfig
+  inner_cfg: sections.InnerConfig  # total_steps resolved (H*T unless given).
+  outer_cfg: sections.OuterConfig
+  guard_cfg: sections.GuardConfig
+  init: str  # config.dipaco.init: every module from one θ̄, or each its own.
+  inner_steps: int  # H.
+  outer_steps: int  # T.
+  model: model_lib.Transformer
+  inner_tx: optax.GradientTransformation
+  outer_tx: optax.GradientTransformation
+
+  @classmethod
+  def from_config(cls, config) -> "Recipe":
+    d = config.dipaco
+    total = config.inner.total_steps
+    model_cfg = sections.ModelConfig.of(config)
+    inner_cfg = sections.InnerConfig.of(
+      config, total_steps=d.inner_steps * d.outer_steps if total is None else total
+    )
+    outer_cfg = sections.OuterConfig.of(config)
+    return cls(
+      topo=topology.from_config(config),
+      model_cfg=model_cfg,
+      inner_cfg=inner_cfg,
+      outer_cfg=outer_cfg,
+      guard_cfg=sections.GuardConfig.of(config),
+      init=d.init,
+      inner_steps=d.inner_steps,
+      outer_steps=d.outer_steps,
+      model=model_lib.Transformer(model_cfg),
+      inner_tx=inner_lib.optimizer(inner_cfg),
+      outer_tx=outer_lib.optimizer(outer_cfg),
+    )
+
+  @property
+  def outer_enabled(self) -> bool:
+    return self.outer_cfg.enabled
+
+  # One path (no leading worker axis): the runtimes map or jit these.
+
+  def train_step(self, params: PyTree, opt_state: PyTree, batch: dict):
+    """One AdamW step of one path: (params, opt_state, metrics)."""
+    return inner_lib.train_step(
+      params,
+      opt_state,
+      batch,
+      model=self.model,
+      tx=self.inner_tx,
+      microbatches=self.inner_cfg.microbatches,
+    )
+
+  def eval_step(self, params: PyTree, batch: dict) -> dict:
+    """Summed loss and token count of one batch for one path."""
+    return inner_lib.eval_step(
+      params, batch, model=self.model, microbatches=self.inner_cfg.microbatches
+    )
+
+  def token_logprobs(self, params: PyTree, inputs_BxT: jax.Array, targets_BxT: jax.Array):
+    """log p(target_t | inputs_<=t) for one path: [B, T] float32 (routing, scoring)."""
+    logits_BxTxV = self.model.apply({"params": params}, inputs_BxT)
+    return -optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, targets_BxT)
+
+  def init_opt(self, params: PyTree) -> PyTree:
+    """One path's AdamW state (every worker keeps its own: DiLoCo never syncs them)."""
+    return self.inner_tx.init(params)
+
+  def group_norms(self, params: PyTree) -> dict:
+    """‖θ_g‖ per group of one path: the divergence guard's input."""
+    return inner_lib.group_norms(params)
+
+  def restart_schedule(self, inner_opt: PyTree) -> PyTree:
+    """The inner LR schedule from its start, Adam's moments kept (a re-shard, paper Fig. 10)."""
+    return inner_lib.restart_schedule(inner_opt)
+
+  # The run's state.
+
+  def init_params(self, rng: jax.Array) -> PyTree:
+    """θ̄: one path's params at random."""
+    return model_lib.init_params(self.model_cfg, rng)
+
+  def init_state(self, rng: jax.Array, theta: PyTree | None = None) -> TrainState:
+    """The state at step 0: all modules from θ̄ (given, or one random init), or each its own."""
+    if theta is None and self.init == "independent":
+      kmax = max(s.num_modules for s in self.topo.store_groups())
+      thetas = jax.vmap(self.init_params)(jax.random.split(rng, kmax))
+      store = {
+        s.name: jax.tree.map(lambda x, k=s.num_modules: x[:k], thetas[s.name])
+        for s in self.topo.store_groups()
+      }
+    else:
+      store = paths_lib.init_store(self.init_params(rng) if theta is None else theta, self.topo)
+    params = paths_lib.assemble(store, self.topo)
+    return TrainState(
+      step=jnp.zeros((), jnp.int32),
+      rng=jax.random.key_data(rng),
+      store=store,
+      outer_opt=self.outer_tx.init(store),
+      params=params,
+      inner_opt=jax.vmap(self.init_opt)(params),
+    )
+
+  # The outer step.
+
+  def alpha(self, sizes_W) -> jax.Array:
+    """Outer weights α_w: shard sizes |D_w| (over the largest) or uniform."""
+    if self.outer_cfg.weighting == "uniform":
+      return jnp.ones(self.topo.num_workers, jnp.float32)
+    return jnp.asarray(np.asarray(sizes_W, np.float64) / max(np.max(sizes_W), 1), jnp.float32)
+
+  def outer_program(self, mesh, specs):
+    """The spmd outer step over `mesh` (specs of store, outer state, params): to be jitted."""
+    return outer_lib.sharded_outer_step(self.topo, self.outer_cfg, self.outer_tx, mesh, specs)
+
+  def module_outer_step(self, theta: PyTree, opt_state: PyTree, deltas_N: PyTree, alpha_N):
+    """One module's outer step from its N workers' deltas (an elastic executor's)."""
+    return outer_lib.module_outer_step(
+      theta, opt_state, deltas_N, alpha_N, tx=self.outer_tx, cfg=self.outer_cfg
+    )
+
+  def worker_deltas(self, module: PyTree, params: PyTree) -> PyTree:
+    """A worker's own delta Δ = θ_module − θ_worker of each leaf (float32), what it sends."""
+    one = np.zeros(1, np.int32)  # Both carry a leading axis of 1.
+    return jax.tree.map(lambda m, p: outer_lib.worker_deltas(m, p, one), module, params)
+
+  # The guard.
+
+  def guard(self, labels: list[str], **kw) -> guard_lib.DivergenceGuard:
+    """The divergence guard over workers `labels` (config.guard's thresholds)."""
+    return guard_lib.DivergenceGuard(
+      self.guard_cfg,
+      vocab_size=self.model_cfg.vocab_size,
+      warmup_steps=self.inner_cfg.warmup_steps,
+      inner_steps=self.inner_steps,
+      labels=labels,
+      **kw,
+    )

@@ -1,0 +1,198 @@
+"""Both runtimes run the recipe alike: every field of config.model, inner, outer and guard.
+
+For each field, one outer phase (H = 2 inner steps, then the outer step) of a micro
+2x2 grid runs in both runtimes, in this process and without Ray: the spmd loop as
+`train.train_and_evaluate` runs it, and the elastic pieces a Ray pool runs (the
+driver's preparation, every worker's task, the outer executor, the final state the
+driver checkpoints), from the same shards. With the field changed, both runtimes'
+states change from the base run alike (to 1e-6: one device's program against the
+4-device spmd program), and a guard that trips stops both at the same step on the
+same paths with the same rule. The list of fields is the sections' own, so a new
+field fails here until it has a case.
+"""
+
+import dataclasses
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from dipaco_jax import train
+from dipaco_jax.config import sections
+from dipaco_jax.core import guard as guard_lib
+from dipaco_jax.io import checkpoint
+from dipaco_jax.runtime.elastic import driver
+from dipaco_jax.runtime.elastic import executor as exec_lib
+from dipaco_jax.runtime.elastic import grid as grid_lib
+from dipaco_jax.runtime.elastic import worker as worker_lib
+
+import helpers
+
+BASE = {
+  "model.vocab_size": 8192,  # The shipped tokenizer's: the shards are real.
+  "dipaco.outer_steps": 1,
+  "early_stopping.enabled": False,
+  "eval.every_steps": 2,
+}
+# Each field's other value, with what it needs to act (or to be allowed) in a 2-step run.
+CASES = {
+  "model.vocab_size": {"model.vocab_size": 8256, "model.pad_vocab": True},
+  "model.pad_vocab": {"model.vocab_size": 8200, "model.pad_vocab": True},
+  "model.d_model": {"model.d_model": 48},
+  "model.num_layers": {
+    "model.num_layers": 3,
+    "dipaco.level_groups": ("embed,head", "block_0", "block_1-2"),
+  },
+  "model.num_heads": {"model.num_heads": 4, "model.head_dim": 8},
+  "model.head_dim": {"model.head_dim": 8},
+  "model.mlp_ratio": {"model.mlp_ratio": 2.0},
+  "model.max_len": {"model.positions": "learned", "model.max_len": 40},
+  "model.positions": {"model.positions": "learned"},
+  "model.tie_embeddings": {"model.tie_embeddings": False},
+  "model.dtype": {"model.dtype": "bfloat16"},
+  "model.remat": {"model.remat": "full"},
+  "model.attention": {"model.attention": "dot_product_attention"},
+  "model.loss_chunk": {"model.loss_chunk": 8},
+  "model.mlp": {"model.mlp": "swiglu"},
+  "inner.lr": {"inner.lr": 1e-2},
+  "inner.warmup_steps": {"inner.warmup_steps": 0},
+  "inner.total_steps": {"inner.total_steps": 3, "inner.warmup_steps": 0},
+  "inner.final_lr_fraction": {"inner.final_lr_fraction": 0.5, "inner.warmup_steps": 0},
+  "inner.b1": {"inner.b1": 0.5},
+  "inner.b2": {"inner.b2": 0.5},
+  "inner.eps": {"inner.eps": 1e-3},
+  "inner.weight_decay": {"inner.weight_decay": 0.9},
+  "inner.clip_norm": {"inner.clip_norm": 0.01},
+  "inner.decay_norms": {"inner.decay_norms": True},
+  "inner.microbatches": {"inner.microbatches": 2},
+  # No outer step: allowed in elastic where no two workers share a module.
+  "outer.enabled": {
+    "outer.enabled": False,
+    "dipaco.path_specific": "embed,head,block_0,block_1",
+    "dipaco.level_groups": ("embed,head,block_0,block_1",),
+    "dipaco.modules_per_level": (4,),
+  },
+  "outer.lr": {"outer.lr": 0.3},
+  "outer.momentum": {"outer.momentum": 0.5},
+  "outer.nesterov": {"outer.nesterov": False},
+  "outer.weighting": {"outer.weighting": "uniform"},
+  "outer.sqrt_paths": {"outer.sqrt_paths": "divide"},
+  "outer.sqrt_paths_cap": {"outer.sqrt_paths_cap": 1.2},
+  # Guards that trip: a loss driven above ln V, a norm ratio the first steps exceed.
+  "guard.stuck_steps": {"guard.stuck_steps": 1, "inner.warmup_steps": 0, "inner.lr": 1.0},
+  "guard.max_param_norm_ratio": {"guard.max_param_norm_ratio": 1.001, "inner.lr": 0.05},
+}
+# Together: microbatches, remat and a guard that trips in one run.
+COMBINED = {
+  **CASES["inner.microbatches"],
+  **CASES["model.remat"],
+  "guard.max_param_norm_ratio": 1.001,
+}
+SECTIONS = (sections.ModelConfig, sections.InnerConfig, sections.OuterConfig, sections.GuardConfig)
+
+
+def test_every_field_of_the_recipes_sections_has_a_case():
+  fields = {s.key(f.name) for s in SECTIONS for f in dataclasses.fields(s)}
+  assert set(CASES) == fields
+
+
+def _spmd(cfg, workdir):
+  """The spmd loop's state after the phase, or its guard error."""
+  try:
+    train.train_and_evaluate(cfg, workdir)
+  except guard_lib.DivergenceError as e:
+    return e
+  return checkpoint.restore_numpy(workdir)
+
+
+def _elastic(cfg, workdir):
+  """The elastic pieces' state after the phase (the driver's final state), or the guard's stop.
+
+  Every worker's task runs; a guard error is (its class, its message's step and rule, the
+  workers it stopped), as one spmd error over all workers reads.
+  """
+  grid = grid_lib.Grid(cfg)
+  exp, _, alpha = driver._prepare(cfg, workdir, grid)  # pylint: disable=protected-access
+  w = worker_lib.PathWorker(cfg, workdir, 0)
+  stops = {}
+  for worker in range(grid.W):
+    try:
+      w.run(0, worker)
+    except guard_lib.DivergenceError as e:
+      stops[worker] = e
+  if stops:
+    return stops
+  ex = exec_lib.OuterExecutor(cfg, workdir, 0, [s.name for s in grid.groups], alpha)
+  for worker in range(grid.W):
+    ex.report(0, worker)
+  state, _ = driver._final_state(cfg, workdir, exp, grid)  # pylint: disable=protected-access
+  return jax.device_get(state)
+
+
+_KINDS = ("non-finite training loss", "parameter norm", "training loss stayed")
+
+
+def _stop(msg: str):
+  """(rule, step, paths) of a guard's message."""
+  kind = next(k for k in _KINDS if msg.startswith(k))
+  step = re.search(r"(?:at step|over steps \d+-)(\d+)", msg).group(1)
+  paths = re.search(r"on paths \[([^\]]*)\]", msg).group(1)
+  return kind, int(step), {p.strip(" '") for p in paths.split(",")}
+
+
+def _same_stop(spmd_error, elastic_stops):
+  """The spmd guard's stop (all workers at once) is the first of the elastic workers' stops."""
+  kind, step, paths = _stop(str(spmd_error))
+  per_worker = [(type(e), *_stop(str(e))) for e in elastic_stops.values()]
+  first = [s for s in per_worker if s[2] == min(s[2] for s in per_worker)]
+  assert {(c, k, s) for c, k, s, _ in first} == {(type(spmd_error), kind, step)}, (
+    spmd_error,
+    elastic_stops,
+  )
+  assert set().union(*(p for *_, p in first)) == paths
+
+
+def _leaves(state):
+  return {
+    k: [np.asarray(x, np.float64) for x in jax.tree.leaves(state[k])]
+    for k in ("store", "outer_opt", "params", "inner_opt")
+  }
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+  return str(tmp_path_factory.mktemp("shards"))
+
+
+@pytest.fixture(scope="module")
+def base(shards, tmp_path_factory):
+  """The base config's spmd state after the phase."""
+  cfg = helpers.micro_config(**{**BASE, "data.shard_dir": shards})
+  return _leaves(_spmd(cfg, str(tmp_path_factory.mktemp("base"))))
+
+
+@pytest.mark.slow  # ~4 s a case: the spmd loop and the elastic pieces each compile their steps.
+@pytest.mark.parametrize("case", [*CASES, "microbatches+remat+guard"])
+def test_a_field_changes_both_runtimes_alike(case, shards, base, tmp_path):
+  over = COMBINED if case not in CASES else CASES[case]
+  cfg = lambda mode: helpers.micro_config(
+    **{**BASE, "data.shard_dir": shards, **over, "dipaco.mode": mode}
+  )
+  spmd = _spmd(cfg("spmd"), str(tmp_path / "spmd"))
+  elastic = _elastic(cfg("elastic"), str(tmp_path / "elastic"))
+  if isinstance(spmd, guard_lib.DivergenceError) or isinstance(elastic, dict):
+    assert isinstance(elastic, dict), (spmd, elastic)
+    assert case.startswith("guard.") or "guard" in case, spmd  # Only the guards' cases stop.
+    _same_stop(spmd, elastic)
+    return
+  a, b = _leaves(spmd), _leaves(elastic)
+  for k in a:
+    for x, y in zip(a[k], b[k], strict=True):
+      np.testing.assert_allclose(x, y, rtol=0, atol=1e-6, err_msg=f"{case}: {k}")
+  changed = any(
+    x.shape != y.shape or not np.array_equal(x, y)
+    for k in a
+    for x, y in zip(a[k], base[k], strict=False)
+  ) or len(a["store"]) != len(base["store"])
+  assert changed, f"{case}: the field changed nothing in the spmd run; give it a case that acts"
