@@ -63,6 +63,20 @@ def _pin_cpus(node: str, cpus) -> None:
       pass
 
 
+def programs(recipe) -> dict:
+  """The worker's jitted programs, each the recipe's single-path function over a leading 1."""
+  return {
+    "step": jax.jit(jax.vmap(recipe.train_step), donate_argnums=(0, 1)),
+    "init_opt": jax.jit(jax.vmap(recipe.init_opt)),
+    "eval": jax.jit(jax.vmap(recipe.eval_step)),
+    "norms": jax.jit(jax.vmap(recipe.group_norms)),
+    "deltas": jax.jit(recipe.worker_deltas),
+    "finite": jax.jit(guard_lib.all_finite),
+    # Re-shard scoring tasks: per-token log p of one path, the batch layout [1, B, T].
+    "logp": jax.jit(jax.vmap(recipe.token_logprobs)),
+  }
+
+
 class PathWorker:
   """One worker actor: any (phase, worker) task, one at a time."""
 
@@ -79,15 +93,11 @@ class PathWorker:
       jit_cache.use(compile_cache)
     self.config, self.workdir, self.index = config, str(workdir), int(index)
     self.grid = grid_lib.Grid(config)
-    recipe = self.recipe = self.grid.recipe
-    self._step = jax.jit(jax.vmap(recipe.train_step), donate_argnums=(0, 1))
-    self._init_opt = jax.jit(jax.vmap(recipe.init_opt))
-    self._eval = jax.jit(jax.vmap(recipe.eval_step))
-    self._norms = jax.jit(jax.vmap(recipe.group_norms))
-    self._deltas = jax.jit(recipe.worker_deltas)
-    self._finite = jax.jit(guard_lib.all_finite)
-    # Re-shard scoring tasks: per-token log p of one path, the batch layout [1, B, T].
-    self._logp = jax.jit(jax.vmap(recipe.token_logprobs))
+    self.recipe = self.grid.recipe
+    fns = programs(self.recipe)
+    self._step, self._init_opt, self._eval = fns["step"], fns["init_opt"], fns["eval"]
+    self._norms, self._deltas, self._finite = fns["norms"], fns["deltas"], fns["finite"]
+    self._logp = fns["logp"]
     # (split, routing phase, worker) -> its evaluation batches (the same at every evaluation).
     self._val = {}
     # Early stopping on held-out training documents (shard_plan's): trained on the rest only.
