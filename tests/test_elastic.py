@@ -7,6 +7,7 @@ import itertools
 import json
 import os
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -25,6 +26,7 @@ from dipaco_jax import routing
 from dipaco_jax import serve
 from dipaco_jax import train
 from dipaco_jax.core import experiment
+from dipaco_jax.core import guard as guard_lib
 from dipaco_jax.core import paths
 from dipaco_jax.io import checkpoint
 from dipaco_jax.io import metrics as metrics_lib
@@ -736,8 +738,10 @@ _EVAL = {"eval.rerouters": (), "routing.prefix_len": 4}
 @pytest.mark.slow
 def test_elastic_matches_spmd_and_survives_kills(tmp_path, ray_cluster):
   shards = str(tmp_path / "shards")
+  # Gradient accumulation and remat on: the recipe's inner step, in both runtimes.
+  step = {"inner.microbatches": 2, "model.remat": "full"}
   cfg = lambda **kw: _config(
-    **{"data.shard_dir": shards, "early_stopping.enabled": True, **_EVAL, **kw}
+    **{"data.shard_dir": shards, "early_stopping.enabled": True, **_EVAL, **step, **kw}
   )
   spmd = cfg(**{"dipaco.mode": "spmd"})
   ref = train.train_and_evaluate(spmd, str(tmp_path / "spmd"))
@@ -818,6 +822,17 @@ def test_elastic_matches_spmd_and_survives_kills(tmp_path, ray_cluster):
   assert ("worker", "timed") in kills and ("worker", "write") in kills, kills
   assert ("executor", "timed") in kills, kills
   assert sum(e["event"] == "failed" for e in events) >= sum(t == "worker" for t, _ in kills)
+
+  # A guard that trips: a worker's task stops as the spmd loop does (the same rule at the same
+  # step), and the driver stops the run with that error.
+  trip = {"guard.max_param_norm_ratio": 1.001, "inner.lr": 0.05}
+  with pytest.raises(guard_lib.DivergenceError) as want:
+    train.train_and_evaluate(cfg(**{"dipaco.mode": "spmd", **trip}), str(tmp_path / "trip_spmd"))
+  with pytest.raises(guard_lib.DivergenceError) as got:
+    train.train_and_evaluate(cfg(**trip), str(tmp_path / "trip_elastic"))
+  rule = re.compile(r"parameter norm of \w+ grew [\d.]+x since step 0 .* at step (\d+),")
+  assert rule.search(str(want.value)) and rule.search(str(got.value)), (want.value, got.value)
+  assert rule.search(str(want.value))[1] == rule.search(str(got.value))[1]
 
 
 @pytest.mark.slow
