@@ -119,7 +119,7 @@ def _store_at(workdir: str, grid: grid_lib.Grid, version: int) -> dict:
 def _update_best(best, exp, grid: grid_lib.Grid, workdir: str, results: dict, t: int) -> None:
   """Early stopping after evaluation phase t: the tasks' own-shard losses and version t's paths.
 
-  Task (t, w) evaluated path w's params at version t (train.py's evaluation
+  Task (t, w) evaluated path w's params at version t (the spmd loop's evaluation
   after outer step t), so `early_stopping.BestPaths` takes the same inputs as
   in the synchronous loop.
   """
@@ -156,7 +156,7 @@ class _Resharder:
 
   def __init__(self, exp, grid: grid_lib.Grid, workdir: str, plan, log):
     self.exp, self.grid, self.workdir, self.plan, self.log = exp, grid, workdir, plan, log
-    # Step -> metrics record of the active shards (train.py writes them at each re-shard).
+    # Step -> metrics record of the active shards (the spmd loop writes them at each re-shard).
     self.records = {grid.H: plan.shard_record()}
     self.due, self.todo = None, []  # The re-shard under way; its paths still to score.
 
@@ -456,7 +456,7 @@ def _loop(
   saves_progress = 0 < e.progress_every_steps < grid.H
   probes = {}  # future of pid() -> worker actor coming back from a failure (busy until it answers).
   ex_probes, held = {}, {}  # The same for executors; reports held for a restarting executor.
-  # Record of step (t+1)*H: phase t's training losses and tasks t+1's validation (train.py's).
+  # Record of step (t+1)*H: phase t's training losses and tasks t+1's validation (the spmd loop's).
   complete = lambda t: all(f"{t}/{w}" in results for w in range(grid.W))
   phases_logged = sum(complete(t) and complete(t + 1) for t in range(grid.T))
   mlog = metrics_lib.MetricsLogger(
@@ -654,6 +654,8 @@ def _loop(
       early_stop(results)
       while phases_logged < grid.T and complete(phases_logged) and complete(phases_logged + 1):
         t = phases_logged
+        for step, rec in _step_records(workdir, grid, t, config.log_every_steps):
+          mlog.write(step, rec)
         rec = _record(grid, results, t)
         mlog.write((t + 1) * grid.H, {**rec, **resharder.records.get((t + 1) * grid.H, {})})
         phases_logged += 1
@@ -673,6 +675,25 @@ def _loop(
     ckpt.save(grid.H * grid.T, state, data_state, best=best.saved() if best else None)
   ckpt.close()
   return {**out, "status": {**call(coord.status), **(faults.at("counts") or {})}}
+
+
+def _step_records(workdir: str, grid, t: int, every: int) -> list[tuple[int, dict]]:
+  """Records of phase t's logged steps before its last (config.log_every_steps).
+
+  From the losses each task kept in its done.json: the steps the spmd loop logs.
+  """
+  steps = [s for s in range(t * grid.H + 1, (t + 1) * grid.H) if s % every == 0]
+  if not steps:
+    return []
+  losses = [
+    storage.load_json(storage.worker_out_dir(workdir, w, t + 1) / "done.json")["loss"]
+    for w in range(grid.W)
+  ]
+  out = []
+  for s in steps:
+    train_W = [float(loss[s - t * grid.H - 1]) for loss in losses]
+    out.append((s, {"phase": t, "train_loss": train_W, "train_loss_mean": float(np.mean(train_W))}))
+  return out
 
 
 def _record(grid, results, t: int) -> dict:

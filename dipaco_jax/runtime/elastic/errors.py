@@ -33,10 +33,18 @@ def check_config(config) -> None:
       f"config.mesh.path={m.path}: an elastic worker runs one path; a mesh "
       "spanning paths is the spmd mode's. Set --config.mesh.path=1."
     )
-  if m.data > 1 or m.model > 1:
+  if m.data > 1 or m.model > 1 or m.fsdp:
     raise ElasticConfigError(
-      f"config.mesh.data={m.data}, mesh.model={m.model}: elastic workers "
-      "run a path on one device for now; set both to 1 (or -1)."
+      f"config.mesh.data={m.data}, mesh.model={m.model}, mesh.fsdp={m.fsdp}: elastic workers "
+      "run a path on one device for now; set data and model to 1 (or -1) and fsdp to False."
+    )
+  H = config.dipaco.inner_steps
+  if config.eval.every_steps % H:
+    every = config.eval.every_steps
+    raise ElasticConfigError(
+      f"config.eval.every_steps={every} is not a multiple of dipaco.inner_steps={H}: an elastic "
+      "task evaluates its path at the start of a phase, from the stored modules; set "
+      f"--config.eval.every_steps={max(H, every // H * H)} (or {(every // H + 1) * H})."
     )
   if e.worker_resources:
     try:

@@ -1,7 +1,7 @@
 """Worker actors: run tasks (phase, worker) — H inner steps of one path — from and to storage.
 
 Task (t, w) also evaluates the path on its own validation shard at step t*H
-when train.py would (after outer step t: every eval.every_steps, and at the
+when the spmd loop would (after outer step t: every eval.every_steps, and at the
 end); tasks (T, w) only evaluate.
 
 A worker jits the recipe's single-path steps once (recipe.py: the train step
@@ -20,7 +20,7 @@ re-shards at or before t; the coordinator runs no such task before the driver
 wrote them). The first task of a phase (t = its re-shard step) starts its data
 position fresh on the new shards, as the synchronous loop's new feed, and
 restarts the schedule of the AdamW state it loads (routing.restart_schedule,
-as train.py); the inputs in storage stay as written, so a retry is the same.
+as the spmd loop); the inputs in storage stay as written, so a retry is the same.
 """
 # pylint: disable=invalid-name
 
@@ -147,7 +147,7 @@ class PathWorker:
   def _val_batches(self, worker: int, k: int, split: str = "validation") -> list:
     """The first eval.batches batches of the worker's validation shard, or of its held-out docs.
 
-    Of routing phase k's shards. Split "validation": train.py's eval_batches; "heldout":
+    Of routing phase k's shards. Split "validation": the spmd loop's eval_batches; "heldout":
     shard_plan's stop_batches.
     """
     key = (split, k, worker)
