@@ -19,6 +19,7 @@ from dipaco_jax.core import experiment
 from dipaco_jax.core import guard as guard_lib
 from dipaco_jax.io import checkpoint
 from dipaco_jax.io import metrics
+from dipaco_jax.runtime import spmd
 
 import helpers
 
@@ -162,7 +163,7 @@ def _trace(monkeypatch, events: list, bad_step: int | None = None) -> None:
     events.append(("check", step))
     return check(self, step, *args)
 
-  monkeypatch.setattr(train.exp_lib, "Experiment", Traced)
+  monkeypatch.setattr(spmd.exp_lib, "Experiment", Traced)
   monkeypatch.setattr(guard_lib.DivergenceGuard, "check", traced_check)
 
 
@@ -307,5 +308,5 @@ def test_init_from_dense_checkpoint_forks_every_module(tmp_path, shard_dir):
       for w in range(4):
         np.testing.assert_array_equal(np.asarray(x_W[w]), x)
   # The trainer takes that route for a new workdir.
-  for x, y in zip(jax.tree.leaves(train._initial_theta(cfg)), jax.tree.leaves(theta)):
+  for x, y in zip(jax.tree.leaves(spmd._initial_theta(cfg)), jax.tree.leaves(theta)):
     np.testing.assert_array_equal(x, y)

@@ -60,9 +60,14 @@ class DivergenceGuard:
     inner_steps: int,
     labels: list[str],
     kept: str = "no checkpoint was saved",
+    fetch=np.asarray,
   ):
-    """`kept`: what the run keeps if the guard stops it now (the runtime's words)."""
-    self.cfg, self.labels, self.kept = cfg, labels, kept
+    """The rules over workers `labels`.
+
+    `kept`: what the run keeps if the guard stops it now (the runtime's words). `fetch`:
+    brings a phase's reference norms to this host (the spmd loop's gathers across processes).
+    """
+    self.cfg, self.labels, self.kept, self.fetch = cfg, labels, kept, fetch
     self.ln_v = float(np.log(vocab_size))
     self.warmup, self.H = warmup_steps, inner_steps
     self._reference = {}  # Inner phase -> (its start step, {group: norms [W]}).
@@ -127,7 +132,8 @@ class DivergenceGuard:
     start, norms0 = self._reference[phase]
     if isinstance(norms0, dict):  # First read: to the host, once.
       groups = list(norms0)
-      norms0 = groups, np.stack([np.asarray(norms0[g], np.float64).reshape(-1) for g in groups])
+      host = self.fetch(norms0)
+      norms0 = groups, np.stack([np.asarray(host[g], np.float64).reshape(-1) for g in groups])
       self._reference[phase] = start, norms0
     groups, norm0_GxW = norms0
     norm_GxW = np.stack([np.asarray(norms[g], np.float64).reshape(-1) for g in groups])

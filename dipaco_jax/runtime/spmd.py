@@ -79,11 +79,11 @@ def run(config, workdir: str) -> dict[str, Any]:
   )
   if step == 0:
     log.write_hparams(config.to_dict())
-  guard = exp.recipe.guard(labels)
+  guard = exp.recipe.guard(labels, fetch=feed_lib.host)
   if restored is not None:
     guard.saved(step)
   # The norms each phase is held against: its workers' modules in the store (the phase's start).
-  guard.start_phase(step // H, feed_lib.host(exp.store_norms(state.store)))
+  guard.start_phase(step // H, exp.store_norms(state.store))
   meter = metrics_lib.Throughput(W * config.data.batch_size * config.data.seq_len, step)
   log_every = config.log_every_steps
   eval_every = config.eval.every_steps
