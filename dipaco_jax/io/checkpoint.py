@@ -1,45 +1,88 @@
 """Checkpoints: one orbax CheckpointManager per run, everything in one atomic save.
 
-`<workdir>/checkpoints/<step>/` holds three items, written in one save:
-  state  store, outer optimizer state, every worker's params and AdamW state,
-         step, RNG (arrays, restored with their shardings);
-  data   JSON: the batch iterators' positions, the routing phase and early
-         stopping's records (best loss, step, phase per worker);
-  best   early stopping's set: each worker's best params [W, ...] (absent
-         before the first evaluation and when early stopping is off).
+`<workdir>/checkpoints/<step>/` holds four items, written in one save:
+  state      store, outer optimizer state, every worker's params and AdamW
+             state, step, RNG (arrays, restored with their shardings);
+  data       JSON: the batch iterators' positions, the routing phase and early
+             stopping's records (best loss, step, phase per worker);
+  best       early stopping's set: each worker's best params [W, ...] (absent
+             before the first evaluation and when early stopping is off);
+  checksums  JSON: a crc32 of every saved array, one per leading-axis row
+             (module, worker; one for a 0-d array), and one of the data item.
 So a resume from step s, mid-phase included, is bit-identical and sees nothing
 newer than s. This is the one module that knows orbax's on-disk layout: the
 trainer, evaluation and serving read checkpoints through it (serving reads one
 path's rows of an item straight from orbax's OCDBT files with TensorStore).
-A file that cannot be read gives one DamagedCheckpointError naming the step,
-the file and the older checkpoint to resume from; nothing falls back silently.
+
+Reading. A file that cannot be read (truncated, missing, a compressed chunk
+that does not decode, bad zarr metadata) or an array whose bytes do not match
+its checksum gives one DamagedCheckpointError naming the step, the file or the
+array and the older checkpoint to resume from; nothing falls back silently.
+Checksums are per row because every reader reads rows: serving reads one
+module's row of each store array (one row per chunk, `module_chunks`), so it
+checks exactly the rows it read, at no extra I/O; restores check every row of
+every array they read. The sums are taken on the host copy of the arrays at
+save time (crc32 runs at several GB/s: milliseconds for the tiny config) and
+on the arrays as read, so the numbers trained on are untouched. A step saved
+before checksums existed still loads, unverified (one INFO line says so).
+
+Saving. A save that fails (no space left, no permission, any OSError or
+TensorStore error of orbax's background write or its commit) stops the run
+with one CheckpointSaveError naming the cause, the path and what to do; the
+older checkpoints are untouched. A background save's outcome is checked at
+every step (`check`), before the next save and at `close`; after a failure the
+commit threads orbax left waiting are released, so the process exits.
 """
 
 import contextlib
 import dataclasses
+import errno
 import functools
 import json
 import logging
 import os
 import re
 import sys
+import threading
+import warnings
+import zlib
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
+from absl import logging as absl_logging
 from etils import epath
 
 from dipaco_jax import errors
 from dipaco_jax.types import PyTree
 
 DIRNAME = "checkpoints"
-ITEMS = ("state", "data", "best")
+CHECKSUMS = "checksums"
+ITEMS = ("state", "data", "best", CHECKSUMS)
 _BEST_RECORDS = "early_stopping"  # Key of early stopping's records in the data item.
 # orbax's JSON files in a step directory (the OCDBT files are checked by TensorStore).
 _JSON_FILES = ("_CHECKPOINT_METADATA", "_METADATA", "_sharding", "metadata")
+# Files every finished step holds, by item: `state` and `data` are always saved; `best` and
+# `checksums` when present (and an OCDBT item needs its manifest).
+_REQUIRED = {
+  "state": ("_METADATA", "manifest.ocdbt"),
+  "data": ("metadata",),
+  "best": ("_METADATA", "manifest.ocdbt"),
+  CHECKSUMS: ("metadata",),
+}
+_ALWAYS_SAVED = ("state", "data")
 # TensorStore status codes of unreadable bytes (not of a missing array or a shape mismatch).
 _DAMAGE_CODES = ("DATA_LOSS", "OUT_OF_RANGE")
+# FAILED_PRECONDITION while reading a stored value: a chunk that does not decode (zstd
+# "Data corruption detected", a truncated stream, a size that does not fit the zarr metadata)
+# or metadata that does not parse. An array missing from an OCDBT database is NOT_FOUND.
+_READ_FAILED = re.compile(r'^FAILED_PRECONDITION: .*?Error reading "([^"]+)"')
+_MISSING = re.compile(
+  r'^NOT_FOUND: .*?(?:Metadata at "(?P<meta>[^"]+)" .* does not exist'
+  r'|chunk .* stored at "(?P<chunk>[^"]+)" .* is missing)'
+)
+_CHECKSUM = "crc32"  # zlib's: several GB/s, in the standard library.
 
 
 class _SmallChunkFilter(logging.Filter):
@@ -58,6 +101,10 @@ class DamagedCheckpointError(errors.DamagedFileError):
 
 class NoCheckpointError(errors.UserError, FileNotFoundError):
   """The workdir holds no finished checkpoint (or not the item asked for)."""
+
+
+class CheckpointSaveError(errors.UserError):
+  """A checkpoint could not be written (no space left, no permission, ...): the run stopped."""
 
 
 def module_chunks(tree: PyTree) -> PyTree:
@@ -98,6 +145,128 @@ def latest_step(workdir: str) -> int:
   return found[-1]
 
 
+# Checksums ------------------------------------------------------------------------------------
+
+
+def _crc(a: np.ndarray) -> int:
+  """crc32 of an array's bytes in C order (a row of a host copy: no copy when contiguous)."""
+  return zlib.crc32(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+
+
+def _whole(s: slice, n: int) -> bool:
+  return (s.start or 0) == 0 and (s.stop is None or s.stop == n)
+
+
+def row_checksums(x) -> list[int | None]:
+  """crc32 of each leading-axis row of an array (one entry for a 0-d array).
+
+  Read from this process's shards, one device buffer at a time (nothing is
+  assembled); a row no local shard holds whole is None (other processes' rows).
+  """
+  if not isinstance(x, jax.Array):
+    a = np.asarray(x)
+    return [_crc(a)] if a.ndim == 0 else [_crc(r) for r in a]
+  if x.ndim == 0:
+    return [_crc(np.asarray(x.addressable_shards[0].data))]
+  out: list[int | None] = [None] * x.shape[0]
+  for shard in x.addressable_shards:
+    index = shard.index
+    if not all(_whole(s, n) for s, n in zip(index[1:], x.shape[1:])):
+      continue  # Split inside a row (tensor parallel): summed below from the whole array.
+    start = index[0].start or 0
+    data = np.asarray(shard.data)
+    for i in range(data.shape[0]):
+      if out[start + i] is None:
+        out[start + i] = _crc(data[i])
+  if None in out and x.is_fully_addressable:
+    whole = np.asarray(x)
+    out = [_crc(whole[i]) if c is None else c for i, c in enumerate(out)]
+  return out
+
+
+def _flat(tree: PyTree) -> dict:
+  """{orbax's array name ('params.embed.token'): leaf} of a saved or restored tree."""
+  return {k: v for k, v in ocp.tree.to_flat_dict(tree, sep=".").items() if hasattr(v, "shape")}
+
+
+def _tree_checksums(tree: PyTree) -> dict[str, list[int | None]]:
+  return {name: row_checksums(x) for name, x in _flat(tree).items()}
+
+
+def _json_checksum(obj) -> int:
+  """crc32 of a JSON item's canonical text (the dict orbax writes and reads back)."""
+  return zlib.crc32(json.dumps(obj, sort_keys=True).encode())
+
+
+def _across_processes(sums: dict[str, list[int | None]]) -> dict[str, list[int | None]]:
+  """Each process summed the rows it holds; every process gets every row's sum."""
+  if jax.process_count() == 1:
+    return sums
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+
+  names = sorted(sums)
+  flat = [c for n in names for c in sums[n]]
+  crcs = np.array([0 if c is None else c for c in flat], np.uint32)
+  have = np.array([c is not None for c in flat], np.int32)
+  all_crcs, all_have = multihost_utils.process_allgather((crcs, have))
+  first = np.argmax(all_have, axis=0)
+  merged = [int(all_crcs[p, i]) if all_have[p, i] else None for i, p in enumerate(first.tolist())]
+  out, at = {}, 0
+  for n in names:
+    out[n] = merged[at : at + len(sums[n])]
+    at += len(sums[n])
+  return out
+
+
+_UNVERIFIED: set[str] = set()  # Checkpoint directories already said to have no checksums.
+
+
+def _read_checksums(root: epath.Path, step: int) -> dict | None:
+  """The checksums item of a step, or None for a step saved before checksums (said once)."""
+  path = root / str(step) / CHECKSUMS / "metadata"
+  if path.exists():
+    return json.loads(path.read_text())  # Its JSON was checked by _reading.
+  if str(root) not in _UNVERIFIED:
+    _UNVERIFIED.add(str(root))
+    absl_logging.info(
+      "checkpoint step %d in %s has no checksums (saved before they were added): "
+      "its arrays are read unverified.",
+      step,
+      root,
+    )
+  return None
+
+
+def _mismatch(item: str, name: str, row: int | None, got: int, want: int) -> str:
+  where = f"{item} array {name}" + ("" if row is None else f" row {row}")
+  return f"{where}: {_CHECKSUM} {got:08x} read, {want:08x} saved"
+
+
+def _verify_tree(root: epath.Path, step: int, item: str, tree: PyTree, sums: dict | None):
+  """Raises DamagedCheckpointError for the first array of `tree` whose rows do not match."""
+  saved = None if sums is None else sums.get(item)
+  if saved is None:
+    return
+  for name, x in _flat(tree).items():
+    want = saved.get(name)
+    if want is None:
+      continue
+    for i, (got, w) in enumerate(zip(row_checksums(x), want)):
+      if got is not None and w is not None and got != w:
+        raise _damaged(root, step, _mismatch(item, name, i if x.ndim else None, got, w))
+
+
+def _verify_data(root: epath.Path, step: int, data: dict, sums: dict | None):
+  if sums is not None and "data" in sums and _json_checksum(data) != sums["data"]:
+    got = _json_checksum(data)
+    raise _damaged(
+      root, step, f"data/metadata: {_CHECKSUM} {got:08x} read, {sums['data']:08x} saved"
+    )
+
+
+# Damaged files --------------------------------------------------------------------------------
+
+
 def _json_files(step_dir: epath.Path) -> list[epath.Path]:
   """orbax's JSON files of a step: its own, and each item's (array metadata included)."""
   out = []
@@ -120,24 +289,70 @@ def _bad_json(step_dir: epath.Path) -> str | None:
   return None
 
 
+def _missing_file(step_dir: epath.Path) -> str | None:
+  """'<file>: missing' for the first file a finished step must hold and does not."""
+  for item, names in _REQUIRED.items():
+    item_dir = step_dir / item
+    if not item_dir.is_dir():
+      if item in _ALWAYS_SAVED:
+        return f"{item}/: missing"
+      continue
+    ocdbt = any(p.name == "d" or p.name.startswith("ocdbt.process_") for p in item_dir.iterdir())
+    for name in names:
+      if (name != "manifest.ocdbt" or ocdbt) and not (item_dir / name).exists():
+        return f"{item}/{name}: missing"
+  return None
+
+
+def _saved_arrays(step_dir: epath.Path, item: str) -> set[str]:
+  """The array names an item's _METADATA lists (what orbax saved in it)."""
+  try:
+    tree = json.loads((step_dir / item / "_METADATA").read_text())["tree_metadata"]
+  except (OSError, ValueError, KeyError):
+    return set()
+  return {".".join(str(k["key"]) for k in v["key_metadata"]) for v in tree.values()}
+
+
+def _status_message(err: BaseException) -> str:
+  return str(err).split(" [tensorstore_spec")[0]
+
+
+def _is_damage(msg: str) -> bool:
+  """Whether a TensorStore status message reports stored bytes that cannot be read."""
+  return any(msg.startswith(c + ":") for c in _DAMAGE_CODES) or bool(
+    _READ_FAILED.match(msg) or _MISSING.match(msg)
+  )
+
+
 def _bad_bytes(err: BaseException | None, step_dir: epath.Path) -> str | None:
   """'<file>: <reason>' when an orbax/TensorStore error (or its cause) reports unreadable bytes."""
   while err is not None:
-    msg = str(err).split(" [tensorstore_spec")[0]
+    msg = _status_message(err)
+    files = re.findall(r'local file "([^"]+)"', msg)
+    item = os.path.relpath(files[-1], os.path.abspath(step_dir)) if files else "an OCDBT file"
     if any(msg.startswith(code + ":") for code in _DAMAGE_CODES):
-      files = re.findall(r'local file "([^"]+)"', msg)
-      what = os.path.relpath(files[-1], os.path.abspath(step_dir)) if files else "an OCDBT file"
+      what = item
       array = re.search(r'Error reading "([^"]+)/', msg)
       if files and files[-1].endswith("/") and array:  # TensorStore names the item, not the file.
         what = f"{what} data of array {array.group(1)}"
       return f"{what}: {msg.rsplit(': ', 1)[-1]}"
+    if m := _READ_FAILED.match(msg):
+      array, key = m.group(1).rsplit("/", 1) if "/" in m.group(1) else (m.group(1), "")
+      part = "metadata" if key in (".zarray", "zarr.json") else "data"
+      return f"{item} {part} of array {array}: {msg.rsplit(': ', 1)[-1]}"
+    if m := _MISSING.match(msg):
+      key = m.group("meta") or m.group("chunk")
+      array = key.rsplit("/", 1)[0]
+      if array in _saved_arrays(step_dir, item):  # Else the caller asked for an unsaved array.
+        part = f"metadata {key}" if m.group("meta") else f"chunk {key}"
+        return f"{item} {part} of array {array}: missing"
     err = err.__cause__ or err.__context__
   return None
 
 
 def _quick_check(step_dir: epath.Path) -> bool:
-  """Whether a step's JSON files parse and its OCDBT indexes list (data files unread)."""
-  if _bad_json(step_dir) is not None:
+  """Whether a step's files are there, its JSON parses and its OCDBT indexes list (data unread)."""
+  if _missing_file(step_dir) is not None or _bad_json(step_dir) is not None:
     return False
   for manifest in step_dir.glob("*/manifest.ocdbt"):
     try:
@@ -172,10 +387,10 @@ _ORBAX_READ_ERROR = "Encountered error while reading array index"
 
 def _is_echo(exc: BaseException | None, loop_closed: bool) -> bool:
   while exc is not None:
-    msg = str(exc)
+    msg = _status_message(exc)
     if (
       msg.startswith(_ORBAX_READ_ERROR)
-      or any(msg.startswith(c + ":") for c in _DAMAGE_CODES)
+      or _is_damage(msg)
       or (loop_closed and isinstance(exc, RuntimeError) and msg == "Event loop is closed")
     ):
       return True
@@ -190,11 +405,12 @@ def _quiet_echoes(previous, unraisable) -> None:
 
 
 class _EchoFilter(logging.Filter):
-  """Drops asyncio's "exception was never retrieved" records of a failed orbax read."""
+  """Drops asyncio's "exception was never retrieved" records of a failed orbax read or write."""
 
   def filter(self, record: logging.LogRecord) -> bool:
     exc = record.exc_info[1] if record.exc_info else None
-    return not ("never retrieved" in record.getMessage() and _is_echo(exc, loop_closed=False))
+    echo = _is_echo(exc, loop_closed=False) or _write_failure(exc) is not None
+    return not ("never retrieved" in record.getMessage() and echo)
 
 
 logging.getLogger("asyncio").addFilter(_EchoFilter())
@@ -204,13 +420,16 @@ logging.getLogger("asyncio").addFilter(_EchoFilter())
 def _reading(root: epath.Path, step: int):
   """Turns an unreadable file of checkpoint `step` into one DamagedCheckpointError."""
   step_dir = root / str(step)
-  bad = _bad_json(step_dir) if step_dir.exists() else None
+  bad = (_missing_file(step_dir) or _bad_json(step_dir)) if step_dir.exists() else None
   if bad is not None:
     raise _damaged(root, step, bad)
   previous = sys.unraisablehook
   sys.unraisablehook = functools.partial(_quiet_echoes, previous)
   try:
     yield
+  except DamagedCheckpointError:
+    sys.unraisablehook = previous
+    raise
   except Exception as e:  # pylint: disable=broad-except
     bad = _bad_bytes(e, step_dir)
     if bad is None:
@@ -218,6 +437,146 @@ def _reading(root: epath.Path, step: int):
       raise
     raise _damaged(root, step, bad) from e  # The hook stays: echoes come later too.
   sys.unraisablehook = previous
+
+
+# Failed saves ---------------------------------------------------------------------------------
+
+# Status codes TensorStore gives a failed write (its errors are ValueErrors named by the code).
+_WRITE_CODES = (
+  "RESOURCE_EXHAUSTED",
+  "PERMISSION_DENIED",
+  "UNAVAILABLE",
+  "DEADLINE_EXCEEDED",
+  "UNKNOWN",
+  "INTERNAL",
+  "ABORTED",
+  "FAILED_PRECONDITION",
+  "DATA_LOSS",
+  "NOT_FOUND",
+  "ALREADY_EXISTS",
+  "OUT_OF_RANGE",
+)
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+_NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+@dataclasses.dataclass(frozen=True)
+class _WriteFailure:
+  reason: str  # "No space left on device"
+  path: str | None  # The file or directory the write failed on, when the error names it.
+  errno: int | None
+
+
+def _write_failure(err: BaseException | None) -> _WriteFailure | None:
+  """The storage error in an exception's chain (OSError or TensorStore status), if any."""
+  seen = set()
+  while err is not None and id(err) not in seen:
+    seen.add(id(err))
+    if isinstance(err, OSError):
+      code = err.errno
+      reason = err.strerror or (os.strerror(code) if code else str(err) or type(err).__name__)
+      return _WriteFailure(reason, err.filename and str(err.filename), code)
+    msg = _status_message(err)
+    if any(msg.startswith(c + ":") for c in _WRITE_CODES):
+      os_code = re.search(r"os_error_code='?(\d+)", msg)
+      code = int(os_code.group(1)) if os_code else None
+      reason = os.strerror(code) if code else msg.rsplit(": ", 1)[-1]
+      path = re.search(r'(?:Failed writing|Error writing local file|local file): "([^"]+)"', msg)
+      return _WriteFailure(reason, path.group(1) if path else None, code)
+    err = err.__cause__ or err.__context__
+  return None
+
+
+def _save_error(root: epath.Path, step: int, failure: _WriteFailure) -> CheckpointSaveError:
+  older = [s for s in steps(root.parent) if s < step]
+  if failure.errno in _NO_SPACE:
+    fix = f"free space on the disk of {root}"
+  elif failure.errno in _NOT_WRITABLE:
+    fix = f"make {root} writable (fix its permissions, or its mount if read-only)"
+  else:
+    fix = f"fix the storage of {root} (free space, fix permissions)"
+  then = (
+    f"resume from step {older[-1]}, the last saved checkpoint"
+    if older
+    else "start over from step 0 (no checkpoint was saved yet)"
+  )
+  where = f" ({failure.path})" if failure.path else ""
+  return CheckpointSaveError(
+    f"checkpoint step {step} could not be saved in {root}: {failure.reason}{where}; {fix}, "
+    f"then rerun the same command to {then}."
+  )
+
+
+def _release_commit_threads(timeout_s: float = 10.0) -> None:
+  """Stops orbax's commit threads that wait for a signal a failed save will never send.
+
+  When orbax's background directory creation fails, each item's commit thread
+  keeps waiting for the "directory created" signal for AsyncOptions.timeout_secs
+  (20 minutes); they are not daemons, so the process could not exit. Each is
+  cancelled (it returns instead of writing) and woken with its signals.
+  """
+  try:
+    from orbax.checkpoint._src.futures import future as ocp_future  # pylint: disable=g-import-not-at-top
+
+    waiting = [
+      t
+      for t in threading.enumerate()
+      if isinstance(t, ocp_future._SignalingThread) and t.is_alive()  # pylint: disable=protected-access
+    ]
+    for t in waiting:
+      t.cancel()
+      ocp_future.set_signals(t._receive_signals, operation_id=t._operation_id)  # pylint: disable=protected-access
+  except (ImportError, AttributeError) as e:  # Another orbax: its threads time out on their own.
+    absl_logging.warning("could not stop orbax's commit threads after a failed save: %s", e)
+    return
+  for t in waiting:
+    threading.Thread.join(t, timeout_s)
+  # The cancelled threads leave their coroutines unstarted: no warning for each at exit.
+  warnings.filterwarnings("ignore", r"coroutine '.*' was never awaited", RuntimeWarning)
+
+
+class _SaveFailureFilter(logging.Filter):
+  """Drops orbax's error records of a failed save (a traceback each, thousands of lines).
+
+  The Checkpointer reports the failure itself, in one line, on the training thread.
+  """
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    exc = record.exc_info[1] if record.exc_info else None
+    return not (
+      record.levelno >= logging.ERROR
+      and f"{os.sep}orbax{os.sep}" in record.pathname
+      and _write_failure(exc) is not None
+    )
+
+
+logging.getLogger("absl").addFilter(_SaveFailureFilter())
+
+
+def _is_save_echo(unraisable) -> bool:
+  """An exception a failed background write leaves behind (callbacks, unfinished coroutines)."""
+  exc = unraisable.exc_value
+  if _is_echo(exc, loop_closed=True) or _write_failure(exc) is not None:
+    return True
+  code = getattr(unraisable.object, "cr_code", None)  # A coroutine dropped at interpreter exit.
+  return code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
+
+
+def _quiet_save_echoes(previous, unraisable) -> None:
+  if not _is_save_echo(unraisable):
+    previous(unraisable)
+
+
+_HOOK_LOCK = threading.Lock()
+
+
+def _install_save_echo_hook() -> None:
+  """Once per process: a failed background write's echoes come before it is reported."""
+  with _HOOK_LOCK:
+    if not getattr(sys.unraisablehook, "_dipaco_save_echoes", False):
+      hook = functools.partial(_quiet_save_echoes, sys.unraisablehook)
+      hook._dipaco_save_echoes = True  # pylint: disable=protected-access
+      sys.unraisablehook = hook
 
 
 class Checkpointer:
@@ -232,6 +591,10 @@ class Checkpointer:
       ),
       item_names=ITEMS,
     )
+    self._async = async_save
+    self._pending: int | None = None  # The step whose save runs in the background.
+    self._failed = False
+    _install_save_echo_hook()
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
@@ -239,14 +602,58 @@ class Checkpointer:
   def save(
     self, step: int, state: PyTree, data_state: dict, best: tuple[PyTree, dict] | None = None
   ) -> None:
-    """Writes the items atomically (in the background when async); best = (params_W, records)."""
+    """Writes the items atomically (in the background when async); best = (params_W, records).
+
+    Raises CheckpointSaveError if this save, or the previous one in the background, failed.
+    """
+    self._finish_pending()
     items = {"state": ocp.args.StandardSave(state, save_args=save_args(state))}
+    sums = {"algorithm": _CHECKSUM, "state": _tree_checksums(state)}
     if best is not None:
       params_W, records = best
       data_state = {**data_state, _BEST_RECORDS: records}
       items["best"] = ocp.args.StandardSave(params_W, save_args=module_chunks(params_W))
+      sums["best"] = _tree_checksums(params_W)
     items["data"] = ocp.args.JsonSave(data_state)
-    self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+    sums["data"] = _json_checksum(data_state)
+    sums["state"] = _across_processes(sums["state"])
+    if "best" in sums:
+      sums["best"] = _across_processes(sums["best"])
+    items[CHECKSUMS] = ocp.args.JsonSave(sums)
+    try:
+      self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+    except Exception as e:  # pylint: disable=broad-except
+      self._raise_failed(step, e)
+    if self._async:  # Its outcome is checked by `check`, the next save or `close`.
+      self._pending = step
+
+  def check(self) -> None:
+    """Raises CheckpointSaveError if the save running in the background failed; never waits.
+
+    The trainer calls it at every step, so a failed write stops the run at the
+    next step boundary rather than at the next save.
+    """
+    if self._pending is not None and not self._manager.is_saving_in_progress():
+      self._finish_pending()
+
+  def _finish_pending(self) -> None:
+    """Waits for the background save, if any; CheckpointSaveError if it failed."""
+    step, self._pending = self._pending, None
+    if step is None:
+      return
+    try:
+      self._manager.wait_until_finished()
+    except Exception as e:  # pylint: disable=broad-except
+      self._raise_failed(step, e)
+
+  def _raise_failed(self, step: int, e: Exception):
+    """Stops orbax's threads, then raises one CheckpointSaveError (or `e` if it is no I/O)."""
+    self._failed = True
+    _release_commit_threads()
+    failure = _write_failure(e)
+    if failure is None:
+      raise e  # A bug rather than the storage: its traceback.
+    raise _save_error(self.directory, step, failure) from e
 
   def restore(self, abstract_state: PyTree, step: int | None = None):
     """Latest (or given) step as (state with target shardings, data state), or None."""
@@ -260,6 +667,9 @@ class Checkpointer:
           state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()
         ),
       )
+      sums = _read_checksums(self.directory, step)
+    _verify_tree(self.directory, step, "state", out["state"], sums)
+    _verify_data(self.directory, step, out["data"], sums)
     data_state = dict(out["data"])
     data_state.pop(_BEST_RECORDS, None)
     return out["state"], data_state
@@ -274,23 +684,39 @@ class Checkpointer:
       out = self._manager.restore(
         step, args=ocp.args.Composite(best=ocp.args.StandardRestore(abstract_params))
       )
+      sums = _read_checksums(self.directory, step)
+    _verify_tree(self.directory, step, "best", out["best"], sums)
     return out["best"], records
 
   def close(self) -> None:
-    self._manager.wait_until_finished()
-    self._manager.close()
+    """Waits for the background save (CheckpointSaveError if it failed) and closes orbax.
+
+    After a failed save it waits for nothing more and raises nothing more.
+    """
+    try:
+      if not self._failed:
+        self._finish_pending()
+    finally:
+      try:
+        self._manager.close()
+      except Exception:  # pylint: disable=broad-except
+        if not self._failed:
+          raise  # After a failure: the same error again, already reported.
 
 
 def read_data_state(workdir: str, step: int) -> dict:
   """The data item of a step (iterator positions, routing phase, early stopping's records)."""
   root = directory(workdir)
   path = root / str(step) / "data" / "metadata"  # Where orbax's JsonSave writes.
-  if not path.exists():
+  if not (root / str(step)).exists():
     raise NoCheckpointError(
       f"no checkpoint step {step} (or no data item) in {root}; its steps: {steps(workdir)}."
     )
   with _reading(root, step):
-    return json.loads(path.read_text())
+    data = json.loads(path.read_text())
+    sums = _read_checksums(root, step)
+  _verify_data(root, step, data, sums)
+  return data
 
 
 def routing_phase(data_state: dict) -> int:
@@ -323,17 +749,25 @@ def restore_numpy(workdir: str, step: int | None = None) -> PyTree:
   manager = ocp.CheckpointManager(
     root,
     options=ocp.CheckpointManagerOptions(read_only=True),
-    item_handlers={"state": ocp.PyTreeCheckpointHandler(), "data": ocp.JsonCheckpointHandler()},
+    item_handlers={
+      "state": ocp.PyTreeCheckpointHandler(),
+      "data": ocp.JsonCheckpointHandler(),
+      "best": ocp.PyTreeCheckpointHandler(),  # Named so that orbax warns of no unknown item.
+      CHECKSUMS: ocp.JsonCheckpointHandler(),
+    },
   )
   try:
     with _reading(root, step):
       meta = manager.item_metadata(step)["state"]
       restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), meta)
-      return manager.restore(
+      state = manager.restore(
         step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(restore_args=restore_args))
       )["state"]
+      sums = _read_checksums(root, step)
   finally:
     manager.close()
+  _verify_tree(root, step, "state", state, sums)
+  return state
 
 
 def restore_worker_params(workdir: str, worker: int = 0) -> PyTree:
@@ -366,7 +800,8 @@ def read_rows(workdir: str, step: int, item: str, rows: PyTree) -> PyTree:
   """`array[row.index]` for every Row leaf of `rows` (a subtree of the item), nothing else.
 
   Reads orbax's OCDBT files through TensorStore: with one row per chunk
-  (`module_chunks`) only that row's bytes are read.
+  (`module_chunks`) only that row's bytes are read. Each row read is checked
+  against its checksum.
   """
   root = directory(workdir)
   item_dir = root / str(step) / item
@@ -376,6 +811,7 @@ def read_rows(workdir: str, step: int, item: str, rows: PyTree) -> PyTree:
   base = _kv_url(item_dir)
   out = []
   with _reading(root, step):
+    sums = (_read_checksums(root, step) or {}).get(item)
     # One context: the OCDBT manifest and b-tree nodes are read once, not once per array.
     ctx = ts.Context({"cache_pool": {"total_bytes_limit": 1 << 24}})
     kv = ts.KvStore.open({"driver": "ocdbt", "base": base}, context=ctx).result()
@@ -396,5 +832,10 @@ def read_rows(workdir: str, step: int, item: str, rows: PyTree) -> PyTree:
           f"{row.count}: the checkpoint was written by another grid. Pass the "
           "config the run was trained with."
         )
-      out.append(arr[row.index].read().result())
+      value = arr[row.index].read().result()
+      saved = (sums or {}).get(name) or []
+      want = saved[row.index] if row.index < len(saved) else None
+      if want is not None and _crc(value) != want:
+        raise _damaged(root, step, _mismatch(item, name, row.index, _crc(value), want))
+      out.append(value)
   return jax.tree.unflatten(treedef, out)
