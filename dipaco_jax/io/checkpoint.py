@@ -339,13 +339,14 @@ def _bad_bytes(err: BaseException | None, step_dir: epath.Path) -> str | None:
     if m := _READ_FAILED.match(msg):
       array, key = m.group(1).rsplit("/", 1) if "/" in m.group(1) else (m.group(1), "")
       part = "metadata" if key in (".zarray", "zarr.json") else "data"
-      return f"{item} {part} of array {array}: {msg.rsplit(': ', 1)[-1]}"
+      reason = re.split(r'(?:local file|database at) "[^"]*": ', msg)[-1].split("; at byte")[0]
+      return f"{item} {part} of array {array}: {reason}"
     if m := _MISSING.match(msg):
-      key = m.group("meta") or m.group("chunk")
-      array = key.rsplit("/", 1)[0]
+      array, part = (m.group("meta") or m.group("chunk")).rsplit("/", 1)
       if array in _saved_arrays(step_dir, item):  # Else the caller asked for an unsaved array.
-        part = f"metadata {key}" if m.group("meta") else f"chunk {key}"
-        return f"{item} {part} of array {array}: missing"
+        return (
+          f"{item} array {array}: {'zarr metadata' if m.group('meta') else f'chunk {part}'} missing"
+        )
     err = err.__cause__ or err.__context__
   return None
 
@@ -823,6 +824,7 @@ def read_rows(workdir: str, step: int, item: str, rows: PyTree) -> PyTree:
       spec = {
         "driver": driver,
         "recheck_cached_data": False,
+        "fill_missing_data_reads": False,  # A missing chunk is damage, not zeros.
         "kvstore": {"driver": "ocdbt", "base": base, "path": f"{name}/"},
       }
       arr = ts.open(spec, open=True, read=True, context=ctx).result()
