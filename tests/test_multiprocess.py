@@ -129,6 +129,10 @@ def test_two_processes_match_one_and_resume(tmp_path):
   step1, a = _state(tmp_path / "one")
   step2, b = _state(tmp_path / "two")
   assert step1 == step2 == 4
+  # Each process summed its workers' rows; the saved checksums hold every row of every array.
+  sums = checkpoint.read_checksums(str(tmp_path / "two"), 4)
+  rows = [c for item in ("state", "best") for r in sums.get(item, {}).values() for c in r]
+  assert len(rows) > 100 and None not in rows
   diffs = [float(np.max(np.abs(x - y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))]
   print(f"max |1 process - 2 processes| = {max(diffs):.3g}")
   assert max(diffs) <= ATOL

@@ -34,6 +34,7 @@ every step (`check`), before the next save and at `close`; after a failure the
 commit threads orbax left waiting are released, so the process exits.
 """
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import errno
@@ -189,8 +190,14 @@ def _flat(tree: PyTree) -> dict:
   return {k: v for k, v in ocp.tree.to_flat_dict(tree, sep=".").items() if hasattr(v, "shape")}
 
 
+def _checksums_of(arrays: dict) -> dict[str, list[int | None]]:
+  """row_checksums of each array, in threads (zlib releases the GIL on large buffers)."""
+  with concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
+    return dict(zip(arrays, pool.map(row_checksums, arrays.values())))
+
+
 def _tree_checksums(tree: PyTree) -> dict[str, list[int | None]]:
-  return {name: row_checksums(x) for name, x in _flat(tree).items()}
+  return _checksums_of(_flat(tree))
 
 
 def _json_checksum(obj) -> int:
@@ -247,13 +254,13 @@ def _verify_tree(root: epath.Path, step: int, item: str, tree: PyTree, sums: dic
   saved = None if sums is None else sums.get(item)
   if saved is None:
     return
-  for name, x in _flat(tree).items():
-    want = saved.get(name)
-    if want is None:
-      continue
-    for i, (got, w) in enumerate(zip(row_checksums(x), want)):
-      if got is not None and w is not None and got != w:
-        raise _damaged(root, step, _mismatch(item, name, i if x.ndim else None, got, w))
+  arrays = {name: x for name, x in _flat(tree).items() if name in saved}
+  for name, got_rows in _checksums_of(arrays).items():
+    for i, (got, want) in enumerate(zip(got_rows, saved[name])):
+      if got is not None and want is not None and got != want:
+        raise _damaged(
+          root, step, _mismatch(item, name, i if arrays[name].ndim else None, got, want)
+        )
 
 
 def _verify_data(root: epath.Path, step: int, data: dict, sums: dict | None):
@@ -718,6 +725,13 @@ def read_data_state(workdir: str, step: int) -> dict:
     sums = _read_checksums(root, step)
   _verify_data(root, step, data, sums)
   return data
+
+
+def read_checksums(workdir: str, step: int) -> dict | None:
+  """The checksums saved with a step ({item: {array: [crc32 per row]}, "data": crc32}), or None."""
+  root = directory(workdir)
+  with _reading(root, step):
+    return _read_checksums(root, step)
 
 
 def routing_phase(data_state: dict) -> int:
