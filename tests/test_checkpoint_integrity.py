@@ -317,7 +317,8 @@ def test_checksums_cover_every_array_row_of_every_item(saved):
   _, exp, workdir, want = saved
   with open(os.path.join(workdir, "checkpoints", "4", checkpoint.CHECKSUMS, "metadata")) as f:
     sums = json.load(f)
-  assert set(sums) == {"algorithm", "state", "best", "data"} and sums["algorithm"] == "crc32"
+  assert set(sums) == {"algorithm", "state", "best", "data", "dtypes"}
+  assert sums["algorithm"] == "crc32" and sums["dtypes"]["state"]["step"] == "int32"
   assert len(sums["state"]) == len(jax.tree.leaves(want["state"]))
   assert len(sums["best"]) == len(jax.tree.leaves(want["best"]))
   # One crc32 per row of the bytes as saved (one for a 0-d array); the data item's JSON text.
@@ -329,3 +330,32 @@ def test_checksums_cover_every_array_row_of_every_item(saved):
   ]
   data = {**want["data"], "early_stopping": want["records"]}
   assert sums["data"] == zlib.crc32(json.dumps(data, sort_keys=True).encode())
+
+
+def test_a_restore_into_another_dtype_is_checked_as_saved(tmp_path):
+  """Widened (bf16 saved, read as f32): summed cast back, exactly; narrowed: nothing to check."""
+  cfg = helpers.micro_config()
+  exp = experiment.Experiment(cfg)
+  state = exp.init_state(0)
+  bf16 = jax.tree.map(lambda x: x.astype(jax.numpy.bfloat16), state.params)
+  workdir = str(tmp_path / "run")
+  ck = checkpoint.Checkpointer(workdir, async_save=False)
+  ck.save(2, state, {"train": {}}, best=(bf16, {"phase": 0, "loss": [1.0] * 4, "step": [2] * 4}))
+  ck.close()
+  ck = checkpoint.Checkpointer(workdir, async_save=False)
+  params, _ = ck.restore_best(exp.abstract_state.params)  # float32, as the trainer asks.
+  assert _same(params, jax.tree.map(lambda x: np.asarray(x, np.float32), bf16))
+  narrow = jax.tree.map(
+    lambda s: jax.ShapeDtypeStruct(
+      s.shape, jax.numpy.bfloat16 if s.dtype == np.float32 else s.dtype, sharding=s.sharding
+    ),
+    exp.abstract_state,
+  )
+  restored, _ = ck.restore(narrow)  # No false alarm: a narrowed array cannot be summed as saved.
+  assert _same(restored.params, bf16)
+  _rewrite(os.path.join(workdir, "checkpoints", "2", "best"), "embed.token", PATH, lambda x: x + 1)
+  with pytest.raises(
+    checkpoint.DamagedCheckpointError, match=rf"best array embed\.token row {PATH}: crc32"
+  ):
+    ck.restore_best(exp.abstract_state.params)
+  ck.close()

@@ -49,6 +49,7 @@ import warnings
 import zlib
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
@@ -158,17 +159,21 @@ def _whole(s: slice, n: int) -> bool:
   return (s.start or 0) == 0 and (s.stop is None or s.stop == n)
 
 
-def row_checksums(x) -> list[int | None]:
-  """crc32 of each leading-axis row of an array (one entry for a 0-d array).
+def row_checksums(x, dtype=None) -> list[int | None]:
+  """crc32 of each leading-axis row of an array (one entry for a 0-d array), as `dtype`.
 
   Read from this process's shards, one device buffer at a time (nothing is
   assembled); a row no local shard holds whole is None (other processes' rows).
   """
+  if dtype is None or dtype == x.dtype:
+    crc = _crc
+  else:  # Restored wider than saved: summed as saved.
+    crc = lambda a: _crc(np.asarray(a).astype(dtype))
   if not isinstance(x, jax.Array):
     a = np.asarray(x)
-    return [_crc(a)] if a.ndim == 0 else [_crc(r) for r in a]
+    return [crc(a)] if a.ndim == 0 else [crc(r) for r in a]
   if x.ndim == 0:
-    return [_crc(np.asarray(x.addressable_shards[0].data))]
+    return [crc(np.asarray(x.addressable_shards[0].data))]
   out: list[int | None] = [None] * x.shape[0]
   for shard in x.addressable_shards:
     index = shard.index
@@ -178,10 +183,10 @@ def row_checksums(x) -> list[int | None]:
     data = np.asarray(shard.data)
     for i in range(data.shape[0]):
       if out[start + i] is None:
-        out[start + i] = _crc(data[i])
+        out[start + i] = crc(data[i])
   if None in out and x.is_fully_addressable:
     whole = np.asarray(x)
-    out = [_crc(whole[i]) if c is None else c for i, c in enumerate(out)]
+    out = [crc(whole[i]) if c is None else c for i, c in enumerate(out)]
   return out
 
 
@@ -190,10 +195,28 @@ def _flat(tree: PyTree) -> dict:
   return {k: v for k, v in ocp.tree.to_flat_dict(tree, sep=".").items() if hasattr(v, "shape")}
 
 
-def _checksums_of(arrays: dict) -> dict[str, list[int | None]]:
-  """row_checksums of each array, in threads (zlib releases the GIL on large buffers)."""
+def _checksums_of(arrays: dict, dtypes: dict | None = None) -> dict[str, list[int | None]]:
+  """row_checksums of each array (as dtypes[name]), in threads (zlib frees the GIL)."""
+  dtypes = dtypes or {}
   with concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
-    return dict(zip(arrays, pool.map(row_checksums, arrays.values())))
+    sums = pool.map(lambda n: row_checksums(arrays[n], dtypes.get(n)), arrays)
+    return dict(zip(arrays, sums))
+
+
+def _dtypes(tree: PyTree) -> dict[str, str]:
+  return {name: np.dtype(x.dtype).name for name, x in _flat(tree).items()}
+
+
+def _sum_dtype(saved: str | None, restored):
+  """The dtype to sum a restored array in: its own, the saved one, or None (not comparable)."""
+  if saved is None or saved == np.dtype(restored).name:
+    return restored
+  try:
+    saved = jnp.dtype(saved)
+  except TypeError:
+    return None
+  # Restored wider (int32 saved, read as int64): cast back exactly. Narrower: nothing to compare.
+  return saved if np.can_cast(saved, restored, "safe") else None
 
 
 def _tree_checksums(tree: PyTree) -> dict[str, list[int | None]]:
@@ -254,8 +277,13 @@ def _verify_tree(root: epath.Path, step: int, item: str, tree: PyTree, sums: dic
   saved = None if sums is None else sums.get(item)
   if saved is None:
     return
-  arrays = {name: x for name, x in _flat(tree).items() if name in saved}
-  for name, got_rows in _checksums_of(arrays).items():
+  saved_dtypes = (sums.get("dtypes") or {}).get(item, {})
+  arrays, dtypes = {}, {}
+  for name, x in _flat(tree).items():
+    dtype = _sum_dtype(saved_dtypes.get(name), x.dtype)
+    if name in saved and dtype is not None:
+      arrays[name], dtypes[name] = x, dtype
+  for name, got_rows in _checksums_of(arrays, dtypes).items():
     for i, (got, want) in enumerate(zip(got_rows, saved[name])):
       if got is not None and want is not None and got != want:
         raise _damaged(
@@ -627,6 +655,9 @@ class Checkpointer:
     sums["state"] = _across_processes(sums["state"])
     if "best" in sums:
       sums["best"] = _across_processes(sums["best"])
+    sums["dtypes"] = {"state": _dtypes(state)}  # Of the arrays as saved.
+    if best is not None:
+      sums["dtypes"]["best"] = _dtypes(best[0])
     items[CHECKSUMS] = ocp.args.JsonSave(sums)
     try:
       self._manager.save(step, args=ocp.args.Composite(**items), force=True)
