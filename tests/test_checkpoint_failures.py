@@ -15,22 +15,24 @@ read-only checkpoints directory gives) and files that cannot be written
 a real size-limited tmpfs, so TensorStore's own error is what stops the run.
 """
 
+import builtins
+import errno
 import os
 import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 
 import jax
 import numpy as np
 import pytest
 
+from dipaco_jax.core import experiment
 from dipaco_jax.io import checkpoint
 
 import helpers
-
-pytestmark = pytest.mark.slow  # Runs of the trainer in child processes: about a minute each test.
 
 TINY = "configs/tiny.py"
 # A seconds-long run of the tiny config (the shipped tokenizer), checkpointed every 2 steps.
@@ -164,6 +166,7 @@ FAULTS = [
 ]
 
 
+@pytest.mark.slow  # Runs of the trainer in child processes: about a minute.
 @pytest.mark.parametrize("fault,reason,path,fix", FAULTS, ids=[f[0] for f in FAULTS])
 def test_a_failed_save_stops_the_run_in_one_line_and_the_rerun_resumes(
   runs, tmp_path, fault, reason, path, fix
@@ -203,6 +206,7 @@ def _can_mount_tmpfs(tmp_path) -> bool:
   return probe.returncode == 0
 
 
+@pytest.mark.slow
 def test_a_full_disk_stops_the_run_in_one_line_and_the_rerun_resumes(runs, tmp_path):
   if not _can_mount_tmpfs(tmp_path):
     pytest.skip("no unprivileged user namespaces here (unshare -Urm): no tmpfs to fill")
@@ -256,3 +260,100 @@ def test_a_full_disk_stops_the_run_in_one_line_and_the_rerun_resumes(runs, tmp_p
   r = _main(workdir, cache)
   assert r.returncode == 0, r.stderr[-3000:]
   _assert_same_final_state(workdir, full)
+
+
+# In process: the Checkpointer's own contract, with the same faults patched in.
+
+
+@pytest.fixture(scope="module")
+def micro_state():
+  exp = experiment.Experiment(helpers.micro_config())
+  return exp.init_state(0)
+
+
+def _refuse_step_dir(monkeypatch, step: int):
+  """os.mkdir of the step's temporary directory fails as on a read-only directory."""
+  mkdir = os.mkdir
+
+  def refuse(path, *args, **kwargs):
+    if os.path.basename(os.fspath(path)) == f"{step}.orbax-checkpoint-tmp":
+      raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), os.fspath(path))
+    return mkdir(path, *args, **kwargs)
+
+  monkeypatch.setattr(os, "mkdir", refuse)
+
+
+def _fill_disk(monkeypatch, step: int):
+  """Every file written into the step's temporary directory fails with ENOSPC."""
+  real_open = builtins.open
+
+  def full(file, mode="r", *args, **kwargs):
+    if any(c in mode for c in "wax+") and f"{os.sep}{step}.orbax-checkpoint-tmp" in os.fspath(file):
+      raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.fspath(file))
+    return real_open(file, mode, *args, **kwargs)
+
+  monkeypatch.setattr(builtins, "open", full)
+
+
+def _orbax_waiters() -> list[threading.Thread]:
+  return [
+    t for t in threading.enumerate() if type(t).__name__ == "_SignalingThread" and t.is_alive()
+  ]
+
+
+def test_check_reports_a_failed_background_save_without_waiting(micro_state, tmp_path, monkeypatch):
+  ck = checkpoint.Checkpointer(str(tmp_path), async_save=True)
+  ck.save(2, micro_state, {"train": {}})
+  ck.check()  # Step 2's save may still run: check never waits, and it succeeds.
+  _refuse_step_dir(monkeypatch, 4)
+  ck.save(4, micro_state, {"train": {}})  # Waits for step 2, starts step 4 in the background.
+  calls, deadline = [], time.monotonic() + 60
+  with pytest.raises(checkpoint.CheckpointSaveError) as e:
+    while time.monotonic() < deadline:
+      start = time.monotonic()
+      try:
+        ck.check()
+      finally:
+        calls.append(time.monotonic() - start)
+      time.sleep(0.01)
+  root = tmp_path / "checkpoints"
+  assert str(e.value) == (
+    f"checkpoint step 4 could not be saved in {root}: Permission denied "
+    f"({root}/4.orbax-checkpoint-tmp); make {root} writable (fix its permissions, or its "
+    "mount if read-only), then rerun the same command to resume from step 2, the last saved "
+    "checkpoint."
+  )
+  assert max(calls[:-1], default=0) < 0.05, calls  # The polls before the failure: no waiting.
+  assert not _orbax_waiters()  # Released: nothing keeps the process alive.
+  ck.close()  # After a failure: neither waits nor raises again.
+  assert checkpoint.steps(str(tmp_path)) == [2]
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_the_last_saves_failure_is_raised_by_save_or_close(
+  micro_state, tmp_path, monkeypatch, async_save
+):
+  _fill_disk(monkeypatch, 2)
+  ck = checkpoint.Checkpointer(str(tmp_path), async_save=async_save)
+  with pytest.raises(checkpoint.CheckpointSaveError) as e:
+    ck.save(2, micro_state, {"train": {}})  # Sync: fails here; async: at close.
+    ck.close()
+  root = tmp_path / "checkpoints"
+  assert re.fullmatch(
+    rf"checkpoint step 2 could not be saved in {re.escape(str(root))}: No space left on device "
+    rf"\({re.escape(str(root))}/2\.orbax-checkpoint-tmp/\S+\); free space on the disk of "
+    rf"{re.escape(str(root))}, then rerun the same command to start over from step 0 \(no "
+    r"checkpoint was saved yet\)\.",
+    str(e.value),
+  ), str(e.value)
+  ck.close()
+  assert not _orbax_waiters()
+  assert checkpoint.steps(str(tmp_path)) == []
+
+
+def test_a_bug_in_a_save_keeps_its_traceback(micro_state, tmp_path, monkeypatch):
+  ck = checkpoint.Checkpointer(str(tmp_path), async_save=False)
+  monkeypatch.setattr(checkpoint, "save_args", lambda state: 1 / 0)
+  with pytest.raises(ZeroDivisionError):
+    ck.save(2, micro_state, {"train": {}})
+  ck.close()

@@ -39,13 +39,13 @@ import contextlib
 import dataclasses
 import errno
 import functools
+import inspect
 import json
 import logging
 import os
 import re
 import sys
 import threading
-import warnings
 import zlib
 
 import jax
@@ -567,8 +567,28 @@ def _release_commit_threads(timeout_s: float = 10.0) -> None:
     return
   for t in waiting:
     threading.Thread.join(t, timeout_s)
-  # The cancelled threads leave their coroutines unstarted: no warning for each at exit.
-  warnings.filterwarnings("ignore", r"coroutine '.*' was never awaited", RuntimeWarning)
+    if not t.is_alive():  # It returned before its work: close the coroutine it never ran.
+      _close_unstarted(getattr(t, "_target", None))
+
+
+def _close_unstarted(obj, depth: int = 4) -> None:
+  """Closes the coroutines a function's closure (or a coroutine's arguments) holds unstarted.
+
+  Else each warns "coroutine ... was never awaited" when collected.
+  """
+  if depth == 0 or obj is None:
+    return
+  if inspect.iscoroutine(obj):
+    if inspect.getcoroutinestate(obj) == inspect.CORO_CREATED:
+      for arg in obj.cr_frame.f_locals.values():  # E.g. the coroutine `cancellable` wraps.
+        _close_unstarted(arg, depth - 1)
+      obj.close()
+    return
+  for cell in getattr(obj, "__closure__", None) or ():
+    try:
+      _close_unstarted(cell.cell_contents, depth - 1)
+    except ValueError:  # An empty cell.
+      pass
 
 
 class _SaveFailureFilter(logging.Filter):
