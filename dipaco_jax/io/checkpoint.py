@@ -161,26 +161,40 @@ def latest_step(workdir: str) -> int:
 
 # Checksums ------------------------------------------------------------------------------------
 
+Box = tuple[tuple[int, int], ...]  # [start, stop) on each dim after the leading one.
+
 
 def _crc(a: np.ndarray) -> int:
   """crc32 of an array's bytes in C order (a row of a host copy: no copy when contiguous)."""
   return zlib.crc32(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
 
 
-def _whole(s: slice, n: int) -> bool:
-  return (s.start or 0) == 0 and (s.stop is None or s.stop == n)
+def _crc_as(dtype, own_dtype):
+  """_crc, or _crc of the array cast to `dtype` (the dtype saved) when restored wider."""
+  if dtype is None or dtype == own_dtype:
+    return _crc
+  return lambda a: _crc(np.asarray(a).astype(dtype))
+
+
+def _bounds(index: tuple[slice, ...], shape) -> Box:
+  return tuple((s.start or 0, n if s.stop is None else s.stop) for s, n in zip(index, shape))
+
+
+def _whole(box: Box, shape) -> bool:
+  return all(b == (0, n) for b, n in zip(box, shape))
+
+
+def _cut(box: Box) -> tuple[slice, ...]:
+  return tuple(slice(a, b) for a, b in box)
 
 
 def row_checksums(x, dtype=None) -> list[int | None]:
   """crc32 of each leading-axis row of an array (one entry for a 0-d array), as `dtype`.
 
   Read from this process's shards, one device buffer at a time (nothing is
-  assembled); a row no local shard holds whole is None (other processes' rows).
+  assembled); a row no local device holds whole is None (see _piece_checksums).
   """
-  if dtype is None or dtype == x.dtype:
-    crc = _crc
-  else:  # Restored wider than saved: summed as saved.
-    crc = lambda a: _crc(np.asarray(a).astype(dtype))
+  crc = _crc_as(dtype, x.dtype)
   if not isinstance(x, jax.Array):
     a = np.asarray(x)
     return [crc(a)] if a.ndim == 0 else [crc(r) for r in a]
@@ -188,10 +202,9 @@ def row_checksums(x, dtype=None) -> list[int | None]:
     return [crc(np.asarray(x.addressable_shards[0].data))]
   out: list[int | None] = [None] * x.shape[0]
   for shard in x.addressable_shards:
-    index = shard.index
-    if not all(_whole(s, n) for s, n in zip(index[1:], x.shape[1:])):
-      continue  # Split inside a row (tensor parallel): summed below from the whole array.
-    start = index[0].start or 0
+    if not _whole(_bounds(shard.index[1:], x.shape[1:]), x.shape[1:]):
+      continue  # Split inside its rows: assembled below, or summed in pieces.
+    start = shard.index[0].start or 0
     data = np.asarray(shard.data)
     for i in range(data.shape[0]):
       if out[start + i] is None:
@@ -200,6 +213,39 @@ def row_checksums(x, dtype=None) -> list[int | None]:
     whole = np.asarray(x)
     out = [crc(whole[i]) if c is None else c for i, c in enumerate(out)]
   return out
+
+
+def _piece_checksums(x, rows: list[int], dtype=None) -> dict[int, dict[Box, int]]:
+  """{row: {box: crc32}} of the parts of `rows` this process's devices hold.
+
+  For rows no single device holds whole in a multi-process run (a module split
+  over 'path' on an inner dim, its parts on several hosts).
+  """
+  crc = _crc_as(dtype, x.dtype)
+  out: dict[int, dict[Box, int]] = {}
+  for shard in x.addressable_shards:
+    start, stop = _bounds(shard.index[:1], x.shape[:1])[0]
+    box = _bounds(shard.index[1:], x.shape[1:])
+    data = None
+    for r in rows:
+      if start <= r < stop and box not in out.get(r, {}):
+        data = np.asarray(shard.data) if data is None else data
+        out.setdefault(r, {})[box] = crc(data[r - start])
+  return out
+
+
+def _part(x, row: int, box: Box, whole: dict):
+  """x[row][box] from this process's copy, or None when no local device holds all of it."""
+  if not isinstance(x, jax.Array) or x.is_fully_addressable:
+    if "array" not in whole:
+      whole["array"] = np.asarray(x)
+    return whole["array"][row][_cut(box)]
+  for shard in x.addressable_shards:
+    (start, stop), *inner = _bounds(shard.index, x.shape)
+    if start <= row < stop and all(a <= b0 and b1 <= b for (a, b), (b0, b1) in zip(inner, box)):
+      local = tuple((b0 - a, b1 - a) for (a, _), (b0, b1) in zip(inner, box))
+      return np.asarray(shard.data)[row - start][_cut(local)]
+  return None
 
 
 def _flat(tree: PyTree) -> dict:
@@ -231,8 +277,16 @@ def _sum_dtype(saved: str | None, restored):
   return saved if np.can_cast(saved, restored, "safe") else None
 
 
-def _tree_checksums(tree: PyTree) -> dict[str, list[int | None]]:
-  return _checksums_of(_flat(tree))
+def _tree_checksums(tree: PyTree) -> tuple[dict, dict]:
+  """({array: [crc32 per row]}, {array: {row: {box: crc32}}} of rows held in parts)."""
+  flat = _flat(tree)
+  rows = _checksums_of(flat)
+  pieces = {
+    name: _piece_checksums(flat[name], [i for i, c in enumerate(r) if c is None])
+    for name, r in rows.items()
+    if None in r
+  }
+  return rows, {name: p for name, p in pieces.items() if p}
 
 
 def _json_checksum(obj) -> int:
@@ -240,14 +294,14 @@ def _json_checksum(obj) -> int:
   return zlib.crc32(json.dumps(obj, sort_keys=True).encode())
 
 
-def _across_processes(sums: dict[str, list[int | None]]) -> dict[str, list[int | None]]:
-  """Each process summed the rows it holds; every process gets every row's sum."""
+def _across_processes(rows: dict, pieces: dict) -> tuple[dict, dict]:
+  """Each process summed what it holds; every process gets every sum (two all-gathers)."""
   if jax.process_count() == 1:
-    return sums
+    return rows, pieces
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
 
-  names = sorted(sums)
-  flat = [c for n in names for c in sums[n]]
+  names = sorted(rows)  # The same tree, so the same names, on every process.
+  flat = [c for n in names for c in rows[n]]
   crcs = np.array([0 if c is None else c for c in flat], np.uint32)
   have = np.array([c is not None for c in flat], np.int32)
   all_crcs, all_have = multihost_utils.process_allgather((crcs, have))
@@ -255,9 +309,47 @@ def _across_processes(sums: dict[str, list[int | None]]) -> dict[str, list[int |
   merged = [int(all_crcs[p, i]) if all_have[p, i] else None for i, p in enumerate(first.tolist())]
   out, at = {}, 0
   for n in names:
-    out[n] = merged[at : at + len(sums[n])]
-    at += len(sums[n])
-  return out
+    out[n] = merged[at : at + len(rows[n])]
+    at += len(rows[n])
+  # Pieces: one table row (array, row, crc, box dims, box starts, box stops) per piece, boxes
+  # padded to the most dims and the table to the longest process's.
+  dims = max([len(b) for p in pieces.values() for parts in p.values() for b in parts] + [0])
+  dims = int(np.max(multihost_utils.process_allgather(np.array([dims], np.int32))))
+  fill = lambda box: [0] * (dims - len(box))
+  table = [
+    [names.index(n), r, c, len(b), *(a for a, _ in b), *fill(b), *(z for _, z in b), *fill(b)]
+    for n, p in pieces.items()
+    for r, parts in p.items()
+    for b, c in parts.items()
+  ]
+  count = int(np.max(multihost_utils.process_allgather(np.array([len(table)], np.int32))))
+  width = 4 + 2 * dims
+  padded = np.full((max(count, 1), width), np.iinfo(np.uint32).max, np.uint32)
+  if table:
+    padded[: len(table)] = np.array(table, np.uint32)
+  merged_pieces: dict[str, dict[int, dict[Box, int]]] = {}
+  for entry in multihost_utils.process_allgather(padded).reshape(-1, width).tolist():
+    if entry[0] == np.iinfo(np.uint32).max:
+      continue
+    name, row, crc, n = names[entry[0]], entry[1], entry[2], entry[3]
+    if out[name][row] is None:  # Else some process held the row whole.
+      box = tuple(zip(entry[4 : 4 + n], entry[4 + dims : 4 + dims + n]))
+      merged_pieces.setdefault(name, {}).setdefault(row, {})[box] = crc
+  return out, merged_pieces
+
+
+def _pieces_json(pieces: dict) -> dict:
+  return {
+    n: {str(r): [[[list(b) for b in box], c] for box, c in parts.items()] for r, parts in p.items()}
+    for n, p in pieces.items()
+  }
+
+
+def _pieces_from_json(saved: dict) -> dict[str, dict[int, list[tuple[Box, int]]]]:
+  return {
+    n: {int(r): [(tuple(tuple(b) for b in box), c) for box, c in parts] for r, parts in p.items()}
+    for n, p in saved.items()
+  }
 
 
 _UNVERIFIED: set[str] = set()  # Checkpoint directories already said to have no checksums.
@@ -279,8 +371,10 @@ def _read_checksums(root: epath.Path, step: int) -> dict | None:
   return None
 
 
-def _mismatch(item: str, name: str, row: int | None, got: int, want: int) -> str:
+def _mismatch(item: str, name: str, row: int | None, got: int, want: int, box=None) -> str:
   where = f"{item} array {name}" + ("" if row is None else f" row {row}")
+  if box is not None:
+    where += " [" + ", ".join(f"{a}:{b}" for a, b in box) + "]"
   return f"{where}: {_CHECKSUM} {got:08x} read, {want:08x} saved"
 
 
@@ -301,6 +395,30 @@ def _verify_tree(root: epath.Path, step: int, item: str, tree: PyTree, sums: dic
         raise _damaged(
           root, step, _mismatch(item, name, i if arrays[name].ndim else None, got, want)
         )
+  for name, by_row in _pieces_from_json((sums.get("pieces") or {}).get(item, {})).items():
+    if name not in arrays:
+      continue
+    x, crc, whole = arrays[name], _crc_as(dtypes[name], arrays[name].dtype), {}
+    for row, parts in sorted(by_row.items()):
+      for box, want in parts:
+        part = _part(x, row, box, whole)
+        if part is not None and crc(part) != want:
+          raise _damaged(root, step, _mismatch(item, name, row, crc(part), want, box))
+
+
+def _verify_row(root, step, item: str, name: str, row: int, value, sums: dict | None):
+  """Checks one row read on its own (serving) against its checksum, or its pieces'."""
+  if not sums:
+    return
+  saved = (sums.get(item) or {}).get(name) or []
+  want = saved[row] if row < len(saved) else None
+  if want is not None and _crc(value) != want:
+    raise _damaged(root, step, _mismatch(item, name, row, _crc(value), want))
+  pieces = (sums.get("pieces") or {}).get(item, {}).get(name, {})
+  for box, want in _pieces_from_json({name: pieces})[name].get(row, []):
+    got = _crc(value[_cut(box)])
+    if got != want:
+      raise _damaged(root, step, _mismatch(item, name, row, got, want, box))
 
 
 def _verify_data(root: epath.Path, step: int, data: dict, sums: dict | None):
@@ -676,20 +794,20 @@ class Checkpointer:
     """
     self._finish_pending()
     items = {"state": ocp.args.StandardSave(state, save_args=save_args(state))}
-    sums = {"algorithm": _CHECKSUM, "state": _tree_checksums(state)}
+    trees = {"state": state}
     if best is not None:
       params_W, records = best
       data_state = {**data_state, _BEST_RECORDS: records}
       items["best"] = ocp.args.StandardSave(params_W, save_args=module_chunks(params_W))
-      sums["best"] = _tree_checksums(params_W)
+      trees["best"] = params_W
     items["data"] = ocp.args.JsonSave(data_state)
-    sums["data"] = _json_checksum(data_state)
-    sums["state"] = _across_processes(sums["state"])
-    if "best" in sums:
-      sums["best"] = _across_processes(sums["best"])
-    sums["dtypes"] = {"state": _dtypes(state)}  # Of the arrays as saved.
-    if best is not None:
-      sums["dtypes"]["best"] = _dtypes(best[0])
+    sums = {"algorithm": _CHECKSUM, "data": _json_checksum(data_state), "pieces": {}}
+    for item, tree in trees.items():
+      rows, pieces = _across_processes(*_tree_checksums(tree))
+      sums[item] = rows
+      if pieces:
+        sums["pieces"][item] = _pieces_json(pieces)
+    sums["dtypes"] = {item: _dtypes(tree) for item, tree in trees.items()}  # As saved.
     items[CHECKSUMS] = ocp.args.JsonSave(sums)
     try:
       self._manager.save(step, args=ocp.args.Composite(**items), force=True)
@@ -889,7 +1007,7 @@ def read_rows(workdir: str, step: int, item: str, rows: PyTree) -> PyTree:
   base = _kv_url(item_dir)
   out = []
   with _reading(root, step):
-    sums = (_read_checksums(root, step) or {}).get(item)
+    sums = _read_checksums(root, step)
     # One context: the OCDBT manifest and b-tree nodes are read once, not once per array.
     ctx = ts.Context({"cache_pool": {"total_bytes_limit": 1 << 24}})
     kv = ts.KvStore.open({"driver": "ocdbt", "base": base}, context=ctx).result()
@@ -912,9 +1030,6 @@ def read_rows(workdir: str, step: int, item: str, rows: PyTree) -> PyTree:
           "config the run was trained with."
         )
       value = arr[row.index].read().result()
-      saved = (sums or {}).get(name) or []
-      want = saved[row.index] if row.index < len(saved) else None
-      if want is not None and _crc(value) != want:
-        raise _damaged(root, step, _mismatch(item, name, row.index, _crc(value), want))
+      _verify_row(root, step, item, name, row.index, value, sums)
       out.append(value)
   return jax.tree.unflatten(treedef, out)
