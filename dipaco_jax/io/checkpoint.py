@@ -161,7 +161,7 @@ def latest_step(workdir: str) -> int:
 
 # Checksums ------------------------------------------------------------------------------------
 
-Box = tuple[tuple[int, int], ...]  # [start, stop) on each dim after the leading one.
+_Box = tuple[tuple[int, int], ...]  # [start, stop) on each dim after the leading one.
 
 
 def _crc(a: np.ndarray) -> int:
@@ -176,15 +176,15 @@ def _crc_as(dtype, own_dtype):
   return lambda a: _crc(np.asarray(a).astype(dtype))
 
 
-def _bounds(index: tuple[slice, ...], shape) -> Box:
+def _bounds(index: tuple[slice, ...], shape) -> _Box:
   return tuple((s.start or 0, n if s.stop is None else s.stop) for s, n in zip(index, shape))
 
 
-def _whole(box: Box, shape) -> bool:
+def _whole(box: _Box, shape) -> bool:
   return all(b == (0, n) for b, n in zip(box, shape))
 
 
-def _cut(box: Box) -> tuple[slice, ...]:
+def _cut(box: _Box) -> tuple[slice, ...]:
   return tuple(slice(a, b) for a, b in box)
 
 
@@ -215,14 +215,14 @@ def row_checksums(x, dtype=None) -> list[int | None]:
   return out
 
 
-def _piece_checksums(x, rows: list[int], dtype=None) -> dict[int, dict[Box, int]]:
+def _piece_checksums(x, rows: list[int], dtype=None) -> dict[int, dict[_Box, int]]:
   """{row: {box: crc32}} of the parts of `rows` this process's devices hold.
 
   For rows no single device holds whole in a multi-process run (a module split
   over 'path' on an inner dim, its parts on several hosts).
   """
   crc = _crc_as(dtype, x.dtype)
-  out: dict[int, dict[Box, int]] = {}
+  out: dict[int, dict[_Box, int]] = {}
   for shard in x.addressable_shards:
     start, stop = _bounds(shard.index[:1], x.shape[:1])[0]
     box = _bounds(shard.index[1:], x.shape[1:])
@@ -234,7 +234,7 @@ def _piece_checksums(x, rows: list[int], dtype=None) -> dict[int, dict[Box, int]
   return out
 
 
-def _part(x, row: int, box: Box, whole: dict):
+def _part(x, row: int, box: _Box, whole: dict):
   """x[row][box] from this process's copy, or None when no local device holds all of it."""
   if not isinstance(x, jax.Array) or x.is_fully_addressable:
     if "array" not in whole:
@@ -295,7 +295,7 @@ def _json_checksum(obj) -> int:
 
 
 def _across_processes(rows: dict, pieces: dict) -> tuple[dict, dict]:
-  """Each process summed what it holds; every process gets every sum (two all-gathers)."""
+  """Each process summed what it holds; every process gets every sum (small all-gathers)."""
   if jax.process_count() == 1:
     return rows, pieces
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
@@ -316,8 +316,9 @@ def _across_processes(rows: dict, pieces: dict) -> tuple[dict, dict]:
   dims = max([len(b) for p in pieces.values() for parts in p.values() for b in parts] + [0])
   dims = int(np.max(multihost_utils.process_allgather(np.array([dims], np.int32))))
   fill = lambda box: [0] * (dims - len(box))
+  number = {n: i for i, n in enumerate(names)}
   table = [
-    [names.index(n), r, c, len(b), *(a for a, _ in b), *fill(b), *(z for _, z in b), *fill(b)]
+    [number[n], r, c, len(b), *(a for a, _ in b), *fill(b), *(z for _, z in b), *fill(b)]
     for n, p in pieces.items()
     for r, parts in p.items()
     for b, c in parts.items()
@@ -327,7 +328,7 @@ def _across_processes(rows: dict, pieces: dict) -> tuple[dict, dict]:
   padded = np.full((max(count, 1), width), np.iinfo(np.uint32).max, np.uint32)
   if table:
     padded[: len(table)] = np.array(table, np.uint32)
-  merged_pieces: dict[str, dict[int, dict[Box, int]]] = {}
+  merged_pieces: dict[str, dict[int, dict[_Box, int]]] = {}
   for entry in multihost_utils.process_allgather(padded).reshape(-1, width).tolist():
     if entry[0] == np.iinfo(np.uint32).max:
       continue
@@ -345,7 +346,7 @@ def _pieces_json(pieces: dict) -> dict:
   }
 
 
-def _pieces_from_json(saved: dict) -> dict[str, dict[int, list[tuple[Box, int]]]]:
+def _pieces_from_json(saved: dict) -> dict[str, dict[int, list[tuple[_Box, int]]]]:
   return {
     n: {int(r): [(tuple(tuple(b) for b in box), c) for box, c in parts] for r, parts in p.items()}
     for n, p in saved.items()
