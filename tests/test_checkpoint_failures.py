@@ -1,18 +1,20 @@
 """A checkpoint save that fails stops the run in one line, at once; the rerun resumes bit-exactly.
 
-Each test runs the real command (`python -m dipaco_jax.main`) in a child
+The slow tests run the real command (`python -m dipaco_jax.main`) in a child
 process: a run that checkpointed step 2 goes on, its save of step 4 fails, and
 the child must exit 1 within the timeout (orbax's commit threads once kept it
 alive for 20 minutes) with one stderr line naming the cause, the path and the
 fix; step 2 must be untouched, and the same command, rerun once the storage
-is fixed, must end where an uninterrupted run ends.
+is fixed, must end where an uninterrupted run ends. The fast ones check the
+Checkpointer in process: `check` reports a failed background save without
+waiting, `save` or `close` the last one, and orbax's threads are released.
 
 Tests may run as root, where a read-only directory still takes writes, so the
 storage faults come from a stub (a sitecustomize module on the child's
-PYTHONPATH): a directory the step cannot be created in (EACCES, what a
-read-only checkpoints directory gives) and files that cannot be written
-(ENOSPC). Where unprivileged user namespaces are allowed, one more test fills
-a real size-limited tmpfs, so TensorStore's own error is what stops the run.
+PYTHONPATH, or monkeypatch): a directory the step cannot be created in
+(EACCES, what a read-only checkpoints directory gives) and files that cannot
+be written (ENOSPC). Where unprivileged user namespaces are allowed, one more
+test fills a real size-limited tmpfs, so TensorStore's own error stops the run.
 """
 
 import builtins

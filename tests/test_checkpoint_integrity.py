@@ -372,13 +372,7 @@ def test_rows_held_in_parts_are_checked_part_by_part(tmp_path, monkeypatch):
   exp = experiment.Experiment(cfg)
   state = exp.init_state(0)
   split = state.store["block_1"]["mlp_in"]["kernel"]
-  boxes = {
-    tuple(
-      tuple(b)
-      for b in zip(*[(s.start or 0, s.stop or n) for s, n in zip(sh.index[1:], split.shape[1:])])
-    )
-    for sh in split.addressable_shards
-  }
+  boxes = {tuple(map(str, sh.index[1:])) for sh in split.addressable_shards}
   assert len(boxes) == 4  # K=2 on 4 'path' devices: each module split in 4 on an inner dim.
   real = checkpoint.row_checksums
 
