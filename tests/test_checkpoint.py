@@ -44,6 +44,8 @@ KINDS = [
   ("best_process_btree", ("smallest", "best/ocdbt.process_0/d/"), False),
   ("best_process_manifest", "best/ocdbt.process_0/manifest.ocdbt", False),
   ("best_commit_success", "best/commit_success.txt", False),
+  ("checksums_json", "checksums/metadata", True),
+  ("checksums_commit_success", "checksums/commit_success.txt", False),
 ]
 
 

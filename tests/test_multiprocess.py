@@ -8,6 +8,7 @@ with 4 devices (its shards written by one process), and a 2-process run must
 resume from its checkpoint.
 """
 
+import math
 import os
 import socket
 import subprocess
@@ -15,6 +16,7 @@ import sys
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 from dipaco_jax.io import checkpoint
@@ -129,6 +131,19 @@ def test_two_processes_match_one_and_resume(tmp_path):
   step1, a = _state(tmp_path / "one")
   step2, b = _state(tmp_path / "two")
   assert step1 == step2 == 4
+  # Each process summed the rows (or, for store modules split over 'path', the parts of rows)
+  # it holds: the saved checksums cover every element of every array.
+  sums = checkpoint.read_checksums(str(tmp_path / "two"), 4)
+  shapes = {k: v.shape for k, v in ocp.tree.to_flat_dict(b, sep=".").items()}
+  split = 0
+  for name, rows in sums["state"].items():
+    for row, crc in enumerate(rows):
+      if crc is None:
+        parts = sums["pieces"]["state"][name][str(row)]
+        volume = sum(math.prod(b - a for a, b in box) for box, _ in parts)
+        assert volume == math.prod(shapes[name][1:]), (name, row, parts)
+        split += 1
+  assert split > 0 and len(sums["state"]) == len(shapes)
   diffs = [float(np.max(np.abs(x - y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))]
   print(f"max |1 process - 2 processes| = {max(diffs):.3g}")
   assert max(diffs) <= ATOL

@@ -128,6 +128,7 @@ def run(config, workdir: str) -> dict[str, Any]:
   stop = total if config.stop_at_step < 0 else min(config.stop_at_step, total)
   try:  # On any stop, the last checkpoint's save (async) still completes.
     while step < stop:
+      ckpt.check()  # A failed background save stops the run here (CheckpointSaveError).
       previous = None  # (step, record) of the step read while this one was queued.
       with meter.timed():  # step_s: the steps alone (tokens_per_s counts everything).
         batch = exp.put_batch(plan.train_it.next_batch())
