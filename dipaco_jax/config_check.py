@@ -129,9 +129,8 @@ def _check_relations(c) -> None:
 def _check_run_inputs(c) -> None:
   """θ̄ given and present; the tokenizer's size against model.vocab_size."""
   # pylint: disable=g-import-not-at-top
-  from etils import epath
-
   from dipaco_jax.data import vocab
+  from dipaco_jax.io import theta
 
   # pylint: enable=g-import-not-at-top
   paper.check_init_from(c)
@@ -154,11 +153,8 @@ def _check_run_inputs(c) -> None:
       + ("" if v < size else " (or model.pad_vocab=True to keep the extra rows)")
       + "."
     )
-  if c.dipaco.init_from and not epath.Path(c.dipaco.init_from).exists():
-    raise ConfigError(
-      f"config.dipaco.init_from={c.dipaco.init_from!r} does not exist: give the "
-      "workdir of a finished dense run, or '' for a random θ̄."
-    )
+  if c.dipaco.init_from:  # Its params' shapes are checked where they are read (io/theta.py).
+    theta.check_source(c.dipaco.init_from)
 
 
 def load(path: str, **overrides) -> ml_collections.ConfigDict:

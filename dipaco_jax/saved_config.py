@@ -11,6 +11,7 @@ import json
 
 import jax
 import ml_collections
+from absl import logging
 from etils import epath
 
 from dipaco_jax import errors
@@ -71,26 +72,88 @@ def get_config(workdir: str) -> ml_collections.ConfigDict:
   return load(workdir)
 
 
-# Sections of the config that must not change when a run resumes.
+# Sections a run's state depends on: its checkpoints fit no other model, grid or data.
 _FROZEN_SECTIONS = ("model", "dipaco", "data")
+# What the config.json of an earlier attempt that saved nothing may differ in before it is set
+# aside: those sections and routing's (its router and shards are in the workdir too).
+_ATTEMPT_SECTIONS = (*_FROZEN_SECTIONS, "routing")
+GROWABLE = "dipaco.outer_steps"  # The spmd loop resumes with more outer steps.
 
 
-def check_matches(workdir: epath.Path, config) -> None:
-  """Refuses to resume a workdir written by a different grid, model or data."""
+def _saved_and_new(workdir: epath.Path, config) -> tuple[dict, dict] | None:
+  """(config.json with today's defaults for fields added since, the config) as flat dicts."""
   path = workdir / files.CONFIG_FILE
-  if path.exists():
-    old, new = files.read_json(path), json.loads(config.to_json_best_effort())
-    # A field added since the run started (model.mlp, ...) had its default then.
-    default = json.loads(schema.base().to_json_best_effort())
-    changed = [
-      s for s in _FROZEN_SECTIONS if {**default.get(s, {}), **old.get(s, {})} != new.get(s)
-    ]
-    if changed:
-      raise errors.ConfigError(
-        f"{workdir} holds a run with different config sections {changed}; "
-        "its checkpoints would not fit. Use a new --workdir (nothing was "
-        "changed in the old one)."
-      )
+  if not path.exists():
+    return None
+  old, new = files.read_json(path), json.loads(config.to_json_best_effort())
+  default = json.loads(schema.base().to_json_best_effort())
+  flat = lambda d, sections: {
+    f"{s}.{k}": v for s in sections for k, v in {**default.get(s, {}), **d.get(s, {})}.items()
+  }
+  return flat(old, _ATTEMPT_SECTIONS), flat(new, _ATTEMPT_SECTIONS)
+
+
+def check_matches(workdir: epath.Path, config, *, started: bool, may_grow: bool) -> None:
+  """Refuses to resume a run's state under a different model, grid or data.
+
+  `started`: the workdir holds run state (a checkpoint, elastic storage); without
+  it nothing can clash (an earlier attempt's files are set aside instead).
+  `may_grow`: the runtime resumes with more outer steps (the spmd loop).
+  """
+  pair = _saved_and_new(workdir, config)
+  if pair is None or not started:
+    return
+  old, new = pair
+  changed = [k for k in old if k.split(".")[0] in _FROZEN_SECTIONS and old[k] != new.get(k)]
+  if changed == [GROWABLE] and may_grow and new[GROWABLE] > old[GROWABLE]:
+    logging.warning(
+      "resuming %s with %s=%d (was %d): the inner cosine, unless config.inner.total_steps is "
+      "set, now spans the longer run; --config.inner.total_steps=%d keeps the old one.",
+      workdir,
+      GROWABLE,
+      new[GROWABLE],
+      old[GROWABLE],
+      old[GROWABLE] * old["dipaco.inner_steps"],
+    )
+    return
+  if changed:
+    grow = (
+      f" A run trains longer with a larger {GROWABLE} alone, in the spmd loop."
+      if GROWABLE in changed
+      else ""
+    )
+    shown = ", ".join(f"{k}: {old[k]!r} -> {new.get(k)!r}" for k in changed[:4])
+    more = f" (and {len(changed) - 4} more)" if len(changed) > 4 else ""
+    raise errors.ConfigError(
+      f"{workdir} holds a run whose state does not fit this config ({shown}{more}): rerun "
+      f"with its own values, or use a new --workdir (nothing was changed in the old one).{grow}"
+    )
+
+
+def set_aside_earlier_attempt(workdir: epath.Path, config) -> None:
+  """Moves the files of an earlier attempt that saved no state and ran another config aside.
+
+  Its config.json, shards and router would refuse or mislead this run; nothing is
+  deleted: they go to <workdir>/earlier_attempt_<n>/ (one line says so).
+  """
+  pair = _saved_and_new(workdir, config)
+  if pair is None or jax.process_index() != 0:
+    return
+  old, new = pair
+  if all(old[k] == new.get(k) for k in old):
+    return  # The same config again: its shards and router are reused.
+  n = 1 + sum(1 for p in workdir.glob("earlier_attempt_*"))
+  aside = workdir / f"earlier_attempt_{n}"
+  aside.mkdir()
+  for entry in workdir.iterdir():
+    if not entry.name.startswith("earlier_attempt_"):
+      entry.rename(aside / entry.name)
+  logging.warning(
+    "%s held an earlier attempt of another config that saved no checkpoint; its files are "
+    "now in %s (delete it when you no longer need them).",
+    workdir,
+    aside,
+  )
 
 
 def write(workdir: epath.Path, config) -> None:

@@ -189,9 +189,12 @@ def test_config_json_written_by_the_trainer_is_read_back(bucket):
   assert objects(bucket) == ["run/config.json"]
   back = evaluate.config_from_workdir(workdir)
   assert back.to_dict() == cfg.to_dict()
-  saved_config.check_matches(epath.Path(workdir), cfg)  # Same config: resumes.
-  with pytest.raises(Exception, match="different config sections"):
-    saved_config.check_matches(epath.Path(workdir), helpers.micro_config(**{"model.d_model": 64}))
+  resume = dict(started=True, may_grow=True)
+  saved_config.check_matches(epath.Path(workdir), cfg, **resume)  # Same config: resumes.
+  with pytest.raises(Exception, match="model.d_model: 32 -> 64"):
+    saved_config.check_matches(
+      epath.Path(workdir), helpers.micro_config(**{"model.d_model": 64}), **resume
+    )
   with pytest.raises(errors.ConfigError, match="no --config given and no .*/other/config"):
     evaluate.config_from_workdir(f"{bucket}/other")
 

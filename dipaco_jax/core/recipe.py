@@ -132,6 +132,10 @@ class Recipe:
     """θ̄: one path's params at random."""
     return model_lib.init_params(self.model_cfg, rng)
 
+  def abstract_params(self) -> PyTree:
+    """θ̄'s shapes and dtypes, without computing it."""
+    return jax.eval_shape(self.init_params, jax.random.key(0))
+
   def init_state(self, rng: jax.Array, theta: PyTree | None = None) -> TrainState:
     """The state at step 0: all modules from θ̄ (given, or one random init), or each its own."""
     if theta is None and self.init == "independent":

@@ -17,6 +17,7 @@ from dipaco_jax.data import corpus
 from dipaco_jax.data import shard_writer
 from dipaco_jax.data import shards
 from dipaco_jax.data import vocab
+from dipaco_jax.errors import ConfigError
 from dipaco_jax.io import files
 
 # Fields of the shard dir's meta.json that must match the run's config for the dir to be reused.
@@ -209,7 +210,8 @@ def _check_match(meta_path: epath.Path, want: dict, shard_dir: str) -> None:
     shards.check_format(have, shard_dir)
   diff = {k: (have.get(k), want[k]) for k in MATCH_FIELDS if have.get(k) != want[k]}
   if diff:
-    raise ValueError(
-      f"Shard dir {shard_dir} was written for another config (field: (on disk, wanted)): "
-      f"{diff}. Point the run at a new shard dir; this one is never overwritten."
+    raise ConfigError(
+      f"shard dir {shard_dir} was written for another config (field: (on disk, wanted)): "
+      f"{diff}; point the run at a new one (--config.data.shard_dir) or remove this one: it is "
+      "never overwritten."
     )

@@ -24,8 +24,8 @@ from jax.sharding import PartitionSpec as P
 
 from dipaco_jax.config import sections
 from dipaco_jax.core import model as model_lib
-from dipaco_jax.io import checkpoint as ckpt_lib
 from dipaco_jax.io import progress
+from dipaco_jax.io import theta as theta_lib
 from dipaco_jax.types import PyTree
 
 
@@ -42,9 +42,10 @@ def check_prefix_len(prefix_len: int) -> int:
 def base_params(config) -> tuple[PyTree, str]:
   """θ̄ (config.dipaco.init_from's params, else the run's initial params) and its identity."""
   src = config.dipaco.init_from
-  if src:
-    return ckpt_lib.restore_worker_params(src), f"init_from:{src}"
   cfg = sections.ModelConfig.of(config)
+  if src:
+    shapes = jax.eval_shape(functools.partial(model_lib.init_params, cfg), jax.random.key(0))
+    return theta_lib.restore(src, shapes), f"init_from:{src}"
   # The run's initial θ̄: Experiment._init draws it from jax.random.key(config.seed).
   init = jax.jit(functools.partial(model_lib.init_params, cfg))  # One compile, not one per op.
   return init(jax.random.key(config.seed)), f"init_seed:{config.seed}"

@@ -21,14 +21,10 @@ from dipaco_jax.data import feed as feed_lib
 from dipaco_jax.io import checkpoint as ckpt_lib
 from dipaco_jax.io import metrics as metrics_lib
 from dipaco_jax.io import progress
+from dipaco_jax.io import theta as theta_lib
 from dipaco_jax.runtime import dispatch
 from dipaco_jax.runtime import early_stopping
 from dipaco_jax.runtime import shard_plan
-
-
-def _initial_theta(config):
-  src = config.dipaco.init_from
-  return ckpt_lib.restore_worker_params(src) if src else None
 
 
 def run(config, workdir: str) -> dict[str, Any]:
@@ -38,6 +34,10 @@ def run(config, workdir: str) -> dict[str, Any]:
   before its shards are ready leaves no config.json.
   """
   exp = exp_lib.Experiment(config)
+  # θ̄ read and checked before anything is written (a first run; a resume reads its checkpoint).
+  theta = None
+  if not ckpt_lib.steps(workdir):
+    theta = theta_lib.initial(config.dipaco.init_from, exp.recipe.abstract_params())
   workdir_path = epath.Path(workdir)
   workdir_path.mkdir(parents=True, exist_ok=True)
   topo = exp.topo
@@ -66,7 +66,7 @@ def run(config, workdir: str) -> dict[str, Any]:
     ckpt.close()
     raise
   if restored is None:
-    state = exp.init_state(config.seed, _initial_theta(config))
+    state = exp.init_state(config.seed, theta)
   else:
     state, data_state = restored
     plan.restore(data_state)

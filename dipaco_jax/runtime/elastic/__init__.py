@@ -7,6 +7,7 @@ package (the spmd trainer does, for the workdir check) needs no Ray.
 from dipaco_jax.runtime.elastic.errors import ElasticConfigError
 from dipaco_jax.runtime.elastic.errors import check_workdir_mode
 from dipaco_jax.runtime.elastic.errors import mode
+from dipaco_jax.runtime.elastic.errors import started
 
 
 def run(config, workdir: str) -> dict:

@@ -33,6 +33,7 @@ from dipaco_jax.core import recipe as recipe_lib
 from dipaco_jax.core import sharding
 from dipaco_jax.io import checkpoint as ckpt_lib
 from dipaco_jax.io import metrics as metrics_lib
+from dipaco_jax.io import theta as theta_lib
 from dipaco_jax.routing import router as router_lib
 from dipaco_jax.runtime import early_stopping
 from dipaco_jax.runtime import faults as faults_lib
@@ -68,10 +69,8 @@ def _module_rows(full, template, group: str, module: int):
   return jax.tree.unflatten(jax.tree.structure(template), leaves)
 
 
-def _init_storage(config, workdir: str, exp, grid: grid_lib.Grid, alpha_W) -> None:
+def _init_storage(config, workdir: str, exp, grid: grid_lib.Grid, alpha_W, theta) -> None:
   """Version 0 of every module and its momentum (θ̄ as the synchronous mode builds it)."""
-  src = config.dipaco.init_from
-  theta = ckpt_lib.restore_worker_params(src) if src else None
   state = exp.init_state(config.seed, theta)
   store, outer_opt = jax.device_get((state.store, state.outer_opt))
   for s in grid.groups:
@@ -419,11 +418,16 @@ def _prepare(config, workdir: str, grid: grid_lib.Grid):
       {"path": 1, "data": 1, "model": 1, "num_slices": 1}, 1, devices=jax.devices()[:1]
     ),
   )
+  started = (storage.root(workdir) / META).exists()
+  # θ̄ read and checked before anything is written (as the spmd loop).
+  theta = (
+    None if started else theta_lib.initial(config.dipaco.init_from, exp.recipe.abstract_params())
+  )
   plan = shard_plan.ShardPlan(config, workdir, exp)  # Phase-0 shards and α, as the SPMD loop.
   saved_config.write(epath.Path(workdir), config)
   alpha_W = np.asarray(jax.device_get(plan.alpha_W), np.float32)
-  if not (storage.root(workdir) / META).exists():
-    _init_storage(config, workdir, exp, grid, alpha_W)
+  if not started:
+    _init_storage(config, workdir, exp, grid, alpha_W, theta)
   return exp, plan, alpha_W
 
 

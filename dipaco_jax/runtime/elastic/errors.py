@@ -89,6 +89,11 @@ def mode(config) -> str:
   return value
 
 
+def started(workdir: str) -> bool:
+  """Whether `workdir` holds an elastic run's storage (its modules' version 0 on)."""
+  return (epath.Path(workdir) / META).exists()
+
+
 def check_workdir_mode(workdir: str, run_mode: str) -> None:
   """Refuses a workdir written by the other mode (its state would be ignored)."""
   wd = epath.Path(workdir)

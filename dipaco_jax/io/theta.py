@@ -1,0 +1,61 @@
+"""θ̄ from another run (config.dipaco.init_from): the path checked, the params read and checked.
+
+Both runtimes and the router's features start from θ̄. Each check raises one
+ConfigError naming config.dipaco.init_from and the fix, before the run writes
+anything: a missing path, a checkpoint step folder given for its run, a run
+with no finished checkpoint, params of another model.
+"""
+
+import jax
+from etils import epath
+
+from dipaco_jax.errors import ConfigError
+from dipaco_jax.io import checkpoint
+from dipaco_jax.types import PyTree
+
+_FIELD = "config.dipaco.init_from"
+
+
+def check_source(src: str) -> None:
+  """Raises ConfigError unless `src` is the workdir of a run with a finished checkpoint."""
+  path = epath.Path(src)
+  if not path.exists():
+    raise ConfigError(
+      f"{_FIELD}={src!r} does not exist: give the workdir of a finished dense run, or '' for "
+      "a random θ̄."
+    )
+  if path.parent.name == checkpoint.DIRNAME or path.name == checkpoint.DIRNAME:
+    run = path.parent.parent if path.parent.name == checkpoint.DIRNAME else path.parent
+    raise ConfigError(
+      f"{_FIELD}={src!r} names a checkpoint folder, not a run: give the run's workdir "
+      f"(--config.dipaco.init_from={run}); its latest checkpoint is read."
+    )
+  if not checkpoint.steps(src):
+    raise ConfigError(
+      f"{_FIELD}={src!r} holds no finished checkpoint (no {checkpoint.directory(src)}/<step>): "
+      "give the workdir of a dense run that has saved one."
+    )
+
+
+def initial(src: str, abstract_params: PyTree) -> PyTree | None:
+  """θ̄ of a run from config.dipaco.init_from (`restore`), or None ("": a random θ̄)."""
+  return restore(src, abstract_params) if src else None
+
+
+def restore(src: str, abstract_params: PyTree) -> PyTree:
+  """Worker 0's params of run `src`, checked leaf by leaf against `abstract_params` (θ̄'s shapes)."""
+  check_source(src)
+  theta = checkpoint.restore_worker_params(src)
+  want = dict(jax.tree_util.tree_flatten_with_path(abstract_params)[0])
+  got = dict(jax.tree_util.tree_flatten_with_path(theta)[0])
+  for kp in sorted(set(want) | set(got), key=jax.tree_util.keystr):
+    w, g = want.get(kp), got.get(kp)
+    if w is None or g is None or tuple(w.shape) != tuple(g.shape):
+      name = jax.tree_util.keystr(kp)
+      have = "absent" if g is None else f"shape {tuple(g.shape)}"
+      need = "absent" if w is None else f"shape {tuple(w.shape)}"
+      raise ConfigError(
+        f"{_FIELD}={src!r} holds params of another model: {name} is {have} there, {need} "
+        "in this config's model: give a run of the same config.model (its config.json says)."
+      )
+  return jax.tree.map(lambda t, a: t.astype(a.dtype), theta, abstract_params)
