@@ -60,7 +60,7 @@ class DivergenceGuard:
     inner_steps: int,
     labels: list[str],
     kept: str = "no checkpoint was saved",
-    fetch=np.asarray,
+    fetch=jax.device_get,
   ):
     """The rules over workers `labels`.
 
