@@ -60,12 +60,13 @@ class DivergenceGuard:
     inner_steps: int,
     labels: list[str],
     kept: str = "no checkpoint was saved",
-    fetch=np.asarray,
+    fetch=None,
   ):
     """The rules over workers `labels`.
 
     `kept`: what the run keeps if the guard stops it now (the runtime's words). `fetch`:
-    brings a phase's reference norms to this host (the spmd loop's gathers across processes).
+    brings a phase's reference norms ({group: norms}) to this host (the spmd loop's gathers
+    across processes); None: they are read where they are (one process, e.g. an elastic task).
     """
     self.cfg, self.labels, self.kept, self.fetch = cfg, labels, kept, fetch
     self.ln_v = float(np.log(vocab_size))
@@ -132,7 +133,7 @@ class DivergenceGuard:
     start, norms0 = self._reference[phase]
     if isinstance(norms0, dict):  # First read: to the host, once.
       groups = list(norms0)
-      host = self.fetch(norms0)
+      host = self.fetch(norms0) if self.fetch else norms0
       norms0 = groups, np.stack([np.asarray(host[g], np.float64).reshape(-1) for g in groups])
       self._reference[phase] = start, norms0
     groups, norm0_GxW = norms0
