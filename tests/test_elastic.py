@@ -737,6 +737,32 @@ def test_worker_resources_the_machine_cannot_give_are_refused_before_anything_is
   assert not wd.exists()
 
 
+def test_rays_token_file_is_written_and_kept_owner_only(tmp_path, monkeypatch):
+  private = elastic_driver._private_token  # pylint: disable=protected-access
+  monkeypatch.setenv("HOME", str(tmp_path))
+  for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+    monkeypatch.delenv(k, raising=False)
+  token = tmp_path / ".ray" / "auth_token"
+  assert elastic_driver.token_file() == token
+  private()  # Missing: written owner-only, as Ray would (32 random bytes in hex).
+  assert stat.S_IMODE(token.stat().st_mode) == 0o600
+  assert stat.S_IMODE(token.parent.stat().st_mode) == 0o700
+  text = token.read_text()
+  assert re.fullmatch("[0-9a-f]{64}", text)
+  token.chmod(0o644)  # As Ray 2.60 writes it under umask 022: every local user could read it.
+  private()
+  assert stat.S_IMODE(token.stat().st_mode) == 0o600 and token.read_text() == text
+  other = tmp_path / "elsewhere" / "token"
+  monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(other))
+  private()
+  assert stat.S_IMODE(other.stat().st_mode) == 0o600
+  monkeypatch.setenv("RAY_AUTH_TOKEN", "abc")  # No file: the token is in the environment.
+  assert elastic_driver.token_file() is None
+  monkeypatch.delenv("RAY_AUTH_TOKEN")
+  monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+  assert elastic_driver.token_file() is None
+
+
 def test_a_resource_no_node_has_stops_the_command_in_one_line_before_any_work(tmp_path):
   """`python -m dipaco_jax.main` asking TPUs of this CPU machine: exit 1, one line, no workdir."""
   pytest.importorskip("ray")
@@ -1048,7 +1074,11 @@ def test_the_commands_own_cluster_listens_on_loopback_only_and_keeps_its_token_p
     "assert out['stopped'], out\n"
   )
   test_dir = os.path.dirname(os.path.abspath(__file__))
+  # A home of its own: Ray's token file is ~/.ray/auth_token, written by the command (0600).
   env = {**os.environ, "PYTHONPATH": helpers.ROOT, "JAX_PLATFORMS": "cpu"}
+  env["HOME"] = str(tmp_path / "home")
+  for k in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+    env.pop(k, None)
   args = [sys.executable, "-c", code, test_dir, json.dumps(over), str(tmp_path / "run")]
   child = subprocess.Popen(args, cwd=helpers.ROOT, env=env, stderr=subprocess.PIPE, text=True)
   seen = {}  # (process, kind, status, local ip, remote ip) -> times seen
@@ -1071,9 +1101,13 @@ def test_the_commands_own_cluster_listens_on_loopback_only_and_keeps_its_token_p
   assert {"gcs_server", "raylet", "driver", "ray::PathWorker", "ray::Coordinator"} <= names, seen
   exposed = [k for k in seen if any(ip and not elastic_driver.is_loopback(ip) for ip in k[3:])]
   assert not exposed, exposed  # Listening, bound (UDP) and connected: loopback only.
-  token = elastic_driver.token_file()  # Ray's token file (none if the user turned tokens off).
-  if token is not None:
+  token = tmp_path / "home" / ".ray" / "auth_token"
+  if env.get("RAY_AUTH_MODE", "token").lower() == "token":  # Ray's default: tokens on.
     assert stat.S_IMODE(token.stat().st_mode) == 0o600
+    assert stat.S_IMODE(token.parent.stat().st_mode) == 0o700
+    assert re.fullmatch("[0-9a-f]{64}", token.read_text())
+  else:  # The user turned Ray's tokens off: the command writes none.
+    assert not token.exists()
   assert elastic_driver.is_loopback("::ffff:127.0.0.1") and elastic_driver.is_loopback("::1")
   assert not elastic_driver.is_loopback("0.0.0.0") and not elastic_driver.is_loopback("::")
 
