@@ -25,6 +25,7 @@ sys.path.insert(0, ROOT)
 
 from dipaco_jax import config_check  # noqa: E402
 from dipaco_jax import train  # noqa: E402
+from dipaco_jax.runtime.elastic import driver  # noqa: E402
 from dipaco_jax.runtime.elastic import executor as exec_lib  # noqa: E402
 from dipaco_jax.runtime.elastic import grid as grid_lib  # noqa: E402
 from dipaco_jax.runtime.elastic import storage  # noqa: E402
@@ -83,13 +84,7 @@ def main():
   args = p.parse_args()
   import ray  # pylint: disable=g-import-not-at-top
 
-  ray.init(
-    address="local",
-    num_cpus=args.workers + 1,
-    include_dashboard=False,
-    _node_ip_address="127.0.0.1",
-    log_to_driver=False,
-  )
+  driver.start_local_ray(num_cpus=args.workers + 1)  # The command's own cluster's settings.
   res = {"args": vars(args)}
   with tempfile.TemporaryDirectory() as tmp:
     res["no_delay"] = _run(args, tmp, "clean")

@@ -471,7 +471,8 @@ class ElasticConfig(f.Section):
   worker_resources: str = f.field(
     "",
     f.string(),  # Its JSON: runtime/elastic/errors.check_config.
-    'JSON of Ray resources one worker actor needs, e.g. \'{"TPU": 4}\' ("" = 1 CPU).',
+    'JSON of Ray resources one worker actor needs, e.g. \'{"TPU": 4}\' ("" = 1 CPU); what the '
+    "local cluster lacks is refused, a joined cluster's actors wait for nodes.",
   )
   pin_cpus: bool = f.field(
     True,
@@ -482,7 +483,8 @@ class ElasticConfig(f.Section):
   task_timeout_s: float = f.field(
     600.0,
     f.number(0),
-    "A task not reported after this long goes back on the queue (its worker restarts).",
+    "A task not reported after this long goes back on the queue (its worker restarts); the same "
+    "task cut twice while stepping (or 3 times) stops the run with the time it needs.",
   )
   progress_every_steps: int = f.field(
     0,

@@ -65,7 +65,8 @@ class DivergenceGuard:
     """The rules over workers `labels`.
 
     `kept`: what the run keeps if the guard stops it now (the runtime's words). `fetch`:
-    brings a phase's reference norms to this host (the spmd loop's gathers across processes).
+    brings a phase's reference norms ({group: norms}) to this host (the spmd loop's gathers
+    across processes); None: they are read where they are (one process, e.g. an elastic task).
     """
     self.cfg, self.labels, self.kept, self.fetch = cfg, labels, kept, fetch
     self.ln_v = float(np.log(vocab_size))

@@ -15,9 +15,15 @@ only then lets the coordinator hand out the phase's tasks.
 """
 # pylint: disable=invalid-name
 
+import contextlib
+import ipaddress
 import json
+import math
 import os
+import pathlib
+import secrets
 import socket
+import stat
 import time
 
 import jax
@@ -253,9 +259,143 @@ def _final_state(config, workdir: str, exp, grid: grid_lib.Grid):
 # the death's cause or after this wait (default 1 s): with 0.1 s a killed worker's task is back
 # on the queue about 1 s sooner (measured: kill -> error 1.42 s -> 0.42 s, docs/elastic.md).
 LOCAL_RAY_SYSTEM_CONFIG = {"timeout_ms_task_wait_for_death_info": 100}
+LOOPBACK = "127.0.0.1"  # Every service of the command's own cluster listens here, and only here.
 
 
-def _connect(config, num_cpus: int) -> bool:
+def is_loopback(host: str) -> bool:
+  """True for a loopback address: 127.0.0.0/8, ::1, or IPv4 loopback mapped into IPv6."""
+  try:
+    ip = ipaddress.ip_address(host.split("%")[0])
+  except ValueError:
+    return False
+  return (getattr(ip, "ipv4_mapped", None) or ip).is_loopback
+
+
+def token_file() -> pathlib.Path | None:
+  """The file Ray reads the cluster's token from, where token authentication is on; else None.
+
+  Ray 2.60 turns token authentication on for a local cluster unless $RAY_AUTH_MODE
+  says otherwise, and takes the token from $RAY_AUTH_TOKEN (no file), else the
+  file $RAY_AUTH_TOKEN_PATH, else ~/.ray/auth_token, which it writes if missing.
+  """
+  if os.environ.get("RAY_AUTH_MODE", "token").lower() != "token":
+    return None
+  if os.environ.get("RAY_AUTH_TOKEN"):
+    return None
+  path = os.environ.get("RAY_AUTH_TOKEN_PATH")
+  return pathlib.Path(path) if path else pathlib.Path.home() / ".ray" / "auth_token"
+
+
+def _private_token() -> None:
+  """Ray's token file, readable by its owner only (0600); written so from the start if missing.
+
+  Ray writes ~/.ray/auth_token with the process umask (0644: every local user
+  could read the token); this writes the token first, owner-only, as Ray would
+  (32 random bytes in hex), or takes the group's and others' bits off an existing file.
+  """
+  path = token_file()
+  if path is None:
+    return
+  if not path.exists():
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+      fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:  # Another command wrote it meanwhile: tightened below.
+      pass
+    else:
+      with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+  mode = stat.S_IMODE(path.stat().st_mode)
+  if mode & 0o077:
+    try:
+      path.chmod(0o600)
+    except PermissionError:
+      raise ElasticConfigError(
+        f"Ray's token file {path} is readable by other users (mode {mode:04o}) and this user "
+        "cannot change it: run `chmod 600` on it as its owner, or point RAY_AUTH_TOKEN_PATH at "
+        "a file of your own."
+      ) from None
+    logging.info("elastic: Ray's token file %s made owner-only (mode %04o -> 0600)", path, mode)
+
+
+@contextlib.contextmanager
+def _loopback_node(ray):
+  """Ray's node IP stays 127.0.0.1 for a cluster started here.
+
+  On Linux, ray.init turns `_node_ip_address="127.0.0.1"` into the host's
+  external address (`services.resolve_ip_for_localhost`), and every service then
+  listens on all interfaces. Ray keeps loopback where it runs without clusters
+  (`ray_constants.ENABLE_RAY_CLUSTER` false, Windows and macOS); with that flag
+  off while the node starts, GCS, raylet, object manager, the agents and every
+  worker bind 127.0.0.1 (`start_local_ray` checks it).
+  """
+  from ray._private import ray_constants  # pylint: disable=g-import-not-at-top
+
+  old = ray_constants.ENABLE_RAY_CLUSTER
+  ray_constants.ENABLE_RAY_CLUSTER = False
+  try:
+    yield
+  finally:
+    ray_constants.ENABLE_RAY_CLUSTER = old
+
+
+def start_local_ray(num_cpus: int, **kwargs) -> None:
+  """A one-node Ray cluster in this process, every service on 127.0.0.1, token owner-only.
+
+  `kwargs` go to ray.init (the tests' and benchmarks' extra settings). Raises
+  RuntimeError if Ray did not keep the node on loopback (a Ray version whose
+  settings changed: nothing is left running).
+  """
+  import ray  # pylint: disable=g-import-not-at-top
+
+  _private_token()
+  with _loopback_node(ray):
+    ray.init(
+      address="local",
+      num_cpus=num_cpus,
+      include_dashboard=False,
+      _node_ip_address=LOOPBACK,
+      log_to_driver=False,
+      _system_config=LOCAL_RAY_SYSTEM_CONFIG,
+      **kwargs,
+    )
+  node, gcs = ray.util.get_node_ip_address(), ray.get_runtime_context().gcs_address
+  if not (is_loopback(node) and is_loopback(gcs.rsplit(":", 1)[0])):
+    ray.shutdown()
+    raise RuntimeError(
+      f"Ray {ray.__version__} started the local cluster on {node} (GCS {gcs}), not on "
+      f"{LOOPBACK}: its services would listen beyond this machine. driver._loopback_node "
+      "needs the Ray version's own setting for this."
+    )
+  _private_token()  # Ray may have written it (a token file it found missing after all).
+
+
+def _worker_cpus(worker_resources: str) -> float:
+  """CPUs of one worker actor (elastic.worker_resources' "CPU", else 1)."""
+  return float(_worker_options(worker_resources)["num_cpus"])
+
+
+def _local_cpus(config) -> int:
+  """CPUs of the command's own cluster: every worker actor's, plus one; refuses more than exist.
+
+  Each worker actor asks for worker_resources' CPUs (1 by default); the coordinator
+  and executors ask for none. A worker asking for more cores than this machine
+  has could never be placed.
+  """
+  e = config.elastic
+  per = _worker_cpus(e.worker_resources)
+  cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+  if per > cores:
+    raise ElasticConfigError(
+      f"config.elastic.worker_resources={e.worker_resources!r} asks {per:g} CPUs per worker "
+      f"actor, but this machine, where the command's own Ray cluster runs "
+      f"(config.elastic.address=''), has {cores} cores: ask for at most {cores}, or join a "
+      "larger cluster with --config.elastic.address=HOST:PORT."
+    )
+  return math.ceil(e.num_workers * per) + 1
+
+
+def _connect(config) -> bool:
   """Starts a local Ray cluster on loopback, or joins config.elastic.address; True if started.
 
   A process already connected (a test, a notebook) keeps its connection; a given
@@ -285,14 +425,7 @@ def _connect(config, num_cpus: int) -> bool:
     except Exception as e:  # ConnectionError and Ray's own errors alike.
       raise unreachable(e) from None
   else:
-    ray.init(
-      address="local",
-      num_cpus=num_cpus,
-      include_dashboard=False,
-      _node_ip_address="127.0.0.1",
-      log_to_driver=False,
-      _system_config=LOCAL_RAY_SYSTEM_CONFIG,
-    )
+    start_local_ray(_local_cpus(config))
   return True
 
 
@@ -310,6 +443,226 @@ def _worker_options(worker_resources: str) -> dict:
     "num_cpus": resources.pop("CPU", 1),
     "resources": resources or None,
   }
+
+
+def _need(worker_resources: str) -> dict:
+  """What one worker actor asks Ray for: {"CPU": n, other resources...}, amounts > 0."""
+  opts = _worker_options(worker_resources)
+  need = {"CPU": opts["num_cpus"], **(opts["resources"] or {})}
+  return {k: float(v) for k, v in need.items() if v > 0}
+
+
+def _shown(resources: dict) -> str:
+  """Resources as JSON, without Ray's bookkeeping (memory, node:..., accelerator_type:...)."""
+  keep = {
+    k: int(v) if float(v).is_integer() else round(float(v), 4)
+    for k, v in sorted(resources.items())
+    if ":" not in k and k not in ("memory", "object_store_memory")
+  }
+  return json.dumps(keep)
+
+
+def _room(nodes: list, need: dict) -> float:
+  """How many worker actors asking `need` fit on `nodes` (ray.nodes() entries) by their totals."""
+  if not need:
+    return math.inf
+  return sum(
+    min(math.floor(n["Resources"].get(k, 0.0) / v + 1e-9) for k, v in need.items()) for n in nodes
+  )
+
+
+def check_resources(config, nodes: list, fixed: bool) -> str | None:
+  """elastic.worker_resources against the cluster's live nodes (`nodes`: ray.nodes()).
+
+  `fixed`: the cluster cannot grow (the local one, config.elastic.address=""):
+  if it has no room for config.elastic.num_workers worker actors this raises
+  ElasticConfigError, before any actor is requested. A joined cluster may grow
+  (spot VMs re-created, a pool still joining, an autoscaler), so there a
+  shortfall is a warning, returned as one line: the actors wait for nodes.
+  None when every worker actor fits.
+  """
+  e = config.elastic
+  nodes = [n for n in nodes if n.get("Alive", True)]
+  need = _need(e.worker_resources)
+  room = _room(nodes, need)
+  if room >= e.num_workers:
+    return None
+  total = {}
+  for n in nodes:
+    for k, v in n["Resources"].items():
+      total[k] = total.get(k, 0.0) + v
+  missing = [k for k in need if not total.get(k)]
+  field = f"config.elastic.worker_resources={e.worker_resources!r}"
+  asks = f"{field} asks each worker actor for {_shown(need)}"
+  if fixed:
+    where = "the local Ray cluster (config.elastic.address='', this machine)"
+    if missing:
+      fix = (
+        "ask for resources this machine has (worker_resources='' = 1 CPU each), or join a "
+        f"cluster whose nodes advertise {missing[0]} with --config.elastic.address=HOST:PORT."
+      )
+      raise ElasticConfigError(
+        f"{asks}, but {where} has no {missing[0]}: it offers {_shown(total)}; {fix}"
+      )
+    if room == 0:
+      raise ElasticConfigError(
+        f"{asks}, but no node of {where} has that much: it offers {_shown(total)}; ask for "
+        "less per worker, or join a larger cluster with --config.elastic.address=HOST:PORT."
+      )
+    raise ElasticConfigError(
+      f"{asks}: {where} offers {_shown(total)}, room for {room} of the "
+      f"config.elastic.num_workers={e.num_workers} worker actors; set "
+      f"--config.elastic.num_workers={room}, or ask for less per worker."
+    )
+  lack = f" (no node has {missing[0]})" if missing else ""
+  return (
+    f"elastic: {asks}; the cluster's {len(nodes)} live nodes offer {_shown(total)}: room for "
+    f"{room} of the config.elastic.num_workers={e.num_workers} worker actors{lack}. The others "
+    "wait until nodes with room join; if none will, stop the command and fix "
+    "config.elastic.worker_resources or config.elastic.num_workers."
+  )
+
+
+class _StartWatch:
+  """Worker actors that have not answered since they were requested: one line a minute.
+
+  A joined cluster may have no room for them yet (check_resources); the line
+  names them, config.elastic.worker_resources and what the live nodes offer.
+  Leasing does not wait for them (a task leased to an actor Ray has not placed
+  waits in its queue; its lease may expire: see _Timeouts).
+  """
+
+  def __init__(self, ray, config, workers, every_s: float = 60.0):
+    self.ray, self.config, self.every_s = ray, config, every_s
+    self.waiting = {w.pid.remote(): i for i, w in enumerate(workers)}
+    self.t0 = time.time()
+    self.next = self.t0 + every_s
+
+  def tick(self) -> None:
+    if not self.waiting:
+      return
+    ready, _ = self.ray.wait(list(self.waiting), num_returns=len(self.waiting), timeout=0)
+    for f in ready:
+      del self.waiting[f]
+    if self.waiting and time.time() >= self.next:
+      self.next = time.time() + self.every_s
+      logging.warning("%s", self.line())
+
+  def line(self) -> str:
+    actors = sorted(self.waiting.values())
+    head = (
+      f"elastic: worker actors {', '.join(map(str, actors))} ({len(actors)} of "
+      f"{self.config.elastic.num_workers}) have not started after {time.time() - self.t0:.0f} s"
+    )
+    short = check_resources(self.config, self.ray.nodes(), fixed=False)
+    if short:
+      return f"{head}: {short.removeprefix('elastic: ')}"
+    return f"{head}; the cluster has room for them (busy nodes, or their processes still start)."
+
+
+def _nice_s(seconds: float) -> int:
+  """Seconds rounded up to a multiple of 10 (at least 10)."""
+  return max(10, math.ceil(seconds / 10) * 10)
+
+
+def stepping(seen: dict | None) -> bool:
+  """A worker's progress (PathWorker.progress) shows it was still stepping when asked.
+
+  At least one inner step done in this attempt, the last one recent: within 30 s
+  or 3x the attempt's mean time per step so far (load and compile included).
+  """
+  if not seen or not seen["steps"] or seen["since_step_s"] is None:
+    return False
+  return seen["since_step_s"] <= max(30.0, 3 * seen["elapsed_s"] / seen["steps"])
+
+
+class _Timeouts:
+  """config.elastic.task_timeout_s against the tasks' real durations (docs/elastic.md, Failures).
+
+  The rule: each expired lease is one warning line (and a `timeout` event in the
+  task log with the worker's progress). The run stops with ElasticConfigError,
+  naming the field, the measured time and a value, when the same task expires
+  `STEPPING` times while its worker was stepping (the timeout is shorter than
+  the task: every retry would be cut again), or `ANSWERED` times whatever the
+  worker was doing when asked (loading, compiling, hung). One expiry is what the
+  timeout is for (a straggler, a hung worker: the task moves on), and a worker
+  that does not answer (not placed or started yet, or gone) is not counted:
+  those are the pool's normal troubles, not the timeout's.
+  """
+
+  STEPPING = 2
+  ANSWERED = 3
+
+  def __init__(self, timeout_s: float, H: int):
+    self.timeout_s, self.H = float(timeout_s), int(H)
+    self.counts = {}  # task -> [expiries while stepping, expiries answered]
+
+  def _field(self) -> str:
+    return f"config.elastic.task_timeout_s={self.timeout_s:g}"
+
+  def expired(self, task, actor: int, seen: dict | None) -> str:
+    """Task (phase, worker) expired on `actor`; returns the warning line, raises at the limit."""
+    name = f"task (phase {task[0]}, worker {task[1]})"
+    c = self.counts.setdefault(tuple(task), [0, 0])
+    was_stepping = stepping(seen)
+    c[0] += was_stepping
+    c[1] += seen is not None
+    est = None
+    if seen is None:
+      state = "its worker did not answer (not placed or started yet, or gone)"
+    else:
+      state = f"{seen['steps']} of {seen['of']} inner steps done in {seen['elapsed_s']:.1f} s"
+      if was_stepping:  # This attempt's pace, its load and compile included: errs long.
+        est = seen["elapsed_s"] * self.H / seen["steps"]
+        state += f", about {est:.0f} s for the task's {self.H}"
+      else:
+        state += ", none lately (loading, compiling or hung)"
+    if c[0] >= self.STEPPING:
+      raise ElasticConfigError(
+        f"{self._field()} is shorter than a task: {name} timed out {c[0]} times while its "
+        f"worker was stepping (the last attempt: {state}); set "
+        f"--config.elastic.task_timeout_s={_nice_s(3 * est)} (3x that) or more and rerun "
+        "the same command (it resumes)."
+      )
+    if c[1] >= self.ANSWERED:
+      value = _nice_s(3 * est) if est else _nice_s(10 * self.timeout_s)
+      raise ElasticConfigError(
+        f"{self._field()}: {name} timed out {c[1]} times (the last attempt: {state}); set "
+        f"--config.elastic.task_timeout_s={value} or more (the `done` events of "
+        "elastic/tasks.jsonl hold the tasks' real seconds) and rerun the same command."
+      )
+    return (
+      f"elastic: {name} passed {self._field()} on actor {actor}: {state}; requeued, the "
+      f"actor restarted (this task's timeouts: {c[0]} while stepping, {c[1]} answered; "
+      f"{self.STEPPING} or {self.ANSWERED} stop the run)."
+    )
+
+  def expired_score(self, path: int, actor: int, elapsed_s: float) -> str:
+    """A re-shard's scoring task on `actor` expired: a line; raises the `ANSWERED`-th time."""
+    c = self.counts.setdefault(("score", path), [0, 0])
+    c[1] += 1
+    if c[1] >= self.ANSWERED:
+      raise ElasticConfigError(
+        f"{self._field()}: the scoring task of path {path} (a discriminative re-shard) timed out "
+        f"{c[1]} times, the last after {elapsed_s:.1f} s; set "
+        f"--config.elastic.task_timeout_s={_nice_s(10 * self.timeout_s)} or more and rerun the "
+        "same command."
+      )
+    return (
+      f"elastic: the scoring task of path {path} passed {self._field()} on actor {actor} after "
+      f"{elapsed_s:.1f} s; scored again ({c[1]} of {self.ANSWERED} such timeouts stop the run)."
+    )
+
+
+def _progress(ray, ray_errors, actor, task) -> dict | None:
+  """The worker actor's progress on `task` (PathWorker.progress), or None if it does not answer."""
+  try:
+    seen = ray.get(actor.progress.remote(), timeout=2.0)
+  except ray_errors.RayError:  # GetTimeoutError (busy starting, or not placed), a dead actor.
+    return None
+  if not seen or (seen["phase"], seen["worker"]) != tuple(task):
+    return None
+  return seen
 
 
 def cpu_sets(cores, n: int) -> list:
@@ -350,11 +703,16 @@ def run(config, workdir: str) -> dict:
       "config.dipaco.mode='elastic' needs Ray: pip install 'dipaco_jax[elastic]'."
     ) from None
   workdir = str(workdir)
-  epath.Path(workdir).mkdir(parents=True, exist_ok=True)
   e = config.elastic
-  t0, actors, task_log = time.time(), [], storage.TaskLog(workdir)
-  started = _connect(config, num_cpus=e.num_workers + 1)  # A bad address fails before any work.
+  t0, actors, task_log = time.time(), [], None
+  # A bad address, or worker resources the local cluster lacks, fail before anything is written.
+  started = _connect(config)
   try:
+    short = check_resources(config, ray.nodes(), fixed=not e.address)
+    if short:  # A joined cluster may grow: the actors wait for nodes (a line a minute).
+      logging.warning("%s", short)
+    epath.Path(workdir).mkdir(parents=True, exist_ok=True)
+    task_log = storage.TaskLog(workdir)
     t_ray = time.time()
     # The queue and the worker actors first: while their processes import JAX (seconds), the
     # driver prepares θ̄, the shards and the store; no task is leased before that is done.
@@ -379,6 +737,7 @@ def run(config, workdir: str) -> dict:
       for i in range(e.num_workers)
     ]
     actors += workers
+    starting = _StartWatch(ray, config, workers)  # A line a minute while any is not started.
     exp, plan, alpha_W = _prepare(config, workdir, grid)
     t_prepared = time.time()
     logging.info(
@@ -399,10 +758,23 @@ def run(config, workdir: str) -> dict:
     event = {"t": time.time(), "event": "startup", "ray_s": t_ray - t0}
     task_log.append({**event, "prepare_s": t_prepared - t_ray})
     return _loop(
-      config, workdir, grid, coord, executors, owned, workers, task_log, ray, ray_errors, exp, plan
+      config,
+      workdir,
+      grid,
+      coord,
+      executors,
+      owned,
+      workers,
+      task_log,
+      ray,
+      ray_errors,
+      exp,
+      plan,
+      starting,
     )
   finally:
-    task_log.close()
+    if task_log is not None:
+      task_log.close()
     for a in actors:
       ray.kill(a, no_restart=True)
     if started:
@@ -443,10 +815,26 @@ def _call(ray, ray_errors, method, *args):
 
 
 def _loop(
-  config, workdir, grid, coord, executors, owned, workers, task_log, ray, ray_errors, exp, plan
+  config,
+  workdir,
+  grid,
+  coord,
+  executors,
+  owned,
+  workers,
+  task_log,
+  ray,
+  ray_errors,
+  exp,
+  plan,
+  starting=None,
 ) -> dict:
-  """Leases tasks to idle workers, forwards results to executors, versions to the queue."""
+  """Leases tasks to idle workers, forwards results to executors, versions to the queue.
+
+  `starting`: the worker actors not started yet (_StartWatch), logged while they wait.
+  """
   e = config.elastic
+  timeouts = _Timeouts(e.task_timeout_s, grid.H)  # Stops a run whose timeout cuts every task.
   call = lambda m, *a: _call(ray, ray_errors, m, *a)
   log = lambda **kw: task_log.append({"t": time.time(), **kw})
   running, outer = {}, {}  # future -> (actor, task, start); future -> (executor, phase, worker)
@@ -521,13 +909,18 @@ def _loop(
       if resharder.due is not None and not (resharder.todo or scoring):
         call(coord.resharded, resharder.finish())
         reshard_check[0] = True
+      if starting is not None:
+        starting.tick()
       for task, actor in call(coord.expired):
-        log(event="timeout", phase=task[0], worker=task[1], actor=actor)
+        seen = _progress(ray, ray_errors, workers[actor], task)  # Before the kill ends it.
+        log(event="timeout", phase=task[0], worker=task[1], actor=actor, progress=seen)
+        logging.warning("%s", timeouts.expired(task, actor, seen))  # Raises at the limit.
         ray.kill(workers[actor], no_restart=False)  # Comes back; its future raises.
       for f, (actor, path, start) in scoring.items():
         if f not in timed_out and time.time() - start > e.task_timeout_s:
           timed_out.add(f)  # Killed once; rescored when its future raises.
           log(event="timeout_score", path=path, actor=actor)
+          logging.warning("%s", timeouts.expired_score(path, actor, time.time() - start))
           ray.kill(workers[actor], no_restart=False)
       busy = {a for a, _, _ in running.values()} | set(probes.values())
       busy |= set(scoring_actors())

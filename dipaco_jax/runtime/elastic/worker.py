@@ -104,9 +104,32 @@ class PathWorker:
     self._rest, self._heldout = early_stopping.holdouts(config)
     self._shard_sets = {}  # Routing phase -> its shards, opened on first use.
     self._ahead = dispatch.dispatch_ahead(config)  # As the spmd loop: on TPU/GPU, off on CPU.
+    self._progress = None  # The running task's: see progress().
 
   def pid(self) -> int:
     return os.getpid()
+
+  def progress(self) -> dict | None:
+    """The running training task's progress, or None (the driver asks when its lease expires).
+
+    Durations measured here, so no two hosts' clocks are compared: {"phase",
+    "worker", "steps" (inner steps done by this attempt), "of" (the steps it had
+    to do: H, less a progress save's), "elapsed_s" (since the attempt began),
+    "since_step_s" (since its last step, None before the first)}. Answers while
+    a task runs: the actor runs two calls at a time (max_concurrency=2).
+    """
+    p = self._progress
+    if p is None:
+      return None
+    now = time.time()
+    return {
+      "phase": p["phase"],
+      "worker": p["worker"],
+      "steps": p["steps"],
+      "of": p["of"],
+      "elapsed_s": now - p["start"],
+      "since_step_s": None if p["last"] is None else now - p["last"],
+    }
 
   def _shards(self, k: int) -> data_lib.ShardSet:
     """Routing phase k's shard set."""
@@ -276,6 +299,15 @@ class PathWorker:
     `faults`: the driver's fault spec for this task (runtime/faults.py).
     """
     start = time.time()
+    self._progress = {"phase": int(phase), "worker": int(worker), "start": start}
+    self._progress.update(steps=0, of=self.grid.H, last=None)
+    try:
+      return self._run(start, phase, worker, faults)
+    finally:
+      self._progress = None
+
+  def _run(self, start: float, phase: int, worker: int, faults: dict | None) -> dict:
+    """run's body; `start`: when the attempt began."""
     wd, phase, worker = self.workdir, int(phase), int(worker)
     plan = faults_lib.task_plan(self.config.faults, self.index, faults)
     result = {"phase": phase, "worker": worker, "actor": self.index, "pid": os.getpid()}
@@ -295,6 +327,7 @@ class PathWorker:
       losses = list(rec["loss"])
       result.update({key: rec[key] for key in ("val_loss", "stop_loss") if key in rec})
       result["resumed_at_step"] = rec["step"]
+      self._progress["of"] = H - len(losses)
     else:
       params = start_params
       step0 = phase * H
@@ -323,10 +356,13 @@ class PathWorker:
     t0 = time.time()
     pending, m = None, None  # pending: a dispatched step's metrics, unread.
 
+    resumed = len(losses)
+
     def read(m):  # Blocks on a step's metrics and passes them through the guard.
       m = jax.device_get(m)
       guard.check(phase * H + len(losses) + 1, m["loss"], m["param_norm"])
       losses.append(float(m["loss"][0]))
+      self._progress.update(steps=len(losses) - resumed, last=time.time())
       return m
 
     for i in range(len(losses), H):
