@@ -3,9 +3,10 @@
 XLA:CPU allocates each step's temporaries with malloc; glibc serves large ones
 with fresh mmaps and unmaps them on free, so every step faults its working set
 in again, 4 KiB at a time. On the 2-core CPU the llama_toy step (4 paths, one
-per fake device) took ~166,000 page faults and ~0.35 s of system time per
+per fake device) took ~166,000 page faults and 0.39 s of system time per
 step; with glibc's `glibc.malloc.hugetlb=1` tunable (madvise'd transparent huge
-pages) it takes ~2,000 and ~0.1 s, and tokens/s rise ~24% (docs/performance.md).
+pages) it takes ~2,000 and 0.12 s, and tokens/s rose 37% (4,844 to 6,615, one
+run each on a loaded machine: docs/results/performance.md).
 
 A tunable is read when the process starts, so `maybe_reexec` runs the same
 command again with it set, before any backend starts. It does so only where it
