@@ -59,25 +59,30 @@ class Run:
   shard_set: Any
 
 
+def _no_checkpoint(workdir: str) -> ckpt_lib.NoCheckpointError:
+  return ckpt_lib.NoCheckpointError(
+    f"no checkpoint in {ckpt_lib.directory(workdir)}: train the run first "
+    "(python -m dipaco_jax.main --config=... --workdir=...)."
+  )
+
+
 def load_run(config, workdir: str, step: int | None = None) -> Run:
   """Restores the latest (or given) checkpoint of `workdir` on this host's mesh."""
   saved_config.check_readable(workdir, config)
   saved = ckpt_lib.steps(workdir)
+  if not saved:  # Before the checkpointer, which would make an empty checkpoints/ folder.
+    raise _no_checkpoint(workdir)
   if step is not None and step not in saved:
     raise ckpt_lib.NoCheckpointError(
       f"--step={step}: no checkpoint step {step} in {ckpt_lib.directory(workdir)} (saved steps: "
-      f"{', '.join(map(str, saved)) or 'none'}): give one of them, or leave --step out for the "
-      "latest."
+      f"{', '.join(map(str, saved))}): give one of them, or leave --step out for the latest."
     )
   exp = exp_lib.Experiment(config)
   ckpt = ckpt_lib.Checkpointer(workdir, async_save=False)
   restored = ckpt.restore(exp.abstract_state, step)
   ckpt.close()
   if restored is None:
-    raise ckpt_lib.NoCheckpointError(
-      f"no checkpoint in {ckpt.directory}: train the run first "
-      "(python -m dipaco_jax.main --config=... --workdir=...)."
-    )
+    raise _no_checkpoint(workdir)
   state, data_state = restored
   phase = ckpt_lib.routing_phase(data_state)
   shard_dir = routing.shard_dir(config, workdir, phase)
