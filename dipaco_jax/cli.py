@@ -1,5 +1,8 @@
 """The shared entry of the CLIs (main, route, evaluate, serve): flags, one check, one-line errors.
 
+aot and `python -m dipaco_jax.data` keep their own flags but the same rule: errors.one_line,
+exit status 1, --verbose_errors.
+
     cli.run(main)  # main(argv) calls `config, workdir = cli.start(argv)` first.
 
 Libraries log at WARNING and above (`--library_log_level`; orbax alone printed
@@ -12,10 +15,12 @@ Which config a command runs with (route, evaluate and serve: `saved_config=True`
 --config.a.b=v overrides apply on top of either, so a run's overrides are given
 once, to the trainer, and route/evaluate/serve take only the ones they change.
 
-A user error (`is_user_error`: a wrong config field or flag, a grid or mesh that
-cannot work, a missing or damaged input file, an empty shard, a diverged run)
-prints one line to stderr and exits with status 1; --verbose_errors shows
-its traceback. Any other exception is a bug and keeps its traceback.
+A user error (`is_user_error`: a wrong config field or flag, a config file that
+raises or returns no ConfigDict (config_check.run_config_file runs it first), a
+workdir or output path that is a file or unwritable, a grid or mesh that cannot
+work, a missing or damaged input file, an empty shard, a diverged run) prints
+one line to stderr and exits with status 1; --verbose_errors shows its
+traceback. Any other exception is a bug and keeps its traceback.
 Each entry module calls `flags.adopt_module_key_flags(cli)` so that its --help
 lists --config, --workdir and --verbose_errors beside its own flags.
 """

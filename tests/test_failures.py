@@ -32,6 +32,7 @@ import pytest
 from absl import flags
 
 from dipaco_jax import cli
+from dipaco_jax import errors
 from dipaco_jax.data import __main__ as data_main
 from dipaco_jax.data import vocab
 
@@ -530,6 +531,34 @@ def test_the_table_covers_every_entry_point():
   assert entries == {"main", "route", "evaluate", "serve", "aot", "data"}
   assert len(FAILURES) >= 40
   assert len({c.name for c in FAILURES}) == len(FAILURES)
+
+
+def test_verbose_errors_raises_the_error_and_a_bug_keeps_its_traceback(
+  tmp_path, monkeypatch, capsys
+):
+  (tmp_path / "raises.py").write_text("def get_config():\n  raise RuntimeError('no grid')\n")
+  argv = ["dipaco_jax.main", f"--config={tmp_path}/raises.py", "--workdir=W", "--verbose_errors"]
+  monkeypatch.setattr(sys, "argv", argv)
+  flags.FLAGS.unparse_flags()
+  with pytest.raises(errors.ConfigError, match="line 2 raised RuntimeError: no grid") as e:
+    cli.parse_flags(argv)
+  assert isinstance(e.value.__cause__, RuntimeError)  # The file's own traceback, chained.
+  with pytest.raises(errors.ArgumentError, match="--max_docs=0: count at least 1 document"):
+    data_main.main(["--stats", "--max_docs=0", "--verbose_errors"])
+  monkeypatch.setattr(data_main, "stats", lambda *a, **k: {}["split"])  # A bug, not an input.
+  with pytest.raises(KeyError):
+    data_main.main(["--stats", "--max_docs=1"])
+  assert capsys.readouterr().err == ""
+
+
+@pytest.mark.slow
+def test_aot_verbose_errors_shows_the_traceback():
+  r = command(
+    "aot", ["--config=configs/tiny.py", "--topology=v5e:2x2", "--slices=0", "--verbose_errors"]
+  )
+  assert r.returncode == 1
+  assert "Traceback (most recent call last)" in r.stderr
+  assert message_lines(r.stderr)[-1] == "AotError: --slices=0: must be >= 1."
 
 
 @pytest.mark.slow
