@@ -31,16 +31,16 @@ _FLAG_ERROR = re.compile(r"^flag --config\.([\w.]+)=(.*?): (.*)$")
 
 
 def check_config_args(argv: list[str]) -> None:
-  """Refuses a missing config file or an unknown --config.a.b before absl parses them."""
+  """Refuses a missing or failing config file or an unknown --config.a.b before absl parses them."""
   for i, arg in enumerate(argv[1:], 1):
     if arg == "--":
       break
     if m := _CONFIG_FILE.match(arg):
-      path = m.group(1) if m.group(1) is not None else (argv[i + 1] if i + 1 < len(argv) else "")
-      if not os.path.isfile(path.split(":", 1)[0]):
-        path = path.split(":", 1)[0]
+      spec = m.group(1) if m.group(1) is not None else (argv[i + 1] if i + 1 < len(argv) else "")
+      path = spec.split(":", 1)[0]
+      if not os.path.isfile(path):
         raise ConfigError(f"--config={path}: no such config file; give one of configs/*.py.")
-      run_config_file(path)
+      run_config_file(spec)  # What the file raises or returns, in one line, before absl runs it.
     elif m := _CONFIG_FLAG.match(arg):
       if m.group(1) not in schema.field_names():
         raise ConfigError(schema.unknown_name_message(m.group(1), prefix="--config."))
