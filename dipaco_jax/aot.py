@@ -12,7 +12,9 @@ the rest of the training state that stays resident) against the chip's HBM,
 XLA's flops and bytes, a roofline time max(flops / peak, bytes / HBM
 bandwidth), tokens/s and MFU, and the collectives with the mesh axes they span.
 Exit status 1: a step does not fit in 90% of HBM, or an inner-step collective
-spans 'path'. docs/tpu.md holds the paper configs' numbers.
+spans 'path' (the report says which), or a bad input (one stderr line naming the
+flag or field and the fix; --verbose_errors for its traceback). docs/tpu.md holds
+the paper configs' numbers.
 """
 # pylint: disable=invalid-name
 
@@ -90,8 +92,8 @@ def chip_of(topology: str) -> tuple[str, Chip]:
   return name, CHIPS[name]
 
 
-def topology_devices(topology: str, slices: int) -> list:
-  """The described devices of `slices` slices of `topology` (libtpu, no TPU needed)."""
+def check_topology(topology: str, slices: int) -> list[int]:
+  """The chip grid's sides of a CHIP:AxB[xC] topology, before libtpu starts (AotError)."""
   chip_of(topology)
   m = re.fullmatch(r"[a-z0-9]+:(\d+(?:x\d+){1,2})", topology)
   if m is None:
@@ -100,7 +102,12 @@ def topology_devices(topology: str, slices: int) -> list:
     )
   if slices < 1:
     raise AotError(f"--slices={slices}: must be >= 1.")
-  dims = [int(x) for x in m.group(1).split("x")]
+  return [int(x) for x in m.group(1).split("x")]
+
+
+def topology_devices(topology: str, slices: int) -> list:
+  """The described devices of `slices` slices of `topology` (libtpu, no TPU needed)."""
+  dims = check_topology(topology, slices)
   # Hosts hold up to 2x2 chips (the compiler only needs a consistent split).
   bounds = tuple(min(2, d) for d in dims) + (1,) * (3 - len(dims))
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
@@ -540,26 +547,44 @@ def _define_flags() -> None:
   _FLAGS["dcn_gbps"] = flags.DEFINE_float(
     "dcn_gbps", DEFAULT_DCN_GBPS_PER_CHIP, "DCN Gb/s per chip for the outer step's time estimate."
   )
+  _FLAGS["verbose_errors"] = flags.DEFINE_bool(
+    "verbose_errors", False, "Show the traceback of a bad input instead of its one line."
+  )
+  flags.register_validator(
+    "dcn_gbps", lambda v: v > 0, "the outer step's DCN time needs a bandwidth: give --dcn_gbps > 0"
+  )
   flags.mark_flags_as_required(["config", "topology"])
 
 
+def _fail(e: BaseException, verbose: bool) -> None:
+  """A bad input: its one line on stderr and exit status 1 (with `verbose`, the traceback)."""
+  if verbose:
+    raise e
+  print(errors.one_line(e), file=sys.stderr, flush=True)
+  sys.exit(1)
+
+
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  unknown = set(_FLAGS["steps"].value) - {"inner", "outer", "eval"}
-  if unknown:
-    raise app.UsageError(f"--steps: unknown {sorted(unknown)}; use inner, outer, eval.")
+  verbose = _FLAGS["verbose_errors"].value
   try:
+    if len(argv) > 1:
+      raise app.UsageError(f"unexpected arguments {argv[1:]}: every option is a --flag=value.")
+    unknown = set(_FLAGS["steps"].value) - {"inner", "outer", "eval"}
+    if unknown:
+      raise app.UsageError(f"--steps: unknown {sorted(unknown)}; use inner, outer, eval.")
+    config = _FLAGS["config"].value
+    # What can be checked without libtpu, before it starts: the config, topology and --out.
+    config_check.validate(config, for_run=False)
+    check_topology(_FLAGS["topology"].value, _FLAGS["slices"].value)
+    if _FLAGS["out"].value:
+      files.check_writable(_FLAGS["out"].value, f"--out={_FLAGS['out'].value}", file=True)
     report = Report(
-      _FLAGS["config"].value,
-      _FLAGS["topology"].value,
-      _FLAGS["slices"].value,
-      _FLAGS["dcn_gbps"].value,
+      config, _FLAGS["topology"].value, _FLAGS["slices"].value, _FLAGS["dcn_gbps"].value
     )
     result = report.run(_FLAGS["steps"].value)
-  except (AotError, sharding.MeshError, ValueError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(2)
+  # ValueError: AotError, ConfigError (MeshError) and what only the mesh and the model show.
+  except (ValueError, errors.UserError, app.UsageError) as e:
+    _fail(e, verbose)
   print(format_report(result))
   if _FLAGS["out"].value:
     files.write_json(_FLAGS["out"].value, result, indent=1, sort_keys=False)
@@ -567,13 +592,15 @@ def main(argv):
 
 
 def _parse_flags(argv: list[str]) -> list[str]:
-  """absl's parsing, after a misspelt --config.a.b or a missing config file is one line."""
+  """absl's parsing: a misspelt --config.a.b, a bad config file or flag is one line, status 1."""
+  verbose = "--verbose_errors" in argv
   try:
     config_check.check_config_args(argv)
-  except errors.ConfigError as e:
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(2)
-  return app.parse_flags_with_usage(argv)
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    _fail(config_check.flag_error(e), verbose)
+  except (errors.ConfigError, errors.UserError) as e:
+    _fail(e, verbose)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,8 @@
 """The shared entry of the CLIs (main, route, evaluate, serve): flags, one check, one-line errors.
 
+aot and `python -m dipaco_jax.data` keep their own flags but the same rule: errors.one_line,
+exit status 1, --verbose_errors.
+
     cli.run(main)  # main(argv) calls `config, workdir = cli.start(argv)` first.
 
 Libraries log at WARNING and above (`--library_log_level`; orbax alone printed
@@ -12,10 +15,12 @@ Which config a command runs with (route, evaluate and serve: `saved_config=True`
 --config.a.b=v overrides apply on top of either, so a run's overrides are given
 once, to the trainer, and route/evaluate/serve take only the ones they change.
 
-A user error (`is_user_error`: a wrong config field or flag, a grid or mesh that
-cannot work, a missing or damaged input file, an empty shard, a diverged run)
-prints one line to stderr and exits with status 1; --verbose_errors shows
-its traceback. Any other exception is a bug and keeps its traceback.
+A user error (`is_user_error`: a wrong config field or flag, a config file that
+raises or returns no ConfigDict (config_check.run_config_file runs it first), a
+workdir or output path that is a file or unwritable, a grid or mesh that cannot
+work, a missing or damaged input file, an empty shard, a diverged run) prints
+one line to stderr and exits with status 1; --verbose_errors shows its
+traceback. Any other exception is a bug and keeps its traceback.
 Each entry module calls `flags.adopt_module_key_flags(cli)` so that its --help
 lists --config, --workdir and --verbose_errors beside its own flags.
 """
@@ -35,6 +40,7 @@ from ml_collections import config_flags
 from dipaco_jax import config_check
 from dipaco_jax import errors
 from dipaco_jax.io import distributed
+from dipaco_jax.io import files
 from dipaco_jax.io import hugepages
 
 flags.adopt_module_key_flags(distributed)  # --coordinator_address, --num_processes, --process_id.
@@ -92,11 +98,7 @@ def is_user_error(e: BaseException) -> bool:
   )
 
 
-def one_line(e: BaseException) -> str:
-  """`Type: message` on one line (a multi-line message keeps its first and last lines)."""
-  lines = [l.strip() for l in str(e).splitlines() if l.strip()] or [repr(e)]
-  text = lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"
-  return f"{type(e).__name__}: {text}"
+one_line = errors.one_line  # `Type: message` on one line.
 
 
 def fail(e: BaseException, verbose: bool) -> NoReturn:
@@ -129,6 +131,7 @@ def _with_config(argv: list[str], saved_config: bool) -> list[str]:
     )
   if workdir is None:
     return argv  # absl names the missing --workdir.
+  check_workdir(workdir, writes=False)
   from dipaco_jax import saved_config as saved  # pylint: disable=g-import-not-at-top
 
   saved.load(workdir)  # Its errors here, in one line, before config_flags wraps them.
@@ -198,10 +201,21 @@ def run(main: Callable[[list[str]], Any], *, saved_config: bool = False) -> None
   app.run(guard(main), flags_parser=lambda argv: parse_flags(argv, saved_config))
 
 
-def start(argv: list[str]) -> tuple[Any, str]:
+def check_workdir(workdir: str, *, writes: bool) -> None:
+  """A --workdir that is a file is one line; with `writes`, one this user cannot write too."""
+  if writes:
+    files.check_writable(workdir, f"--workdir={workdir}")
+  elif os.path.exists(workdir) and not os.path.isdir(workdir):  # A local path (gs:// is not).
+    raise errors.ArgumentError(
+      f"--workdir={workdir} is a file, not a run's folder: give the run's directory."
+    )
+
+
+def start(argv: list[str], *, writes: bool = True) -> tuple[Any, str]:
   """Validates the config and --workdir, then the CPU device split and jax.distributed.
 
   Runs before anything touches the workdir or a backend; returns (config, workdir).
+  `writes`: the command writes into the workdir (serve only reads it).
   """
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}: every option is a --flag=value.")
@@ -209,6 +223,7 @@ def start(argv: list[str]) -> tuple[Any, str]:
   config_check.validate(config)
   if workdir.strip() in ("", "None", "none"):
     raise errors.ConfigError(f"--workdir={workdir!r} names no directory: give the run's directory.")
+  check_workdir(workdir, writes=writes)
   if config.mesh.cpu_devices:  # Before any backend starts; TPU/GPU runs are unaffected.
     jax.config.update("jax_num_cpu_devices", config.mesh.cpu_devices)
   distributed.initialize()

@@ -14,12 +14,14 @@ imports this one.
 import importlib.util
 import os
 import re
+import traceback
 
 import ml_collections
 
 from dipaco_jax.config import paper
 from dipaco_jax.config import schema
 from dipaco_jax.errors import ConfigError
+from dipaco_jax.errors import UserError
 
 # Command lines (the CLIs and aot), before absl parses them.
 
@@ -29,18 +31,67 @@ _FLAG_ERROR = re.compile(r"^flag --config\.([\w.]+)=(.*?): (.*)$")
 
 
 def check_config_args(argv: list[str]) -> None:
-  """Refuses a missing config file or an unknown --config.a.b before absl parses them."""
+  """Refuses a missing or failing config file or an unknown --config.a.b before absl parses them."""
   for i, arg in enumerate(argv[1:], 1):
     if arg == "--":
       break
     if m := _CONFIG_FILE.match(arg):
-      path = m.group(1) if m.group(1) is not None else (argv[i + 1] if i + 1 < len(argv) else "")
-      path = path.split(":", 1)[0]
+      spec = m.group(1) if m.group(1) is not None else (argv[i + 1] if i + 1 < len(argv) else "")
+      path = spec.split(":", 1)[0]
       if not os.path.isfile(path):
         raise ConfigError(f"--config={path}: no such config file; give one of configs/*.py.")
+      run_config_file(spec)  # What the file raises or returns, in one line, before absl runs it.
     elif m := _CONFIG_FLAG.match(arg):
       if m.group(1) not in schema.field_names():
         raise ConfigError(schema.unknown_name_message(m.group(1), prefix="--config."))
+
+
+def _line_in(path: str, e: BaseException) -> str:
+  """`, line N` of the config file where `e` was raised (its last frame there), or ''."""
+  if isinstance(e, SyntaxError) and e.lineno:
+    return f", line {e.lineno}"
+  here = os.path.abspath(path)
+  lines = [f.lineno for f in traceback.extract_tb(e.__traceback__) if f.filename == here]
+  return f", line {lines[-1]}" if lines else ""
+
+
+def run_config_file(spec: str) -> ml_collections.ConfigDict:
+  """The ConfigDict of `--config=FILE[:ARG]`: FILE's get_config(ARG), each failure one line.
+
+  The file is the user's input: what running it raises (a syntax error, a missing import,
+  a field set to the wrong type, an exception of its own) is a ConfigError naming the file
+  and line, as is a missing get_config or a result that is not a ConfigDict.
+  """
+  path, *arg = spec.split(":", 1)
+  module_spec = importlib.util.spec_from_file_location("dipaco_config_file", path)
+  if module_spec is None or module_spec.loader is None:
+    raise ConfigError(f"--config={spec}: {path} is not a Python file; give one of configs/*.py.")
+  module = importlib.util.module_from_spec(module_spec)
+  try:
+    module_spec.loader.exec_module(module)
+    get_config = getattr(module, "get_config", None)
+    if not callable(get_config):
+      raise ConfigError(
+        f"--config={spec}: {path} defines no get_config(); a config file returns "
+        "config.schema.base() with changes from get_config()."
+      )
+    config = get_config(*arg)
+  except (ConfigError, UserError):  # Ours, already one line (a saved config.json's).
+    raise
+  except Exception as e:  # pylint: disable=broad-except  # The user's file raised it.
+    reason = (str(e).strip().splitlines() or [""])[0]
+    if isinstance(e, SyntaxError):
+      reason = e.msg
+    raise ConfigError(
+      f"--config={spec}: {path}{_line_in(path, e)} raised {type(e).__name__}: {reason}; "
+      "fix the file or give another config."
+    ) from e
+  if not isinstance(config, ml_collections.ConfigDict):
+    raise ConfigError(
+      f"--config={spec}: get_config() returned a {type(config).__name__}, not a ConfigDict: "
+      "return config.schema.base() with changes."
+    )
+  return config
 
 
 def flag_error(e: Exception) -> Exception:
@@ -152,6 +203,12 @@ def _check_run_inputs(c) -> None:
       f"model.vocab_size={size}"
       + ("" if v < size else " (or model.pad_vocab=True to keep the extra rows)")
       + "."
+    )
+  shard_dir = c.data.shard_dir
+  if shard_dir and os.path.exists(shard_dir) and not os.path.isdir(shard_dir):  # Local paths.
+    raise ConfigError(
+      f"config.data.shard_dir={shard_dir!r} is a file, not a folder: give a folder for the "
+      "shards (or unset it for <workdir>/shards)."
     )
   if c.dipaco.init_from:  # Its params' shapes are checked where they are read (io/theta.py).
     theta.check_source(c.dipaco.init_from)

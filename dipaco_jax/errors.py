@@ -13,6 +13,20 @@ class DamagedFileError(UserError):
   """A file the run wrote cannot be read (truncated or corrupted); the message names it."""
 
 
+class ArgumentError(UserError, ValueError):
+  """A bad argument (a command's flag, a text to serve): names it, what it must be, the fix.
+
+  A ValueError too, for the library functions that raise it.
+  """
+
+
+def one_line(e: BaseException) -> str:
+  """`Type: message` on one line (a multi-line message keeps its first and last lines)."""
+  lines = [l.strip() for l in str(e).splitlines() if l.strip()] or [repr(e)]
+  text = lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"
+  return f"{type(e).__name__}: {text}"
+
+
 def json_problem(e: ValueError) -> str:
   """Short reason a file is not valid JSON (JSONDecodeError or UnicodeDecodeError)."""
   if hasattr(e, "pos"):

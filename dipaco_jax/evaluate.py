@@ -29,7 +29,9 @@ from absl import flags
 
 from dipaco_jax import cli
 from dipaco_jax import data as data_lib
+from dipaco_jax import errors
 from dipaco_jax import routing
+from dipaco_jax import saved_config
 from dipaco_jax.config import sections
 from dipaco_jax.core import experiment as exp_lib
 from dipaco_jax.io import checkpoint as ckpt_lib
@@ -57,17 +59,30 @@ class Run:
   shard_set: Any
 
 
+def _no_checkpoint(workdir: str) -> ckpt_lib.NoCheckpointError:
+  return ckpt_lib.NoCheckpointError(
+    f"no checkpoint in {ckpt_lib.directory(workdir)}: train the run first "
+    "(python -m dipaco_jax.main --config=... --workdir=...)."
+  )
+
+
 def load_run(config, workdir: str, step: int | None = None) -> Run:
   """Restores the latest (or given) checkpoint of `workdir` on this host's mesh."""
+  saved_config.check_readable(workdir, config)
+  saved = ckpt_lib.steps(workdir)
+  if not saved:  # Before the checkpointer, which would make an empty checkpoints/ folder.
+    raise _no_checkpoint(workdir)
+  if step is not None and step not in saved:
+    raise ckpt_lib.NoCheckpointError(
+      f"--step={step}: no checkpoint step {step} in {ckpt_lib.directory(workdir)} (saved steps: "
+      f"{', '.join(map(str, saved))}): give one of them, or leave --step out for the latest."
+    )
   exp = exp_lib.Experiment(config)
   ckpt = ckpt_lib.Checkpointer(workdir, async_save=False)
   restored = ckpt.restore(exp.abstract_state, step)
   ckpt.close()
   if restored is None:
-    raise ckpt_lib.NoCheckpointError(
-      f"no checkpoint in {ckpt.directory}: train the run first "
-      "(python -m dipaco_jax.main --config=... --workdir=...)."
-    )
+    raise _no_checkpoint(workdir)
   state, data_state = restored
   phase = ckpt_lib.routing_phase(data_state)
   shard_dir = routing.shard_dir(config, workdir, phase)
@@ -84,8 +99,6 @@ def load_run(config, workdir: str, step: int | None = None) -> Run:
 
 def config_from_workdir(workdir: str):
   """The config a run was trained with (<workdir>/config.json, written by the trainer)."""
-  from dipaco_jax import saved_config  # pylint: disable=g-import-not-at-top
-
   return saved_config.load(workdir)
 
 
@@ -229,6 +242,12 @@ def evaluate(
   ]
   kinds = tuple(config.eval.rerouters if rerouters is None else rerouters)
   T = routing.eval_seq_len(config)
+  if T <= L:
+    raise errors.ConfigError(
+      f"evaluation scores the tokens after the {L}-token routing prefix but its sequences have "
+      f"{T} (config.eval.seq_len, 0 = data.seq_len): set --config.eval.seq_len above {L} or "
+      "lower config.routing.prefix_len."
+    )
   store_scorer = routing.PathScorer.from_store(run.exp, run.state.store, seq_len=T)
   if params == "store":
     scorer = store_scorer
@@ -315,7 +334,7 @@ def evaluate(
     bar.update(n)
   bar.close()
   if tokens_total == 0:
-    raise ValueError(
+    raise errors.ConfigError(
       f"no validation sequence is longer than the {L}-token prefix; lower "
       "config.routing.prefix_len or raise config.eval.seq_len."
     )
@@ -379,6 +398,8 @@ def domain_report(rep: dict, num_paths: int) -> report_lib.RouterReport:
 
 def evaluate_and_write(config, workdir: str, step: int | None = None) -> str:
   """Evaluates the store (and the early-stopping set when saved); writes <workdir>/eval/."""
+  out = files.path(workdir) / EVAL_DIR
+  files.check_writable(out, "evaluate's reports")  # Before minutes of evaluation.
   run = load_run(config, workdir, step)
   reports = {"store": evaluate(run, params="store")}
   if ckpt_lib.read_best_records(workdir, run.step) is not None:
@@ -389,14 +410,13 @@ def evaluate_and_write(config, workdir: str, step: int | None = None) -> str:
     f"{report_lib.to_markdown(domain_report(r, P))}"
     for k, r in reports.items()
   )
-  out = files.path(workdir) / EVAL_DIR
   files.write_json(out / f"step_{run.step}.json", reports, indent=1, sort_keys=False)
   files.write_text(out / f"step_{run.step}.md", text)
   return text
 
 
 def main(argv):
-  config, workdir = cli.start(argv)
+  config, workdir = cli.start(argv, writes=False)  # Its reports' folder is checked on its own.
   print(evaluate_and_write(config, workdir, step=_STEP.value))
 
 

@@ -25,25 +25,44 @@ def path(workdir: str) -> epath.Path:
   return files.path(workdir) / FILE
 
 
-def _fill(node: ml_collections.ConfigDict, saved: dict, where: str, prefix: str = "") -> None:
+_PASS_CONFIG = "pass the run's --config=configs/NAME.py"
+
+
+def _fill(
+  node: ml_collections.ConfigDict,
+  saved: dict,
+  where: str,
+  prefix: str = "",
+  fix: str = "edit the file or pass --config",
+) -> None:
   for key, value in saved.items():
     name = f"{prefix}{key}"
     if key not in node:
       raise errors.ConfigError(
-        f"{where}: {schema.unknown_name_message(name)} Edit the file or pass --config."
+        f"{where}: {schema.unknown_name_message(name)} {fix[0].upper()}{fix[1:]}."
       )
     if isinstance(node[key], ml_collections.ConfigDict):
       if not isinstance(value, dict):
-        raise errors.ConfigError(f"{where}: config.{name} must be a section, not {value!r}.")
-      _fill(node[key], value, where, f"{name}.")
+        raise errors.ConfigError(f"{where}: config.{name} must be a section, not {value!r}; {fix}.")
+      _fill(node[key], value, where, f"{name}.", fix)
       continue
     try:  # JSON has lists where the config has tuples.
       node[key] = tuple(value) if isinstance(value, list) else value
     except TypeError as e:
       raise errors.ConfigError(
-        f"{where}: config.{name}={value!r} has the wrong type ({e}); edit the file or pass "
-        "--config."
+        f"{where}: config.{name}={value!r} has the wrong type ({e}); {fix}."
       ) from e
+
+
+def _read(p: epath.Path, fix: str) -> dict:
+  """config.json's fields; damage (not JSON, not an object) is one line ending in `fix`."""
+  try:
+    saved = json.loads(files.read_text(p))
+  except ValueError as e:
+    raise errors.DamagedFileError(f"{p} is damaged ({errors.json_problem(e)}); {fix}.") from e
+  if not isinstance(saved, dict):
+    raise errors.DamagedFileError(f"{p} holds no config; {fix}.")
+  return saved
 
 
 def load(workdir: str) -> ml_collections.ConfigDict:
@@ -51,19 +70,10 @@ def load(workdir: str) -> ml_collections.ConfigDict:
   p = path(workdir)
   if not p.exists():
     raise errors.ConfigError(
-      f"no --config given and no {p}: pass the run's --config=configs/NAME.py (training "
-      f"writes {FILE} when it starts)."
+      f"no --config given and no {p}: {_PASS_CONFIG} (training writes {FILE} when it starts)."
     )
-  try:
-    saved = json.loads(files.read_text(p))
-  except ValueError as e:
-    raise errors.DamagedFileError(
-      f"{p} is damaged ({errors.json_problem(e)}); pass the run's --config=configs/NAME.py."
-    ) from e
-  if not isinstance(saved, dict):
-    raise errors.DamagedFileError(f"{p} holds no config; pass the run's --config=configs/NAME.py.")
   config = schema.base()
-  _fill(config, saved, str(p))
+  _fill(config, _read(p, _PASS_CONFIG), str(p))
   return config
 
 
@@ -81,11 +91,21 @@ GROWABLE = "dipaco.outer_steps"  # The spmd loop resumes with more outer steps.
 
 
 def _saved_and_new(workdir: epath.Path, config) -> tuple[dict, dict] | None:
-  """(config.json with today's defaults for fields added since, the config) as flat dicts."""
+  """(config.json with today's defaults for fields added since, the config) as flat dicts.
+
+  A damaged config.json, or one naming a field that does not exist or has the wrong type,
+  is one line: the run's config cannot be compared.
+  """
   path = workdir / files.CONFIG_FILE
   if not path.exists():
     return None
-  old, new = files.read_json(path), json.loads(config.to_json_best_effort())
+  old = _read(
+    path,
+    f"restore it, or move it aside (mv {path} {path}.damaged) to go on with this command's "
+    "config unchecked (the trainer then saves it in its place)",
+  )
+  _fill(schema.base(), old, str(path), fix="edit the file: it is the config the run started with")
+  new = json.loads(config.to_json_best_effort())
   default = json.loads(schema.base().to_json_best_effort())
   flat = lambda d, sections: {
     f"{s}.{k}": v for s in sections for k, v in {**default.get(s, {}), **d.get(s, {})}.items()
@@ -101,7 +121,16 @@ def check_matches(workdir: epath.Path, config, *, started: bool, may_grow: bool)
   `may_grow`: the runtime resumes with more outer steps (the spmd loop).
   """
   pair = _saved_and_new(workdir, config)
-  if pair is None or not started:
+  if not started:
+    return
+  if pair is None:  # Accepted: the checkpoint's shapes are still checked where it is read.
+    logging.warning(
+      "%s holds a run's checkpoints but no %s: this config is not checked against the run's "
+      "(only the checkpoint's shapes are) and is saved as its %s.",
+      workdir,
+      FILE,
+      FILE,
+    )
     return
   old, new = pair
   changed = [k for k in old if k.split(".")[0] in _FROZEN_SECTIONS and old[k] != new.get(k)]
@@ -127,6 +156,37 @@ def check_matches(workdir: epath.Path, config, *, started: bool, may_grow: bool)
     raise errors.ConfigError(
       f"{workdir} holds a run whose state does not fit this config ({shown}{more}): rerun "
       f"with its own values, or use a new --workdir (nothing was changed in the old one).{grow}"
+    )
+
+
+# The fields that shape a run's params: a checkpoint fits no config that changes one.
+_SHAPE_FIELDS = (
+  *(f"model.{k}" for k in ("vocab_size", "d_model", "num_layers", "num_heads", "head_dim")),
+  *(f"model.{k}" for k in ("mlp_ratio", "mlp", "positions", "tie_embeddings")),
+  *(f"dipaco.{k}" for k in ("level_groups", "modules_per_level", "path_specific", "paths")),
+  "dipaco.replicas",
+)
+
+
+def check_readable(workdir: str, config) -> None:
+  """Refuses to read a run's checkpoints (evaluate, serve) under a config of another model or grid.
+
+  Compares the fields that shape the params with <workdir>/config.json (none: nothing to
+  compare; the checkpoint's own checks still run).
+  """
+  pair = _saved_and_new(files.path(workdir), config)
+  if pair is None:
+    return
+  old, new = pair
+  learned = "learned" in (old["model.positions"], new["model.positions"])
+  fields = _SHAPE_FIELDS + (("model.max_len",) if learned else ())
+  changed = [k for k in fields if old.get(k) != new.get(k)]
+  if changed:
+    shown = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed[:4])
+    more = f" (and {len(changed) - 4} more)" if len(changed) > 4 else ""
+    raise errors.ConfigError(
+      f"{workdir} holds a run of another model or grid than this config ({shown}{more}, "
+      f"against its {FILE}): drop --config to read the run's own config, or give its values."
     )
 
 

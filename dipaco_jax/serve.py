@@ -21,16 +21,19 @@ import dataclasses
 import functools
 import hashlib
 import json
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app
 from absl import flags
+from absl import logging
 
 from dipaco_jax import cli
+from dipaco_jax import errors
 from dipaco_jax import routing
+from dipaco_jax import saved_config
 from dipaco_jax.config import sections
 from dipaco_jax.core import decoding
 from dipaco_jax.core import model as model_lib
@@ -58,6 +61,15 @@ _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 32, "Tokens to generate.")
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "Sampling temperature (0: greedy).")
 _TOP_K = flags.DEFINE_integer("top_k", 0, "Sample among the k likeliest tokens (0: all).")
 _BATCH = flags.DEFINE_integer("batch_size", 8, "Texts of one path decoded together.")
+# Refused when parsed, in one line (absl: "flag --NAME=VALUE: MESSAGE"); the defaults pass.
+for _flag, _ok, _need in (
+  (_PATH, lambda v: v is None or v >= 0, "a path is numbered from 0: give --path >= 0"),
+  (_MAX_NEW, lambda v: v >= 1, "generate at least 1 token: give --max_new_tokens >= 1"),
+  (_TEMPERATURE, lambda v: v >= 0, "give --temperature >= 0 (0: greedy)"),
+  (_TOP_K, lambda v: v >= 0, "give --top_k >= 0 (0: every token)"),
+  (_BATCH, lambda v: v >= 1, "decode at least 1 text at a time: give --batch_size >= 1"),
+):
+  flags.register_validator(_flag, _ok, _need)
 
 
 def load_path_params(
@@ -70,9 +82,12 @@ def load_path_params(
   """
   topo = topo_lib.from_config(config)
   if not 0 <= path < topo.num_paths:
-    raise ValueError(f"path {path} is not in this grid (paths 0-{topo.num_paths - 1}).")
+    raise errors.ArgumentError(
+      f"path {path} is not in this grid (paths 0-{topo.num_paths - 1}): give --path in that "
+      "range, or leave it out for the routed path."
+    )
   if source not in ("store", "best"):
-    raise ValueError(
+    raise errors.ArgumentError(
       f"source={source!r}: use 'store' (trained modules) or 'best' (per-path early stopping)."
     )
   theta = jax.eval_shape(
@@ -118,6 +133,7 @@ class PathServer:
   step: int | None = None
 
   def __post_init__(self):
+    saved_config.check_readable(self.workdir, self.config)
     self.topo = topo_lib.from_config(self.config)
     c = self.config
     self.sp = vocab_lib.load(vocab_lib.resolve(c.data.task, c.data.vocab_path))
@@ -130,13 +146,36 @@ class PathServer:
     self.extractor = routing.extractor_from_config(c) if needs else None
     self.router = routing.load_phase_router(c, self.workdir, self.topo, self.phase, self.extractor)
     self._path, self._params, self.load_info = None, None, None
+    self.model_cfg = sections.ModelConfig.of(c)
     self._logits = jax.jit(lambda p, x: self.model.apply({"params": p}, x))
 
   def tokenize(self, text: str) -> np.ndarray:
     ids = np.asarray(self.sp.encode(text), np.int32)
     if not len(ids):
-      raise ValueError("the text has no tokens: an empty prefix cannot be routed. Pass some text.")
+      raise errors.ArgumentError(
+        "the text has no tokens: an empty prefix cannot be routed. Pass some text."
+      )
     return ids
+
+  def _past_length(self, tokens: int, what: str, fix: Callable[[int], str]) -> str | None:
+    """Refuses `tokens` positions past learned positions; the warning past the trained length.
+
+    `fix(limit)`: what brings them within `limit` positions. The caller logs the warning
+    once its output is made.
+    """
+    cfg, trained = self.model_cfg, self.config.data.seq_len
+    if cfg.positions == "learned" and tokens > cfg.max_len:
+      raise errors.ArgumentError(
+        f"{what} needs {tokens} positions but the model's learned positions end at "
+        f"model.max_len={cfg.max_len}: {fix(cfg.max_len)}."
+      )
+    if tokens <= trained:
+      return None
+    return (
+      f"{what} runs to {tokens} tokens, past the {trained} the model was trained on "
+      f"(config.data.seq_len): what lies past them is extrapolated; {fix(trained)} to stay "
+      "within them."
+    )
 
   def route(self, text: str) -> int:
     """The path the run's router picks from the text's first prefix_len tokens."""
@@ -157,18 +196,27 @@ class PathServer:
   def score(self, text: str, path: int | None = None) -> dict:
     """Loss and perplexity of the text's tokens after the prefix under one path."""
     ids = self.tokenize(text)
+    if len(ids) <= self.prefix_len:
+      raise errors.ArgumentError(
+        f"a text of {len(ids)} tokens cannot be scored: its first {self.prefix_len} route it "
+        f"(config.routing.prefix_len) and are not scored; give a text of at least "
+        f"{self.prefix_len + 1} tokens."
+      )
+    warning = self._past_length(len(ids), "the text", lambda n: f"shorten it to {n} tokens")
     path = self.route(text) if path is None else path
     inputs = np.concatenate([[0], ids[:-1]]).astype(np.int32)[None]
     logp = jax.nn.log_softmax(self._logits(self.params(path), inputs)[0])
     lp = np.asarray(jnp.take_along_axis(logp, ids[:, None], -1))[:, 0]
     scored = lp[self.prefix_len :]
-    loss = float(-scored.mean()) if len(scored) else float("nan")
+    loss = float(-scored.mean())
+    if warning:
+      logging.warning(warning)
     return {
       "path": path,
       "tokens": len(ids),
       "scored_tokens": len(scored),
       "loss": loss,
-      "ppl": float(np.exp(loss)) if len(scored) else float("nan"),
+      "ppl": float(np.exp(loss)),
     }
 
   def generate(
@@ -203,8 +251,18 @@ class PathServer:
     random draws do (one key per batch and step).
     """
     if batch_size < 1:
-      raise ValueError(f"batch_size={batch_size}: decode at least 1 text at a time.")
+      raise errors.ArgumentError(f"batch_size={batch_size}: decode at least 1 text at a time.")
     ids = [self.tokenize(t) for t in texts]
+    longest = max(len(i) for i in ids)
+    warning = self._past_length(
+      longest + max_new_tokens,
+      f"a prompt of {longest} tokens plus --max_new_tokens={max_new_tokens}",
+      lambda n: (
+        f"lower --max_new_tokens to {n - longest}"
+        if n > longest
+        else f"shorten the text below {n} tokens"
+      ),
+    )
     paths = [self.route(t) if path is None else path for t in texts]
     out: list[dict] = [{} for _ in texts]
     for p in sorted(set(paths)):  # One path's params in memory at a time.
@@ -229,6 +287,8 @@ class PathServer:
             "tokens": tokens,
             "new_tokens": len(tokens),
           }
+    if warning:
+      logging.warning(warning)
     return out
 
 
@@ -263,7 +323,7 @@ def serve(
       batch_size=batch_size,
     )
   else:
-    raise ValueError(f"mode={mode!r}: use 'generate' or 'score'.")
+    raise errors.ArgumentError(f"mode={mode!r}: use 'generate' or 'score'.")
   out = [{k: v for k, v in o.items() if k != "tokens"} for o in out]  # Text for the console.
   if len(out) == 1:
     return json.dumps({**out[0], "loaded": server.load_info}, indent=1)
@@ -273,7 +333,7 @@ def serve(
 def main(argv):
   if _TEXT.value is None:
     raise app.UsageError("--text is required: the text to route, then continue or score.")
-  config, workdir = cli.start(argv)
+  config, workdir = cli.start(argv, writes=False)  # Serving reads the run, writes nothing.
   print(
     serve(
       config,

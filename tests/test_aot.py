@@ -106,5 +106,8 @@ def test_cli_reports_bad_topology_in_one_line():
     env={**os.environ, "PYTHONPATH": helpers.ROOT},
     check=False,
   )
-  assert out.returncode == 2
-  assert "error: --topology=v5e-16: unknown chip 'v5e-16'" in out.stderr
+  assert out.returncode == 1
+  assert out.stderr.splitlines() == [
+    "AotError: --topology=v5e-16: unknown chip 'v5e-16'; use one of ['v4', 'v5e', 'v5p', 'v6e'] "
+    "as CHIP:AxB[xC], e.g. v5e:4x4."
+  ]

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dipaco_jax import errors
 from dipaco_jax.core import model as model_lib
 from dipaco_jax.types import PyTree
 
@@ -109,7 +110,7 @@ def generate(
 def check_length(cfg: model_lib.ModelConfig, longest: int, max_new_tokens: int) -> None:
   """Learned positions end at model.max_len: the prompt and new tokens must fit."""
   if cfg.positions == "learned" and longest + max_new_tokens - 1 > cfg.max_len:
-    raise ValueError(
+    raise errors.ArgumentError(
       f"a prompt of {longest - 1} tokens plus max_new_tokens={max_new_tokens} needs "
       f"{longest + max_new_tokens - 1} positions but model.max_len={cfg.max_len} (learned "
       "positions): shorten the text or lower max_new_tokens."
@@ -134,7 +135,7 @@ def complete(
   LENGTH_BUCKET, so serving compiles few programs.
   """
   if max_new_tokens < 1 or temperature < 0 or top_k < 0:
-    raise ValueError(
+    raise errors.ArgumentError(
       f"max_new_tokens={max_new_tokens}, temperature={temperature}, top_k={top_k}: "
       "max_new_tokens must be >= 1, temperature and top_k >= 0 (0: greedy, all tokens)."
     )

@@ -10,6 +10,7 @@ from dipaco_jax.data.batcher import Holdout
 from dipaco_jax.data.batcher import WorkerBatcher
 from dipaco_jax.data.batcher import synthetic_batch
 from dipaco_jax.data.document import Document
+from dipaco_jax.data.prepare import check_shard_dir
 from dipaco_jax.data.prepare import finish_shards
 from dipaco_jax.data.prepare import prepare_shards
 from dipaco_jax.data.prepare import wait_for_parts
@@ -25,6 +26,7 @@ __all__ = [
   "IncompleteShardsError",
   "WorkerBatcher",
   "ShardSet",
+  "check_shard_dir",
   "finish_shards",
   "iter_documents",
   "prepare_shards",

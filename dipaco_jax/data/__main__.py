@@ -3,13 +3,20 @@
   python -m dipaco_jax.data --stats                       # the embedded corpus, all splits
   python -m dipaco_jax.data --stats --task c4_en --tfds_data_dir gs://BUCKET/tfds \
       --vocab_path gs://t5-data/vocabs/cc_all.32000/sentencepiece.model --max_docs 100000
+
+A bad flag or input is one stderr line and exit status 1, as in the other commands
+(cli.py); --verbose_errors shows its traceback.
 """
 
 import argparse
 import collections
-import json
+import sys
 
+from dipaco_jax import errors
+from dipaco_jax.config.sections import TASKS
 from dipaco_jax.data import corpus
+from dipaco_jax.data import vocab
+from dipaco_jax.io import files
 
 
 def stats(task: str, splits, *, data_dir=None, vocab_path=None, max_docs=None) -> dict:
@@ -52,29 +59,65 @@ def format_table(table: dict, max_rows: int = 50) -> str:
   return "\n".join(lines)
 
 
-def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+class _Parser(argparse.ArgumentParser):
+  """argparse whose errors are one line (errors.ArgumentError), not usage and exit status 2."""
+
+  def error(self, message: str):
+    raise errors.ArgumentError(f"{message}; see --help.")
+
+
+def _parser() -> argparse.ArgumentParser:
+  parser = _Parser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--stats", action="store_true", help="print documents and tokens")
-  parser.add_argument("--task", default="dipaco_embedded")
+  parser.add_argument("--task", default="dipaco_embedded", choices=TASKS)
   parser.add_argument("--splits", default=",".join(corpus.SPLITS))
   parser.add_argument("--tfds_data_dir", default=None)
   parser.add_argument("--vocab_path", default=None)
   parser.add_argument("--max_docs", type=int, default=None, help="per split (for C4)")
   parser.add_argument("--json", default=None, help="also write the numbers to this file")
-  args = parser.parse_args()
+  parser.add_argument("--verbose_errors", action="store_true", help="show a bad input's traceback")
+  return parser
+
+
+def _run(args) -> None:
   if not args.stats:
-    parser.error("nothing to do: pass --stats")
+    raise errors.ArgumentError("nothing to do: pass --stats.")
+  splits = args.splits.split(",")
+  if unknown := [s for s in splits if s not in corpus.SPLITS]:
+    raise errors.ArgumentError(
+      f"--splits={args.splits}: unknown split(s) {unknown}; give some of "
+      f"{','.join(corpus.SPLITS)}, comma-separated."
+    )
+  if args.max_docs is not None and args.max_docs < 1:
+    raise errors.ArgumentError(
+      f"--max_docs={args.max_docs}: count at least 1 document per split (leave it out for all)."
+    )
+  # Before TensorFlow starts and minutes of streaming: the tokenizer and the output file.
+  vocab.load(vocab.resolve(args.task, args.vocab_path))
+  if args.json:
+    files.check_writable(args.json, f"--json={args.json}", file=True)
   table = stats(
     args.task,
-    args.splits.split(","),
+    splits,
     data_dir=args.tfds_data_dir,
     vocab_path=args.vocab_path,
     max_docs=args.max_docs,
   )
   print(format_table(table))
   if args.json:
-    with open(args.json, "w", encoding="utf-8") as f:
-      json.dump(table, f, indent=1)
+    files.write_json(args.json, table, indent=1, sort_keys=False)
+
+
+def main(argv: list[str] | None = None) -> None:
+  argv = sys.argv[1:] if argv is None else argv
+  from dipaco_jax import cli  # pylint: disable=g-import-not-at-top
+
+  try:
+    _run(_parser().parse_args(argv))
+  except Exception as e:  # pylint: disable=broad-except
+    if not cli.is_user_error(e):
+      raise  # A bug keeps its traceback.
+    cli.fail(e, "--verbose_errors" in argv)
 
 
 if __name__ == "__main__":

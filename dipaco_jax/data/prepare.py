@@ -93,6 +93,11 @@ def _start(data_cfg, num_workers: int, shard_dir: str, assign):
   return assign, want, False
 
 
+def check_shard_dir(data_cfg, num_workers: int, shard_dir: str, assign) -> None:
+  """Refuses (ConfigError) a shard dir, finished or begun, written for another config."""
+  _start(data_cfg, num_workers, shard_dir, assign)
+
+
 def write_shard_part(
   data_cfg,
   num_workers: int,

@@ -7,6 +7,7 @@ import os
 import sentencepiece as spm
 from etils import epath
 
+from dipaco_jax import errors
 from dipaco_jax.data import corpus
 
 # T5 conventions, shared with the T5 32k C4 vocabulary: pad doubles as the BOS of shifted inputs.
@@ -39,12 +40,12 @@ def load(path: str) -> spm.SentencePieceProcessor:
   try:
     sp.LoadFromSerializedProto(proto)
   except (RuntimeError, OSError) as e:
-    raise ValueError(
+    raise errors.ConfigError(
       f"{path} is not a SentencePiece model ({e}); pass a .model file as vocab_path."
     ) from e
   ids = (sp.pad_id(), sp.eos_id(), sp.unk_id(), sp.bos_id())
   if ids != (PAD_ID, EOS_ID, UNK_ID, -1):
-    raise ValueError(
+    raise errors.ConfigError(
       f"{path} has special ids (pad, eos, unk, bos) = {ids}; dipaco_jax needs the "
       f"T5 layout ({PAD_ID}, {EOS_ID}, {UNK_ID}, -1)."
     )
@@ -57,4 +58,4 @@ def resolve(task: str, vocab_path: str | None) -> str:
     return vocab_path
   if task == "dipaco_embedded":
     return DEFAULT_VOCAB_PATH
-  raise ValueError(f"Task {task!r} needs data.vocab_path (e.g. {T5_VOCAB_PATH} for c4_en).")
+  raise errors.ConfigError(f"Task {task!r} needs data.vocab_path (e.g. {T5_VOCAB_PATH} for c4_en).")

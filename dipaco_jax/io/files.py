@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 from etils import epath
 
+from dipaco_jax import errors
+
 PathLike = str | os.PathLike
 # <workdir>/config.json: the trainer writes it, every entry point reads it.
 CONFIG_FILE = "config.json"
@@ -35,6 +37,33 @@ def is_remote(p: PathLike) -> bool:
 def join(p: PathLike, *parts: str) -> str:
   """`p/parts...` as a string, keeping a URI's scheme."""
   return os.fspath(path(p).joinpath(*parts))
+
+
+def check_writable(p: PathLike, name: str | None = None, *, file: bool = False) -> None:
+  """Refuses an output path that cannot be written, before any work: errors.ArgumentError.
+
+  `p` is a folder to write into (made if missing), or with `file` a file to write. A file
+  where a folder must be, or a nearest existing folder this user cannot write, is one line
+  that starts with `name` (default: the path). Object stores are not checked here.
+  """
+  if is_remote(p):
+    return
+  name = name or os.fspath(p)
+  p = os.path.abspath(os.fspath(p))
+  if file and os.path.isdir(p):
+    raise errors.ArgumentError(f"{name} is a folder: give a file name (e.g. {p}/out.json).")
+  q = os.path.dirname(p) if file else p
+  while not os.path.lexists(q):  # The nearest existing folder above it.
+    q = os.path.dirname(q)
+  if not os.path.isdir(q):
+    raise errors.ArgumentError(
+      f"{name}: {q} is a file, not a folder: give another path (or move {q} aside)."
+    )
+  if not os.access(q, os.W_OK | os.X_OK):
+    raise errors.ArgumentError(
+      f"{name}: {q} is not writable by this user: give a folder you can write to (or change "
+      "its permissions)."
+    )
 
 
 def write_bytes(p: PathLike, data: bytes) -> None:

@@ -164,9 +164,18 @@ def fit_phase0(
 
 
 def phase0_router(
-  config, workdir: str, topo: topo_lib.Topology, extractor: features_lib.FeatureExtractor | None
+  config,
+  workdir: str,
+  topo: topo_lib.Topology,
+  extractor: features_lib.FeatureExtractor | None,
+  *,
+  save: bool = True,
 ) -> assign_lib.PathRouter:
-  """The configured phase-0 router: loaded from the workdir, else fitted and saved."""
+  """The configured phase-0 router: loaded from the workdir, else fitted and saved.
+
+  `save=False`: a fitted router is left to the caller to save (route_run, once the shard dir
+  is known to fit it).
+  """
   kind = config.routing.router
   grid = phase0_grid(config, topo)
   if kind == "random":
@@ -206,7 +215,7 @@ def phase0_router(
     router.info["features"] = extractor.fingerprint
     if calibration is not None:
       router.info["balance_docs"] = config.routing.balance_docs
-    if jax.process_index() == 0:  # Every process fits the same router; one writes it.
+    if save and jax.process_index() == 0:  # Every process fits the same router; one writes it.
       router.save(directory)
   return assign_lib.PathRouter(
     topo, router, seed=config.data.seed, feature_id=extractor.fingerprint, by_worker=by_worker
@@ -386,11 +395,19 @@ def route_run(config, workdir: str, *, process_index: int = 0, num_processes: in
   topo = topo_lib.from_config(config)
   kind = config.routing.router
   extractor = features_lib.extractor_from_config(config) if kind != "random" else None
+  directory = shard_dir(config, workdir, 0)
+  # Before minutes of fitting and tokenizing: where the router and the shards go.
+  files.check_writable(router_dir(workdir, 0), f"the router's folder {router_dir(workdir, 0)}")
+  files.check_writable(directory, f"the shards' folder {directory}")
   if process_index > 0 and kind != "random":
     _wait_for(epath.Path(router_dir(workdir, 0)) / router_lib.META_FILE, "process 0's router")
-  pr = phase0_router(config, workdir, topo, extractor)
-  directory = shard_dir(config, workdir, 0)
+  fitted = kind != "random" and not router_lib.Router.exists(router_dir(workdir, 0))
+  pr = phase0_router(config, workdir, topo, extractor, save=False)
   assign = assign_lib.make_assignment(config, pr, extractor)
+  # Shards of another assignment are refused before the new router is saved beside them.
+  data_lib.check_shard_dir(config.data, topo.num_workers, directory, assign)
+  if fitted and process_index == 0:
+    pr.router.save(router_dir(workdir, 0))
   # One process: the shard cache as in training (data/shard_cache.py); a job of N shares none.
   cache = config.data.shard_cache if num_processes == 1 else shard_cache.OFF
   shard_cache.fetch(cache, config.data, topo.num_workers, directory, assign)
@@ -412,6 +429,10 @@ def route_run(config, workdir: str, *, process_index: int = 0, num_processes: in
     config.data, topo.num_workers, directory, assign=assign, num_parts=num_processes
   )
   shard_cache.store(cache, config.data, topo.num_workers, directory, assign)
+  if not files.is_remote(directory):  # Shards written before: each file opens with its count.
+    for split in shard_set.splits:
+      for w in range(shard_set.num_workers):
+        shard_set.documents(w, split)
   lines = [
     f"# Phase-0 routing: {pr.description}",
     "",
