@@ -29,7 +29,7 @@ import logging
 import os
 import re
 import sys
-from typing import Any, Callable, NoReturn
+from typing import Any, Callable
 
 import jax
 from absl import app
@@ -81,32 +81,9 @@ _WORKDIR_ARG = re.compile(r"^--?workdir(?:=(.*))?$")
 _HELP = re.compile(r"^--?(?:help|helpshort|helpfull|helpxml)$")
 
 
-def is_user_error(e: BaseException) -> bool:
-  """Errors of the input, reported in one line: the config, missing files, data, divergence."""
-  from dipaco_jax.data import shards  # pylint: disable=g-import-not-at-top
-
-  return isinstance(
-    e,
-    (
-      errors.ConfigError,  # Also TopologyError, MeshError, ElasticConfigError.
-      errors.UserError,  # Damaged files, no checkpoint, divergence (guard.DivergenceError).
-      FileNotFoundError,  # A missing input named by the OS.
-      shards.EmptyShardError,
-      app.UsageError,
-      flags.Error,
-    ),
-  )
-
-
+is_user_error = errors.is_user_error  # The errors printed in one line (errors.py).
 one_line = errors.one_line  # `Type: message` on one line.
-
-
-def fail(e: BaseException, verbose: bool) -> NoReturn:
-  """Prints a user error's one line and exits 1; with `verbose`, re-raises it."""
-  if verbose:
-    raise e
-  print(one_line(e), file=sys.stderr, flush=True)
-  sys.exit(1)
+fail = errors.fail  # One line and exit 1; with --verbose_errors, the traceback.
 
 
 def _flag_value(argv: list[str], pattern: re.Pattern) -> str | None:

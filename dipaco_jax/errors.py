@@ -1,5 +1,11 @@
 """Errors the user can fix: the CLIs print their message as one line, without a traceback."""
 
+import sys
+from typing import NoReturn
+
+from absl import app
+from absl import flags
+
 
 class UserError(Exception):
   """Bad input or a stopped run: the message says what happened and how to fix it."""
@@ -18,6 +24,28 @@ class ArgumentError(UserError, ValueError):
 
   A ValueError too, for the library functions that raise it.
   """
+
+
+def is_user_error(e: BaseException) -> bool:
+  """Errors of the input, reported in one line: the config, missing files, data, divergence."""
+  return isinstance(
+    e,
+    (
+      ConfigError,  # Also TopologyError, MeshError, ElasticConfigError.
+      UserError,  # Damaged files, no checkpoint, empty shards, divergence (guard.DivergenceError).
+      FileNotFoundError,  # A missing input named by the OS.
+      app.UsageError,
+      flags.Error,
+    ),
+  )
+
+
+def fail(e: BaseException, verbose: bool) -> NoReturn:
+  """Prints a user error's one line and exits 1; with `verbose`, re-raises it."""
+  if verbose:
+    raise e
+  print(one_line(e), file=sys.stderr, flush=True)
+  sys.exit(1)
 
 
 def one_line(e: BaseException) -> str:

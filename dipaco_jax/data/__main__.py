@@ -110,14 +110,12 @@ def _run(args) -> None:
 
 def main(argv: list[str] | None = None) -> None:
   argv = sys.argv[1:] if argv is None else argv
-  from dipaco_jax import cli  # pylint: disable=g-import-not-at-top
-
   try:
     _run(_parser().parse_args(argv))
   except Exception as e:  # pylint: disable=broad-except
-    if not cli.is_user_error(e):
+    if not errors.is_user_error(e):
       raise  # A bug keeps its traceback.
-    cli.fail(e, "--verbose_errors" in argv)
+    errors.fail(e, "--verbose_errors" in argv)
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ CACHE_DIR = os.environ.get(
 _HEADER = struct.Struct("<qBH")  # doc_id, bytes per token (2 or 4), domain length
 
 
-class EmptyShardError(ValueError):
+class EmptyShardError(errors.UserError, ValueError):
   """Some worker received no document."""
 
 
