@@ -11,8 +11,10 @@ from tensorboard.compat.tensorflow_stub import pywrap_tensorflow
 
 from dipaco_jax import config_check
 from dipaco_jax import data as data_lib
+from dipaco_jax import serve
 from dipaco_jax.core import model as model_lib
 from dipaco_jax.core import paths
+from dipaco_jax.io import checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -108,3 +110,24 @@ def events(logdir) -> list:
         break
       out.append(event_pb2.Event.FromString(reader.record()))
   return out
+
+
+def checkpoint_reads(cfg, exp, workdir, path: int):
+  """Every reader of a checkpoint: the trainer's resume (and evaluation's), serving, init_from."""
+
+  def resume():  # evaluate.load_run and its best set read through the same two calls.
+    ck = checkpoint.Checkpointer(workdir, async_save=False)
+    try:
+      state, data = ck.restore(exp.abstract_state)
+      best = ck.restore_best(exp.abstract_state.params)
+    finally:
+      ck.close()
+    return {"state": state, "data": data, "best": best[0], "records": best[1]}
+
+  return {
+    "resume": resume,
+    "serve_store": lambda: serve.load_path_params(workdir, cfg, path)[0],
+    "serve_best": lambda: serve.load_path_params(workdir, cfg, path, source="best")[0],
+    "serve_phase": lambda: checkpoint.read_data_state(workdir, 4),
+    "init_from": lambda: checkpoint.restore_worker_params(workdir, worker=path),
+  }

@@ -7,7 +7,6 @@ import jax
 import numpy as np
 import pytest
 
-from dipaco_jax import serve
 from dipaco_jax import train
 from dipaco_jax.core import experiment
 from dipaco_jax.io import checkpoint
@@ -122,27 +121,6 @@ def test_the_kinds_cover_every_file_orbax_writes(saved):
   assert all("/ocdbt.process_0/d/" in f for f in left), left
 
 
-def _reads(cfg, exp, workdir):
-  """What reads a checkpoint: the trainer's resume, serving (store and best), init_from."""
-
-  def resume():
-    ck = checkpoint.Checkpointer(workdir, async_save=False)
-    try:
-      state, data = ck.restore(exp.abstract_state)
-      best = ck.restore_best(exp.abstract_state.params)
-    finally:
-      ck.close()
-    return {"state": state, "data": data, "best": best[0], "records": best[1]}
-
-  return {
-    "resume": resume,
-    "serve_store": lambda: serve.load_path_params(workdir, cfg, PATH)[0],
-    "serve_best": lambda: serve.load_path_params(workdir, cfg, PATH, source="best")[0],
-    "serve_phase": lambda: checkpoint.read_data_state(workdir, 4),
-    "init_from": lambda: checkpoint.restore_worker_params(workdir, worker=PATH),
-  }
-
-
 def _expected(exp, want):
   store_path = helpers.path_params(want["state"].store, exp.topo, PATH)
   best_path = jax.tree.map(lambda x: x[PATH], want["best"])
@@ -182,7 +160,7 @@ def test_a_truncated_file_gives_one_line_naming_it(saved, tmp_path, kind, select
   before = helpers.tree_bytes(workdir)
   expected = _expected(exp, want)
   outcomes = {}
-  for op, read in _reads(cfg, exp, workdir).items():
+  for op, read in helpers.checkpoint_reads(cfg, exp, workdir, PATH).items():
     try:
       got = read()
     except checkpoint.DamagedCheckpointError as e:

@@ -55,27 +55,6 @@ def saved(tmp_path_factory):
   return cfg, exp, workdir, want
 
 
-def _reads(cfg, exp, workdir):
-  """Every reader of a checkpoint: the trainer's resume (and evaluation's), serving, init_from."""
-
-  def resume():  # evaluate.load_run and its best set read through the same two calls.
-    ck = checkpoint.Checkpointer(workdir, async_save=False)
-    try:
-      state, data = ck.restore(exp.abstract_state)
-      best = ck.restore_best(exp.abstract_state.params)
-    finally:
-      ck.close()
-    return {"state": state, "data": data, "best": best[0], "records": best[1]}
-
-  return {
-    "resume": resume,
-    "serve_store": lambda: serve.load_path_params(workdir, cfg, PATH)[0],
-    "serve_best": lambda: serve.load_path_params(workdir, cfg, PATH, source="best")[0],
-    "serve_phase": lambda: checkpoint.read_data_state(workdir, 4),
-    "init_from": lambda: checkpoint.restore_worker_params(workdir, worker=PATH),
-  }
-
-
 def _expected(exp, want):
   return {
     "resume": {k: want[k] for k in ("state", "data", "best", "records")},
@@ -277,7 +256,7 @@ def test_every_reader_names_the_damaged_array_and_step(saved, tmp_path, kind):
   must_fail, what = CASES[kind]
   expected = _expected(exp, want)
   failed = []
-  for op, read in _reads(cfg, exp, workdir).items():
+  for op, read in helpers.checkpoint_reads(cfg, exp, workdir, PATH).items():
     try:
       got = read()
     except checkpoint.DamagedCheckpointError as e:
@@ -304,7 +283,7 @@ def test_a_step_saved_without_checksums_loads_unverified_and_says_so_once(saved,
     shutil.rmtree(os.path.join(workdir, "checkpoints", str(step), checkpoint.CHECKSUMS))
   expected = _expected(exp, want)
   with caplog.at_level(logging.INFO):
-    for op, read in _reads(cfg, exp, workdir).items():
+    for op, read in helpers.checkpoint_reads(cfg, exp, workdir, PATH).items():
       assert _same(read(), expected[op]), op
   said = [r.getMessage() for r in caplog.records if "has no checksums" in r.getMessage()]
   assert said == [
