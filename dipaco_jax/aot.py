@@ -41,6 +41,7 @@ from dipaco_jax import config_check  # pylint: disable=wrong-import-position
 from dipaco_jax import data as data_lib  # pylint: disable=wrong-import-position
 from dipaco_jax import errors  # pylint: disable=wrong-import-position
 from dipaco_jax import hlo  # pylint: disable=wrong-import-position
+from dipaco_jax.core import attention as attention_lib  # pylint: disable=wrong-import-position
 from dipaco_jax.core import experiment as exp_lib  # pylint: disable=wrong-import-position
 from dipaco_jax.core import model as model_lib  # pylint: disable=wrong-import-position
 from dipaco_jax.core import sharding  # pylint: disable=wrong-import-position
@@ -53,29 +54,57 @@ FIT_FRACTION = 0.9  # A step "fits" when its per-chip peak is <= 90% of usable H
 
 @dataclasses.dataclass(frozen=True)
 class Chip:
-  """One TPU chip: public peak bf16 FLOP/s, HBM size and bandwidth."""
+  """One TPU chip: public peak bf16 FLOP/s, HBM size and bandwidth, DCN bandwidth."""
 
   peak_flops: float  # bf16 FLOP/s per chip.
   hbm_bytes: float  # HBM per chip (public spec).
   hbm_bw: float  # HBM bytes/s per chip.
-  usable_hbm: float  # HBM the compiler may use (libtpu 0.0.42's "available HBM").
+  usable_hbm: float  # HBM the compiler may use per device (libtpu 0.0.42's "available HBM").
+  dcn_gbps: float  # Data-center network Gb/s per chip (the outer step's cross-slice link).
+  dcn_source: str  # Where dcn_gbps comes from.
 
 
 # Public per-chip specs from Google Cloud's TPU system-architecture pages
 # (cloud.google.com/tpu/docs/v4, /v5e, /v5p, /v6e, read 2026-11): peak bf16
-# TFLOP/s, HBM GiB, HBM GB/s. usable_hbm is what libtpu 0.0.42 reports as
+# TFLOP/s, HBM GiB, HBM GB/s, DCN. usable_hbm is what libtpu 0.0.42 reports as
 # "available HBM" when a program does not fit (v4: per TensorCore in its
-# default chip config).
+# default chip config, where libtpu makes one device per TensorCore: the report
+# divides a chip's peak and bandwidth among its devices).
 CHIPS = {
-  "v4": Chip(275e12, 32 * GiB, 1200e9, 15.25 * GiB),
-  "v5e": Chip(197e12, 16 * GiB, 819e9, 15.75 * GiB),
-  "v5p": Chip(459e12, 95 * GiB, 2765e9, 95.74 * GiB),
-  "v6e": Chip(918e12, 32 * GiB, 1640e9, 31.25 * GiB),
+  "v4": Chip(
+    275e12,
+    32 * GiB,
+    1200e9,
+    15.25 * GiB,
+    25.0,
+    "no per-chip DCN figure published for v4: assumed as v5e's",
+  ),
+  "v5e": Chip(
+    197e12,
+    16 * GiB,
+    819e9,
+    15.75 * GiB,
+    25.0,
+    "cloud.google.com/tpu/docs/v6e table: v5e host 2 x 100 Gb/s NIC, 8 chips "
+    "(6.4 Tb/s per 256-chip pod)",
+  ),
+  "v5p": Chip(
+    459e12,
+    95 * GiB,
+    2765e9,
+    95.74 * GiB,
+    50.0,
+    "cloud.google.com/tpu/docs/v5p: DCN bandwidth per chip 50 Gb/s",
+  ),
+  "v6e": Chip(
+    918e12,
+    32 * GiB,
+    1640e9,
+    31.25 * GiB,
+    100.0,
+    "cloud.google.com/tpu/docs/v6e: host 4 x 200 Gb/s NIC, 8 chips (25.6 Tb/s per 256-chip pod)",
+  ),
 }
-
-# DCN bandwidth assumed per chip for the outer step's cross-slice traffic
-# (a 4-chip v5e/v6e host with a 100 Gb/s NIC: 25 Gb/s per chip); --dcn_gbps.
-DEFAULT_DCN_GBPS_PER_CHIP = 25.0
 
 
 class AotError(ValueError):
@@ -163,7 +192,7 @@ def _span(c: hlo.Collective, mesh) -> list[str]:
 def collective_table(hlo_text: str, mesh) -> list[dict[str, Any]]:
   """Collectives grouped by op, group size and spanned axes: count and bytes/device."""
   rows: dict[tuple, dict[str, Any]] = {}
-  for c in hlo.collectives(hlo_text):
+  for c in hlo.collectives(hlo_text):  # Each counted once per loop trip.
     axes = _span(c, mesh)
     size = len(c.groups[0]) if c.groups else int(np.asarray(mesh.devices).size)
     key = (c.op, size, tuple(axes))
@@ -178,13 +207,22 @@ def collective_table(hlo_text: str, mesh) -> list[dict[str, Any]]:
         "example_group": list(c.groups[0]) if c.groups else [],
       },
     )
-    row["count"] += 1
-    row["bytes"] += c.nbytes
+    row["count"] += c.trips
+    row["bytes"] += c.nbytes * c.trips
   return sorted(rows.values(), key=lambda r: -r["bytes"])
 
 
-def model_flops_per_token(cfg: model_lib.ModelConfig, seq_len: int) -> float:
-  """Training FLOPs per token: 6 x matmul params + causal-free attention (PaLM, App. B).
+# Model FLOPs conventions for MFU: attention's score and value matmuls counted over every
+# (query, key) pair ("full": PaLM App. B, 12 L T H K per token) or over the causal half that a
+# causal model needs ("causal": 6 L T H K, as MaxText counts). The report's MFU is the causal
+# one; both are printed.
+CONVENTIONS = ("causal", "full")
+
+
+def model_flops_per_token(
+  cfg: model_lib.ModelConfig, seq_len: int, convention: str = "causal"
+) -> float:
+  """Training FLOPs per token: 6 x matmul params + attention (PaLM, App. B; see CONVENTIONS).
 
   The params are counted from the model's own tree, so every MLP kind (gelu, swiglu's third
   matrix) counts as built.
@@ -195,7 +233,34 @@ def model_flops_per_token(cfg: model_lib.ModelConfig, seq_len: int) -> float:
   n -= cfg.vocab_size * cfg.d_model * (0 if cfg.tie_embeddings else 1)
   if cfg.positions == "learned":
     n -= cfg.max_len * cfg.d_model
-  return 6.0 * n + 12.0 * cfg.num_layers * seq_len * cfg.num_heads * cfg.head_dim
+  attention = 12.0 * cfg.num_layers * seq_len * cfg.num_heads * cfg.head_dim
+  return 6.0 * n + (attention / 2 if convention == "causal" else attention)
+
+
+# The splash kernels' instruction names (splash_mha_fwd..., _dq..., _dkv...) and their kinds.
+_KERNEL_RE = re.compile(r"splash_mha_(fwd|dq|dkv)")
+
+
+def kernel_flops(hlo_text: str, cfg: model_lib.ModelConfig, seq_len: int) -> tuple[float, int]:
+  """FLOPs of the Pallas attention kernels a compiled program runs, and how many calls.
+
+  XLA's cost analysis counts a custom call as 0 FLOPs. Each splash call's first 4-d result is
+  [B, H, T, .] (its output, dq, or dk) for this device; its FLOPs follow from that shape, the
+  head_dim and the blocks it computes (attention.attention_flops), once per loop trip.
+  """
+  blocks = attention_lib.splash_blocks(cfg, seq_len)
+  total, calls = 0.0, 0
+  for c in hlo.custom_calls(hlo_text, "splash_mha_"):
+    m = _KERNEL_RE.match(c.name)
+    shape = next((d for _, d in c.results if len(d) == 4), None)
+    if m is None or shape is None:
+      continue
+    B, H, T = shape[:3]
+    total += c.trips * attention_lib.attention_flops(
+      m.group(1), (B, H, T, cfg.head_dim), blocks if T == seq_len else None
+    )
+    calls += c.trips
+  return total, calls
 
 
 class OutOfMemory(Exception):
@@ -227,14 +292,18 @@ def _parse_oom(msg: str) -> tuple[float, float] | None:
 class Report:
   """Compiles a config's steps over a topology and collects the numbers."""
 
-  def __init__(
-    self, config, topology: str, slices: int, dcn_gbps: float = DEFAULT_DCN_GBPS_PER_CHIP
-  ):
+  def __init__(self, config, topology: str, slices: int, dcn_gbps: float | None = None):
     self.config = config
     self.topology, self.slices = topology, slices
     self.chip_name, self.chip = chip_of(topology)
-    self.dcn_bytes_per_s = dcn_gbps * 1e9 / 8
+    self.dcn_gbps = self.chip.dcn_gbps if dcn_gbps is None else dcn_gbps
+    self.dcn_bytes_per_s = self.dcn_gbps * 1e9 / 8
     devices = topology_devices(topology, slices)
+    # libtpu's devices per chip: 2 on v4 (one per TensorCore), else 1 (v5p's megacore too).
+    chips = math.prod(check_topology(topology, slices)) * slices
+    self.devices_per_chip = max(1, len(devices) // chips)
+    self.peak = self.chip.peak_flops / self.devices_per_chip  # Per device.
+    self.hbm_bw = self.chip.hbm_bw / self.devices_per_chip
     config.mesh.num_slices = slices
     workers = topo_lib.from_config(config).num_workers
     self.mesh = sharding.make_mesh(config.mesh, workers, devices=devices)
@@ -248,6 +317,9 @@ class Report:
         "remat": config.model.remat,
         "loss_chunk": int(config.model.loss_chunk),
         "attention": config.model.attention,
+        "attention_runs": attention_lib.resolve(
+          self.exp.model_cfg, attention_lib.platform_of(self.mesh), int(config.data.seq_len)
+        ),
         "dtype": config.model.dtype,
         "workers": int(self.exp.topo.num_workers),
         "batch_per_path": int(config.data.batch_size),
@@ -255,7 +327,12 @@ class Report:
       },
       "topology": topology,
       "slices": slices,
-      "chips": self.n_devices,
+      "chips": self.n_devices // self.devices_per_chip,
+      "devices": self.n_devices,
+      "devices_per_chip": self.devices_per_chip,
+      "peak_flops_per_device": self.peak,
+      "hbm_bw_per_device": self.hbm_bw,
+      "dcn_gbps_per_chip": self.dcn_gbps,
       "chip": dict(name=self.chip_name, **dataclasses.asdict(self.chip)),
       "steps": {},
     }
@@ -306,7 +383,7 @@ class Report:
     return exp.eval_step, (st.params, abstract_batch(exp))
 
   def _inner_cost(self, compiled) -> tuple[float, float, str]:
-    """Flops and bytes of the whole inner step, every loop iteration counted.
+    """Flops and bytes of the whole inner step, every loop iteration and kernel counted.
 
     XLA's cost analysis counts a loop body once. The microbatch scan holds
     the whole forward and backward pass, and the optimizer update runs once
@@ -314,7 +391,9 @@ class Report:
     alone). Inside it, the chunked loss's loop counts one of its n chunks; the
     other n - 1 are added from their matmuls (forward, recomputed forward,
     two backward: 8 b C D V flops) and their float32 logits (written and
-    read twice: 16 b C V bytes), with b C tokens per chip.
+    read twice: 16 b C V bytes), with b C tokens per chip. The Pallas attention
+    kernels, 0 FLOPs to XLA, are added from their shapes (`kernel_flops`, every
+    trip counted); their bytes are XLA's count of their operands and results.
     """
     flops, nbytes = _cost(compiled)
     how = ["compiled step"]
@@ -342,6 +421,10 @@ class Report:
       oflops, obytes = _cost(_compile(update, st.params, st.inner_opt, st.params))
       flops, nbytes = M * flops - (M - 1) * oflops, M * nbytes - (M - 1) * obytes
       how = [f"{M} x (" + " ".join(how) + f") - {M - 1} optimizer updates"]
+    kflops, calls = kernel_flops(compiled.as_text(), self.exp.model_cfg, int(c.data.seq_len))
+    if calls:
+      flops += kflops
+      how.append(f"+ {calls} attention kernel calls ({kflops:.3e} flops)")
     return flops, nbytes, " ".join(how)
 
   def run(self, steps=("inner", "outer", "eval")) -> dict[str, Any]:
@@ -369,19 +452,23 @@ class Report:
       if step == "inner":
         flops, nbytes, how = self._inner_cost(compiled)
         W, B, T = self.exp.batch_shape
-        t = max(flops / self.chip.peak_flops, nbytes / self.chip.hbm_bw)
-        model_flops = model_flops_per_token(self.exp.model_cfg, T) * W * B * T / self.n_devices
+        t = max(flops / self.peak, nbytes / self.hbm_bw)
+        per_device = W * B * T / self.n_devices
+        model_flops = {
+          conv: model_flops_per_token(self.exp.model_cfg, T, conv) * per_device
+          for conv in CONVENTIONS
+        }
         row.update(
           flops=flops,
           bytes=nbytes,
           cost_from=how,
           roofline_s=t,
-          bound="compute"
-          if flops / self.chip.peak_flops >= nbytes / self.chip.hbm_bw
-          else "memory",
-          model_flops=model_flops,
+          bound="compute" if flops / self.peak >= nbytes / self.hbm_bw else "memory",
+          model_flops=model_flops["causal"],
+          model_flops_full=model_flops["full"],
           tokens_per_s=W * B * T / t,
-          mfu=model_flops / (t * self.chip.peak_flops),
+          mfu=model_flops["causal"] / (t * self.peak),
+          mfu_full=model_flops["full"] / (t * self.peak),
           cross_path=[c for c in row["collectives"] if "path" in c["axes"]],
         )
       elif step == "outer":
@@ -391,8 +478,9 @@ class Report:
         row.update(
           flops=flops,
           bytes=nbytes,
-          roofline_s=max(flops / self.chip.peak_flops, nbytes / self.chip.hbm_bw),
-          dcn_s=row["dcn_bytes"] / self.dcn_bytes_per_s,
+          roofline_s=max(flops / self.peak, nbytes / self.hbm_bw),
+          # A chip's devices share its DCN link.
+          dcn_s=row["dcn_bytes"] * self.devices_per_chip / self.dcn_bytes_per_s,
           # What a chip holds of its paths' modules; the outer step may move
           # twice that (out and back) plus the ‖Δ‖ metric, one float32 per module.
           held_module_bytes=held,
@@ -458,16 +546,25 @@ def _g(x: float) -> str:
 def format_report(r: dict[str, Any]) -> str:
   """The printed report."""
   c = r["config"]
+  per_chip = r["devices_per_chip"]
   lines = [
     f"{r['topology']} x {r['slices']} slice(s) = {r['chips']} chips "
     f"({r['chip']['name']}: {r['chip']['peak_flops'] / 1e12:.0f} TFLOP/s bf16, "
-    f"{_g(r['chip']['usable_hbm'])} GiB usable HBM, "
-    f"{r['chip']['hbm_bw'] / 1e9:.0f} GB/s)",
+    f"{_g(r['chip']['usable_hbm'])} GiB usable HBM per device, "
+    f"{r['chip']['hbm_bw'] / 1e9:.0f} GB/s, DCN {r['dcn_gbps_per_chip']:g} Gb/s per chip: "
+    f"{r['chip']['dcn_source']})"
+    + (
+      f"; {per_chip} devices per chip (one per TensorCore): per device "
+      f"{r['peak_flops_per_device'] / 1e12:.1f} TFLOP/s, {r['hbm_bw_per_device'] / 1e9:.0f} GB/s"
+      if per_chip > 1
+      else ""
+    ),
     "mesh "
     + " x ".join(f"{a}={n}" for a, n in c["mesh"].items())
     + f"; {c['workers']} workers x {c['batch_per_path']} x {c['seq_len']} tokens; "
     f"microbatches {c['microbatches']}, remat {c['remat']}, fsdp {c['fsdp']}, "
-    f"loss_chunk {c['loss_chunk']}, attention {c['attention']}, {c['dtype']}",
+    f"loss_chunk {c['loss_chunk']}, attention {c['attention']} (runs "
+    f"{c['attention_runs']}), {c['dtype']}",
   ]
   for step, s in r["steps"].items():
     if "memory" not in s:
@@ -475,25 +572,27 @@ def format_report(r: dict[str, Any]) -> str:
       continue
     m = s["memory"]
     lines.append(
-      f"[{step}] per chip: arguments {_g(m['arguments'])} + temporaries "
+      f"[{step}] per device: arguments {_g(m['arguments'])} + temporaries "
       f"{_g(m['temporaries'])} + outputs {_g(m['outputs'])} + code {_g(m['code'])} "
       f"+ resident state {_g(m['resident_state'])} = {_g(m['total'])} GiB "
       f"({s['hbm_fraction']:.0%} of HBM){'' if s['fits'] else '  DOES NOT FIT'}"
     )
     if "roofline_s" in s and step == "inner":
       lines.append(
-        f"[{step}] {s['flops']:.3e} flops, {s['bytes']:.3e} bytes per chip "
+        f"[{step}] {s['flops']:.3e} flops, {s['bytes']:.3e} bytes per device "
         f"({s['cost_from']}); roofline {s['roofline_s'] * 1e3:.1f} ms "
         f"({s['bound']}-bound), {s['tokens_per_s']:,.0f} tokens/s, "
-        f"MFU {s['mfu']:.1%} (model flops {s['model_flops']:.3e})"
+        f"MFU {s['mfu']:.1%} causal convention (model flops {s['model_flops']:.3e}: 6 N + "
+        f"6 L T H K per token), {s['mfu_full']:.1%} full convention ({s['model_flops_full']:.3e}:"
+        " 6 N + 12 L T H K, PaLM)"
       )
     if step == "outer":
       held = s["held_module_bytes"]
       lines.append(
-        f"[{step}] {s['flops']:.3e} flops, {s['bytes']:.3e} bytes per chip; roofline "
+        f"[{step}] {s['flops']:.3e} flops, {s['bytes']:.3e} bytes per device; roofline "
         f"{s['roofline_s'] * 1e3:.1f} ms; across 'path' {s['path_bytes'] / 2**20:.1f} MiB "
-        f"per chip, of which over DCN {s['dcn_bytes'] / 2**20:.1f} MiB = "
-        f"{s['dcn_s'] * 1e3:.0f} ms at the assumed DCN bandwidth"
+        f"per device, of which over DCN {s['dcn_bytes'] / 2**20:.1f} MiB = "
+        f"{s['dcn_s'] * 1e3:.0f} ms at {r['dcn_gbps_per_chip']:g} Gb/s per chip"
       )
       lines.append(
         f"[{step}] module bytes of the paths a chip holds: {held / 2**20:.1f} MiB; across "
@@ -545,13 +644,18 @@ def _define_flags() -> None:
     "steps", ["inner", "outer", "eval"], "Steps to compile: inner, outer, eval."
   )
   _FLAGS["dcn_gbps"] = flags.DEFINE_float(
-    "dcn_gbps", DEFAULT_DCN_GBPS_PER_CHIP, "DCN Gb/s per chip for the outer step's time estimate."
+    "dcn_gbps",
+    None,
+    "DCN Gb/s per chip for the outer step's time estimate (default: the chip's, aot.CHIPS: "
+    "v5e 25, v5p 50, v6e 100).",
   )
   _FLAGS["verbose_errors"] = flags.DEFINE_bool(
     "verbose_errors", False, "Show the traceback of a bad input instead of its one line."
   )
   flags.register_validator(
-    "dcn_gbps", lambda v: v > 0, "the outer step's DCN time needs a bandwidth: give --dcn_gbps > 0"
+    "dcn_gbps",
+    lambda v: v is None or v > 0,
+    "the outer step's DCN time needs a bandwidth: give --dcn_gbps > 0",
   )
   flags.mark_flags_as_required(["config", "topology"])
 

@@ -123,6 +123,7 @@ def _check_relations(c) -> None:
   """Relations between fields; the grid and the routing schedule check themselves."""
   # pylint: disable=g-import-not-at-top
   from dipaco_jax import routing
+  from dipaco_jax.core import attention
   from dipaco_jax.core import sharding
   from dipaco_jax.core import topology
   from dipaco_jax.runtime.elastic import errors as elastic_errors
@@ -160,6 +161,7 @@ def _check_relations(c) -> None:
       f"{c.data.batch_size} into equal microbatches over the 'data' axis: choose a "
       "divisor of batch_size / mesh.data."
     )
+  attention.check(m, (c.data.seq_len, c.eval.seq_len))  # The backend: Recipe.from_config.
   if m.loss_chunk and c.data.seq_len % m.loss_chunk:
     raise ConfigError(
       f"config.model.loss_chunk={m.loss_chunk} does not divide config.data.seq_len="

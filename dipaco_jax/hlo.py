@@ -24,6 +24,13 @@ repeat one collective in every fusion that carries a share of its progress,
 each copy with the same channel_id and `chain_id` attribute: it is counted
 once. (Elsewhere channel ids repeat across distinct collectives: shard_map's
 all carry channel_id=1 on CPU.)
+
+Loops: a collective inside a `while` body (the microbatch `scan`) runs once per trip, so each
+`Collective` carries `trips`, the product of the known trip counts of the loops around it
+(`trip_counts`), and the byte totals multiply by it. Bytes of every element type: the width in
+bits its name gives (f32, bf16, f8e4m3fn, f8e5m2, f6e3m2fn, f4e2m1fn, s4, ...), sub-byte
+types packed. `custom_calls` lists the kernels (Pallas) a program calls, with their trips, for
+the FLOPs XLA's cost analysis does not see.
 """
 # pylint: disable=invalid-name
 
@@ -43,29 +50,11 @@ OPS = (
   "collective-broadcast",
 )
 _OP_RE = re.compile(r"\s(" + "|".join(OPS) + r")(-start)?\(")
-_DTYPE_BYTES = {
-  "pred": 1,
-  "s8": 1,
-  "u8": 1,
-  "s16": 2,
-  "u16": 2,
-  "f16": 2,
-  "bf16": 2,
-  "s32": 4,
-  "u32": 4,
-  "f32": 4,
-  "s64": 8,
-  "u64": 8,
-  "f64": 8,
-  "c64": 8,
-  "c128": 16,
-  "s4": 0.5,
-  "u4": 0.5,
-  "s2": 0.25,
-  "u2": 0.25,
-  "token": 0,
-}
-_ARRAY_RE = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9]\w*)?)\[([^\]]*)\]")
+_ARRAY_RE = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]+m[0-9]+\w*)?)\[([^\]]*)\]")
+# An element's bits from its type's name: pred (one byte), s4/u4/s2/u2 (packed), bf16, f32,
+# f8e4m3fn, f8e5m2, f6e3m2fn, f4e2m1fn, f8e8m0fnu, c64 (two f32) ...: the number after the
+# kind is the width in bits, whatever exponent/mantissa split follows.
+_ELEMENT_RE = re.compile(r"(?:bf|f|s|u|c)([0-9]+)(?:e[0-9]+m[0-9]+\w*)?")
 _IOTA_RE = re.compile(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
 _MESH_RE = re.compile(
   r"(?:maximal_mesh\[device_id=(\d+)\]|mesh\[([^\]]*)\]"
@@ -89,17 +78,85 @@ class Collective(NamedTuple):
   nbytes: int  # Full buffer per device: the larger of its input and output.
   groups: tuple[tuple[int, ...], ...]  # Logical ids; () = all devices.
   dcn: bool = False  # A MegaScale transfer between slices: spans DCN_AXIS only.
+  trips: int = 1  # Times it runs per execution: the trip counts of the loops around it.
+
+
+_CALL_RE = re.compile(
+  r"\b(body|condition|to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)"
+)
+_BRANCHES_RE = re.compile(r"\bbranch_computations=\{([^}]*)\}")
+_TRIP_RE = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+
+
+def _computation_name(line: str) -> str | None:
+  """The name a computation's header line declares (`ENTRY %main (...) -> ... {`), else None."""
+  if not line or line[0].isspace() or not line.rstrip().endswith("{"):
+    return None
+  head = line.removeprefix("ENTRY ").split(" ", 1)[0]
+  return head.lstrip("%")
+
+
+def trip_counts(hlo_text: str) -> dict[str, int]:
+  """How many times each computation runs per execution of the module.
+
+  ENTRY runs once; a `while` body runs its loop's known_trip_count times per run of the
+  computation holding the loop (a loop without a known count: once, a lower bound); every
+  other callee (fusions, conditions, branches, reducers) as often as its caller. A
+  computation called from several places sums them.
+  """
+  callers: dict[str, list[tuple[str, int]]] = {}
+  entry, current = None, None
+  for line in hlo_text.splitlines():
+    name = _computation_name(line)
+    if name is not None:
+      current = name
+      if line.startswith("ENTRY"):
+        entry = name
+      continue
+    if current is None or " = " not in line:
+      continue
+    trip = _TRIP_RE.search(line)
+    for kind, callee in _CALL_RE.findall(line):
+      factor = int(trip.group(1)) if kind == "body" and trip else 1
+      callers.setdefault(callee, []).append((current, factor))
+    for branches in _BRANCHES_RE.findall(line):
+      for callee in branches.split(","):
+        callers.setdefault(callee.strip().lstrip("%"), []).append((current, 1))
+  memo: dict[str, int] = {}
+
+  def count(comp: str, seen=()) -> int:
+    if comp == entry or comp not in callers:
+      return 1 if comp == entry or entry is None else 0
+    if comp not in memo:
+      if comp in seen:  # Not an HLO module (no cycles there): count it once.
+        return 1
+      memo[comp] = sum(count(c, (*seen, comp)) * f for c, f in callers[comp])
+    return memo[comp]
+
+  names = {_computation_name(line) for line in hlo_text.splitlines()} - {None}
+  return {n: count(n) for n in names}
+
+
+def element_bits(dtype: str) -> int | None:
+  """Bits of one element of an HLO type (pred: 8; token: 0); None for a name that is no type."""
+  if dtype == "pred":
+    return 8
+  if dtype == "token":
+    return 0
+  m = _ELEMENT_RE.fullmatch(dtype)
+  return int(m.group(1)) if m else None
 
 
 def _shape_bytes(shape: str) -> int:
-  """Bytes of an HLO shape string (a tuple sums its elements)."""
-  total = 0.0
+  """Bytes of an HLO shape string (a tuple sums its elements; sub-byte types packed)."""
+  total = 0
   for dtype, dims in _ARRAY_RE.findall(shape):
-    if dtype not in _DTYPE_BYTES and not dtype.startswith("f8"):
+    bits = element_bits(dtype)
+    if bits is None:
       continue
     dims = [int(d.replace("<=", "")) for d in dims.split(",") if d.strip()]
-    total += _DTYPE_BYTES.get(dtype, 1) * math.prod(dims)
-  return int(total)
+    total += -(-bits * math.prod(dims) // 8)  # Packed, rounded up to whole bytes.
+  return total
 
 
 def _split_top(s: str) -> list[str]:
@@ -238,7 +295,7 @@ def _nbytes(op: str, shape: str, groups) -> int:
   return out
 
 
-def _megascale(line: str, transfers: dict[str, Collective]) -> None:
+def _megascale(line: str, transfers: dict[str, Collective], trips: int) -> None:
   """Records a MegaScale send or recv under its rendezvous (the larger buffer of the two)."""
   m = _MEGASCALE_RE.search(line)
   op = re.search(r" = (.*?) (send|recv)\(", line)
@@ -248,15 +305,20 @@ def _megascale(line: str, transfers: dict[str, Collective]) -> None:
   kind = "dcn-" + (t.group(1).lower().replace("_", "-") if t else "transfer")
   nbytes = _shape_bytes(_tuple_elements(re.sub(r"/\*.*?\*/", "", op.group(1)))[0])
   prev = transfers.get(m.group(1))
-  transfers[m.group(1)] = Collective(kind, max(nbytes, prev.nbytes if prev else 0), (), True)
+  transfers[m.group(1)] = Collective(kind, max(nbytes, prev.nbytes if prev else 0), (), True, trips)
 
 
 def collectives(hlo_text: str) -> list[Collective]:
-  """Every collective instruction (and async start) in an HLO module's text."""
+  """Every collective instruction (and async start) in an HLO module's text, with its trips."""
   out, seen, transfers = [], set(), {}
+  runs, trips = trip_counts(hlo_text), 1
   for line in hlo_text.splitlines():
+    name = _computation_name(line)
+    if name is not None:
+      trips = runs.get(name, 1)
+      continue
     if "xla_megascale_runtime" in line:
-      _megascale(line, transfers)
+      _megascale(line, transfers, trips)
       continue
     m = _OP_RE.search(line)
     if m is None or " = " not in line[: m.start() + 1]:
@@ -270,8 +332,37 @@ def collectives(hlo_text: str) -> list[Collective]:
         continue
       seen.add((op, chain.groups()))
     groups = _groups(attrs)
-    out.append(Collective(op, _nbytes(op, shape, groups), groups))
+    out.append(Collective(op, _nbytes(op, shape, groups), groups, False, trips))
   return out + list(transfers.values())
+
+
+class CustomCall(NamedTuple):
+  """One custom call (a Pallas kernel): its instruction name, result arrays and trips."""
+
+  name: str  # e.g. "splash_mha_fwd_segmented_no_residuals.3".
+  results: tuple[tuple[str, tuple[int, ...]], ...]  # (element type, dims) of each result.
+  trips: int = 1
+
+
+def custom_calls(hlo_text: str, prefix: str = "") -> list[CustomCall]:
+  """The custom calls whose instruction name starts with `prefix`, with their trip counts."""
+  out, runs, trips = [], trip_counts(hlo_text), 1
+  for line in hlo_text.splitlines():
+    name = _computation_name(line)
+    if name is not None:
+      trips = runs.get(name, 1)
+      continue
+    m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = (.*?) custom-call\(", line)
+    if m is None or not m.group(1).startswith(prefix):
+      continue
+    shape = re.sub(r"/\*.*?\*/", "", m.group(2))
+    results = tuple(
+      (dtype, tuple(int(d) for d in dims.split(",") if d.strip()))
+      for dtype, dims in _ARRAY_RE.findall(shape)
+      if element_bits(dtype) is not None
+    )
+    out.append(CustomCall(m.group(1), results, trips))
+  return out
 
 
 def spans(c: Collective, mesh, axis: str) -> bool:
@@ -297,10 +388,13 @@ def crosses_axis(groups: Sequence[Sequence[int]], mesh, axis: str) -> bool:
 
 
 def cross_axis_bytes(hlo_text: str, mesh, axis: str) -> int:
-  """Bytes per device, per execution, of collectives spanning `axis` (DCN transfers included)."""
-  return sum(c.nbytes for c in collectives(hlo_text) if spans(c, mesh, axis))
+  """Bytes per device, per execution, of collectives spanning `axis` (DCN transfers included).
+
+  A collective inside a loop counts once per trip (`Collective.trips`).
+  """
+  return sum(c.nbytes * c.trips for c in collectives(hlo_text) if spans(c, mesh, axis))
 
 
 def dcn_bytes(hlo_text: str) -> int:
-  """Bytes per device, per execution, of the MegaScale transfers between slices."""
-  return sum(c.nbytes for c in collectives(hlo_text) if c.dcn)
+  """Bytes per device, per execution, of the MegaScale transfers between slices (every trip)."""
+  return sum(c.nbytes * c.trips for c in collectives(hlo_text) if c.dcn)

@@ -19,7 +19,9 @@ DTYPES = ("float32", "bfloat16")
 # What a block keeps for its backward pass: everything; only its input (recomputes the rest);
 # the outputs of its weight matmuls (recomputes the cheap rest). model.py maps them to policies.
 REMAT = ("none", "full", "save_matmuls")
-ATTENTION = ("xla", "dot_product_attention")
+# The attention kernel (core/attention.py): auto picks splash on TPU, cuDNN on GPU where the
+# shape allows, XLA otherwise.
+ATTENTION = ("auto", "xla", "splash", "cudnn")
 MLPS = ("gelu", "swiglu")
 WEIGHTINGS = ("shard_size", "uniform")  # α_p ∝ |D_p|, or equal.
 SQRT_MODES = ("multiply", "divide", "none")  # √P_{l,e} rescale of Δ (paper §2.7).
@@ -95,9 +97,16 @@ class ModelConfig(f.Section):
     "(keep weight-matmul outputs).",
   )
   attention: str = f.field(
-    "xla",
+    "auto",
     f.choice(ATTENTION),
-    '"xla" (einsum + masked softmax) | "dot_product_attention" (jax.nn\'s, XLA\'s lowering).',
+    '"auto" (splash on TPU, cuDNN on GPU where the shape allows, XLA otherwise) | "xla" '
+    '(scores in HBM) | "splash" (Pallas TPU kernel) | "cudnn" (GPU flash, bfloat16).',
+  )
+  attention_block_q: int = f.field(
+    512, count, "Splash attention's query block (cut to seq_len; divides it)."
+  )
+  attention_block_kv: int = f.field(
+    512, count, "Splash attention's key/value block (cut to seq_len; divides it; 128 | it)."
   )
   loss_chunk: int = f.field(
     0,

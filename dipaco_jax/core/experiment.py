@@ -16,6 +16,7 @@ from dipaco_jax.core import guard as guard_lib
 from dipaco_jax.core import paths as paths_lib
 from dipaco_jax.core import recipe as recipe_lib
 from dipaco_jax.core import sharding
+from dipaco_jax.core import topology
 from dipaco_jax.data import feed
 from dipaco_jax.errors import ConfigError
 from dipaco_jax.types import PyTree
@@ -28,9 +29,10 @@ class Experiment:
 
   def __init__(self, config, mesh=None):
     self.config = config
-    self.recipe = r = recipe_lib.Recipe.from_config(config)
+    topo = topology.from_config(config)
+    self.mesh = mesh or sharding.make_mesh(config.mesh, topo.num_workers)
+    self.recipe = r = recipe_lib.Recipe.from_config(config, mesh=self.mesh)
     self.topo, self.model, self.model_cfg = r.topo, r.model, r.model_cfg
-    self.mesh = mesh or sharding.make_mesh(config.mesh, self.topo.num_workers)
     sharding.check_batch_divides(config.data.batch_size, self.mesh.shape["data"])
     mb = r.inner_cfg.microbatches
     if config.data.batch_size % (mb * self.mesh.shape["data"]):
@@ -50,8 +52,11 @@ class Experiment:
     self.batch_sharding = NamedSharding(self.mesh, sharding.batch_spec())
     per_worker = NamedSharding(self.mesh, P("path"))
     replicated = NamedSharding(self.mesh, P())
+    # spmd_axis_name: the workers' axis is 'path' inside the step too, so a shard_map in the
+    # model (splash attention) keeps each worker's share on its own devices.
+    over_workers = lambda f: jax.vmap(f, spmd_axis_name="path")
     self.inner_step = jax.jit(
-      jax.vmap(r.train_step),
+      over_workers(r.train_step),
       in_shardings=(ps, self.state_sharding.inner_opt, self.batch_sharding),
       out_shardings=(ps, self.state_sharding.inner_opt, per_worker),
       donate_argnums=(0, 1),
@@ -63,7 +68,9 @@ class Experiment:
       donate_argnums=(0, 1, 2),
     )
     self.eval_step = jax.jit(
-      jax.vmap(r.eval_step), in_shardings=(ps, self.batch_sharding), out_shardings=per_worker
+      over_workers(r.eval_step),
+      in_shardings=(ps, self.batch_sharding),
+      out_shardings=per_worker,
     )
     self.sync_store = jax.jit(
       lambda params: paths_lib.disassemble(params, self.topo), in_shardings=(ps,), out_shardings=ss

@@ -6,11 +6,14 @@ topology assigns groups to levels, so the model knows nothing of paths.
 """
 # pylint: disable=invalid-name
 
+from typing import Any
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from dipaco_jax.config import sections
+from dipaco_jax.core import attention as attention_lib
 from dipaco_jax.types import PyTree
 
 # Each config.model.remat choice (config/sections.py REMAT) as a policy: "none" keeps every
@@ -53,6 +56,7 @@ class Attention(nn.Module):
 
   cfg: ModelConfig
   decode: bool = False
+  mesh: Any = None  # The program's mesh: splash runs under shard_map over it.
 
   @nn.compact
   def __call__(self, x_BxTxD, segment_ids_BxT, positions_BxT):
@@ -68,7 +72,8 @@ class Attention(nn.Module):
     if cfg.positions == "rope":
       q_BxTxHxK = _rope(q_BxTxHxK, positions_BxT)
       k_BxSxHxK = _rope(k_BxSxHxK, positions_BxT)
-    B, T = x_BxTxD.shape[:2]
+    B = x_BxTxD.shape[0]
+    T = x_BxTxD.shape[1]
     causal = True  # mask_BxTxS has no causal part yet: added below, or by is_causal.
     mask_BxTxS = segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :]
     if self.decode and self.has_variable("cache", "cached_key"):
@@ -87,25 +92,30 @@ class Attention(nn.Module):
       self.variable("cache", "cached_key", jnp.zeros, k_BxSxHxK.shape, dtype)
       self.variable("cache", "cached_value", jnp.zeros, v_BxSxHxK.shape, dtype)
     scale = cfg.head_dim**-0.5
-    if cfg.attention == "dot_product_attention":
-      # jax.nn picks the implementation (cuDNN flash on GPU where it applies).
-      out_BxTxHxK = jax.nn.dot_product_attention(
+    impl = attention_lib.resolve(cfg, attention_lib.platform_of(self.mesh), T, self.decode)
+    if impl == "splash":
+      # The kernel wants [B, H, T, K], q pre-scaled; segment ids and causality it masks itself.
+      blocks = attention_lib.splash_blocks(cfg, T)
+      to_bhtk = lambda x: jnp.swapaxes(x, 1, 2)
+      out_BxHxTxK = attention_lib.splash_attention(
+        to_bhtk(q_BxTxHxK * jnp.asarray(scale, q_BxTxHxK.dtype)),
+        to_bhtk(k_BxSxHxK),
+        to_bhtk(v_BxSxHxK),
+        segment_ids_BxT,
+        blocks=blocks,
+        mesh=self.mesh,
+      )
+      out_BxTxHxK = jnp.swapaxes(out_BxHxTxK, 1, 2)
+    else:
+      out_BxTxHxK = attention_lib.xla_attention(
         q_BxTxHxK,
         k_BxSxHxK,
         v_BxSxHxK,
-        mask=mask_BxTxS[:, None],
+        mask_BxTxS,
+        causal=causal,
         scale=scale,
-        is_causal=causal,
+        implementation=impl,
       )
-      return dense("out", cfg.d_model, axis=(-2, -1))(out_BxTxHxK)
-    if causal:
-      mask_BxTxS &= jnp.tril(jnp.ones((T, T), dtype=bool))[None]
-    att_BxHxTxS = jnp.einsum("bqhk,bshk->bhqs", q_BxTxHxK * scale, k_BxSxHxK)
-    att_BxHxTxS = jnp.where(
-      mask_BxTxS[:, None], att_BxHxTxS.astype(jnp.float32), jnp.finfo(jnp.float32).min
-    )
-    att_BxHxTxS = jax.nn.softmax(att_BxHxTxS, axis=-1).astype(dtype)
-    out_BxTxHxK = jnp.einsum("bhqs,bshk->bqhk", att_BxHxTxS, v_BxSxHxK)
     return dense("out", cfg.d_model, axis=(-2, -1))(out_BxTxHxK)
 
 
@@ -114,13 +124,14 @@ class Block(nn.Module):
 
   cfg: ModelConfig
   decode: bool = False
+  mesh: Any = None
 
   @nn.compact
   def __call__(self, x_BxTxD, segment_ids_BxT, positions_BxT):
     cfg = self.cfg
     dtype = jnp.dtype(cfg.dtype)
     h_BxTxD = nn.RMSNorm(dtype=dtype, name="attn_norm")(x_BxTxD)
-    attn = Attention(cfg, decode=self.decode, name="attn")
+    attn = Attention(cfg, decode=self.decode, mesh=self.mesh, name="attn")
     x_BxTxD = x_BxTxD + attn(h_BxTxD, segment_ids_BxT, positions_BxT)
     h_BxTxD = nn.RMSNorm(dtype=dtype, name="mlp_norm")(x_BxTxD)
     dense = lambda name, features: nn.Dense(features, use_bias=False, dtype=dtype, name=name)
@@ -142,6 +153,9 @@ class Transformer(nn.Module):
   """
 
   cfg: ModelConfig
+  # The mesh the model's program is compiled over (the spmd Experiment's), or None (one device,
+  # or a jit that shards by propagation): model.attention=splash runs under shard_map over it.
+  mesh: Any = None
 
   @nn.compact
   def __call__(
@@ -166,7 +180,7 @@ class Transformer(nn.Module):
     # Decoding takes no gradient: nothing to rematerialise.
     block_cls = Block if cfg.remat == "none" or decode else nn.remat(Block, policy=policy)
     for i in range(cfg.num_layers):
-      block = block_cls(cfg, decode=decode, name=f"block_{i}")
+      block = block_cls(cfg, decode=decode, mesh=self.mesh, name=f"block_{i}")
       x_BxTxD = block(x_BxTxD, segment_ids_BxT, positions_BxT)
     hidden_BxTxD = x_BxTxD
     table_VxD = embed.variables["params"]["token"] if cfg.tie_embeddings else None

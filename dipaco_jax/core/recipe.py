@@ -3,7 +3,7 @@
     recipe = Recipe.from_config(config)
     params, opt, metrics = recipe.train_step(params, opt, batch)  # ONE path, un-jitted
 
-The grid, the model (config.model: remat, attention, the chunked loss), the inner
+The grid, the model (config.model: remat, the attention kernel, the chunked loss), the inner
 optimizer (config.inner: clipped AdamW on the warmup-cosine, microbatches), the
 outer optimizer (config.outer), the divergence guard's thresholds (config.guard),
 and the pure functions of a run: one path's train, eval and scoring steps, the
@@ -26,6 +26,7 @@ import numpy as np
 import optax
 
 from dipaco_jax.config import sections
+from dipaco_jax.core import attention as attention_lib
 from dipaco_jax.core import guard as guard_lib
 from dipaco_jax.core import inner as inner_lib
 from dipaco_jax.core import model as model_lib
@@ -64,7 +65,8 @@ class Recipe:
   outer_tx: optax.GradientTransformation
 
   @classmethod
-  def from_config(cls, config) -> "Recipe":
+  def from_config(cls, config, mesh=None) -> "Recipe":
+    """The recipe of `config`; `mesh`: the spmd program's (splash attention's shard_map)."""
     d = config.dipaco
     total = config.inner.total_steps
     model_cfg = sections.ModelConfig.of(config)
@@ -72,6 +74,10 @@ class Recipe:
       config, total_steps=d.inner_steps * d.outer_steps if total is None else total
     )
     outer_cfg = sections.OuterConfig.of(config)
+    # What the backend cannot run (splash off TPU, cuDNN off GPU) fails here, in both runtimes.
+    attention_lib.check(
+      model_cfg, (config.data.seq_len, config.eval.seq_len), attention_lib.platform_of(mesh)
+    )
     return cls(
       topo=topology.from_config(config),
       model_cfg=model_cfg,
@@ -81,7 +87,7 @@ class Recipe:
       init=d.init,
       inner_steps=d.inner_steps,
       outer_steps=d.outer_steps,
-      model=model_lib.Transformer(model_cfg),
+      model=model_lib.Transformer(model_cfg, mesh=mesh),
       inner_tx=inner_lib.optimizer(inner_cfg),
       outer_tx=outer_lib.optimizer(outer_cfg),
     )
