@@ -158,6 +158,12 @@ def topology_devices(topology: str, slices: int) -> list:
   return list(desc.devices)
 
 
+def devices_per_chip(topology: str, slices: int, devices: list) -> int:
+  """libtpu's devices per chip: 2 on v4 (one per TensorCore), else 1 (v5p's megacore too)."""
+  chips = math.prod(check_topology(topology, slices)) * slices
+  return max(1, len(devices) // chips)
+
+
 def abstract_batch(exp: exp_lib.Experiment) -> dict[str, jax.ShapeDtypeStruct]:
   """The trainer's [W, B, T] batch as shapes with the Experiment's sharding."""
   dtypes = {
@@ -299,9 +305,7 @@ class Report:
     self.dcn_gbps = self.chip.dcn_gbps if dcn_gbps is None else dcn_gbps
     self.dcn_bytes_per_s = self.dcn_gbps * 1e9 / 8
     devices = topology_devices(topology, slices)
-    # libtpu's devices per chip: 2 on v4 (one per TensorCore), else 1 (v5p's megacore too).
-    chips = math.prod(check_topology(topology, slices)) * slices
-    self.devices_per_chip = max(1, len(devices) // chips)
+    self.devices_per_chip = devices_per_chip(topology, slices, devices)
     self.peak = self.chip.peak_flops / self.devices_per_chip  # Per device.
     self.hbm_bw = self.chip.hbm_bw / self.devices_per_chip
     config.mesh.num_slices = slices

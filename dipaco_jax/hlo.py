@@ -96,15 +96,37 @@ def _computation_name(line: str) -> str | None:
   return head.lstrip("%")
 
 
+def _condition_bounds(hlo_text: str) -> dict[str, int]:
+  """N of each computation that is a loop condition `x < constant(N)` (one s32 constant)."""
+  out, current, consts, lt = {}, None, [], False
+  for line in hlo_text.splitlines() + ["}"]:
+    name = _computation_name(line)
+    if name is not None:
+      current, consts, lt = name, [], False
+    elif line.startswith("}"):
+      if current is not None and lt and len(consts) == 1:
+        out[current] = consts[0]
+      current = None
+    elif current is not None:
+      c = re.search(r"= s32\[\]\S* constant\((\d+)\)", line)
+      if c:
+        consts.append(int(c.group(1)))
+      if line.lstrip().startswith("ROOT") and " compare(" in line and "direction=LT" in line:
+        lt = True
+  return out
+
+
 def trip_counts(hlo_text: str) -> dict[str, int]:
   """How many times each computation runs per execution of the module.
 
-  ENTRY runs once; a `while` body runs its loop's known_trip_count times per run of the
-  computation holding the loop (a loop without a known count: once, a lower bound); every
-  other callee (fusions, conditions, branches, reducers) as often as its caller. A
-  computation called from several places sums them.
+  ENTRY runs once; a `while` body runs its loop's trip count times per run of the
+  computation holding the loop: the known_trip_count XLA notes (CPU), else the bound of a
+  condition `counter < constant(N)` (jax's scan and fori_loop count from 0 by 1; TPU HLO
+  notes no count), else once (a lower bound). Every other callee (fusions, conditions,
+  branches, reducers) runs as often as its caller; one called from several places sums them.
   """
   callers: dict[str, list[tuple[str, int]]] = {}
+  bounds = _condition_bounds(hlo_text)
   entry, current = None, None
   for line in hlo_text.splitlines():
     name = _computation_name(line)
@@ -116,8 +138,10 @@ def trip_counts(hlo_text: str) -> dict[str, int]:
     if current is None or " = " not in line:
       continue
     trip = _TRIP_RE.search(line)
+    cond = re.search(r"\bcondition=%?([\w.\-]+)", line)
+    n = int(trip.group(1)) if trip else bounds.get(cond.group(1), 1) if cond else 1
     for kind, callee in _CALL_RE.findall(line):
-      factor = int(trip.group(1)) if kind == "body" and trip else 1
+      factor = n if kind == "body" else 1
       callers.setdefault(callee, []).append((current, factor))
     for branches in _BRANCHES_RE.findall(line):
       for callee in branches.split(","):

@@ -71,6 +71,42 @@ def test_paper_dipaco_2x4_on_two_v5e_16_slices():
   _check(r, ["inner"])
 
 
+def test_splash_variant_of_dipaco_2x4_fits_and_counts_its_kernels():
+  """configs/dipaco_2x4.py (2 blocks) with model.attention=splash on 2 x v5e:2x2.
+
+  The splash kernels run under shard_map inside the vmap over workers: still no collective
+  across 'path'; their FLOPs (0 to XLA) are added per call and per microbatch trip, and the
+  causal MFU is below the full-attention one.
+  """
+  cfg = config_check.load(
+    os.path.join(helpers.ROOT, "configs", "dipaco_2x4.py"),
+    **{
+      "model.num_layers": 2,
+      "dipaco.level_groups": ("embed,head", "block_0", "block_1"),
+      "model.attention": "splash",
+      "mesh.path": 2,
+      "mesh.data": 4,
+    },
+  )
+  r = aot.Report(cfg, "v5e:2x2", slices=2).run(["inner"])
+  assert r["config"]["attention_runs"] == "splash" and r["config"]["microbatches"] == 8
+  _check(r, ["inner"])
+  inner = r["steps"]["inner"]
+  # 2 blocks x (forward, its recomputation, dq, dkv) per microbatch, 8 microbatches.
+  assert "+ 64 attention kernel calls" in inner["cost_from"], inner["cost_from"]
+  assert inner["mfu"] < inner["mfu_full"]
+
+
+def test_v4_devices_are_tensorcores_and_dcn_is_the_chips():
+  # libtpu describes a v4 chip as two devices (TensorCores): each gets half its peak.
+  assert aot.devices_per_chip("v4:2x2x1", 1, aot.topology_devices("v4:2x2x1", 1)) == 2
+  assert aot.devices_per_chip("v5p:2x2x1", 2, aot.topology_devices("v5p:2x2x1", 2)) == 1
+  tiny = os.path.join(helpers.ROOT, "configs", "tiny.py")
+  v5p = aot.Report(config_check.load(tiny), "v5p:2x2x1", slices=2)
+  assert v5p.devices_per_chip == 1 and v5p.dcn_gbps == 50.0
+  assert aot.Report(config_check.load(tiny), "v5p:2x2x1", 2, dcn_gbps=10).dcn_gbps == 10
+
+
 def test_advice_names_the_need_and_the_switches():
   cfg = config_check.load(os.path.join(helpers.ROOT, "configs", "tiny.py"), **{"mesh.data": 2})
   rep = aot.Report(cfg, "v5e:2x2", slices=2)

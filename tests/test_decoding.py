@@ -33,7 +33,7 @@ def _prompts(*lengths, seed=0):
   [
     ("rope", "xla", "gelu"),
     # ~6 CPU-seconds of compiles: outside the fast suite (-m "not slow").
-    pytest.param("learned", "dot_product_attention", "swiglu", marks=pytest.mark.slow),
+    pytest.param("learned", "auto", "swiglu", marks=pytest.mark.slow),
   ],
 )
 def test_cached_batch_matches_full_forward_per_token_and_each_prompt_alone(

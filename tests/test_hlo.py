@@ -172,3 +172,90 @@ def test_tpu_dcn_transfers_and_async_fusion_copies():
   assert hlo.dcn_bytes(text) == 128
   assert hlo.cross_axis_bytes(text, MESH_2x2, "path") == 64 + 8 + 8 + 128
   assert hlo.cross_axis_bytes(text, MESH_2x2, "data") == 0
+
+
+@pytest.mark.parametrize(
+  "shape, nbytes",
+  [
+    ("f4e2m1fn[16]{0}", 8),  # FP4: half a byte each.
+    ("f8e4m3fn[3,5]{1,0}", 15),
+    ("f8e4m3[4]{0}", 4),
+    ("f8e5m2[4]{0}", 4),
+    ("f6e3m2fn[8]{0}", 6),
+    ("f8e8m0fnu[2]{0}", 2),
+    ("s4[3]{0}", 2),  # 12 bits, rounded up to whole bytes.
+    ("u2[8]{0}", 2),
+    ("pred[5]{0}", 5),
+    ("(bf16[2]{0}, f4e2m1fn[4]{0}, token[])", 6),
+  ],
+)
+def test_every_element_width_is_counted(shape, nbytes):
+  c = _one(f"  %ar = {shape} all-reduce(%p), replica_groups={{{{0,1}}}}, to_apply=%add")
+  assert c.nbytes == nbytes
+
+
+# A scan of 8 trips holding an all-reduce and a loop of 3 nested in it; a second all-reduce
+# outside; a fusion the body calls (runs as often as its caller); a loop without a known count;
+# one whose count only its condition gives (counter < 5, as TPU HLO prints a scan).
+_LOOPS = """\
+%cond5 (p: (s32[], f32[2])) -> pred[] {
+  %constant.1 = s32[]{:T(128)} constant(5)
+  %p = (s32[], f32[2]) parameter(0)
+  %i = s32[]{:T(128)} get-tuple-element(%p), index=0
+  ROOT %lt = pred[]{:T(512)} compare(%i, %constant.1), direction=LT
+}
+%bounded_body (p: (s32[], f32[2])) -> (s32[], f32[2]) {
+  %ar.bounded = f32[2]{0} all-reduce(f32[2]{0} %v), replica_groups={{0,1}}, to_apply=%add
+}
+%inner_body (p: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %ar.in = f32[4]{0} all-reduce(f32[4]{0} %x), replica_groups={{0,2},{1,3}}, to_apply=%add
+}
+%fused (a: f32[2]) -> f32[2] {
+  %ar.fused = f32[2]{0} all-reduce(f32[2]{0} %a), replica_groups={{0,1}}, to_apply=%add
+}
+%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %ar.body = f32[8]{0} all-reduce(f32[8]{0} %y), replica_groups={{0,2},{1,3}}, to_apply=%add
+  %f = f32[2]{0} fusion(%z), kind=kLoop, calls=%fused
+  %w.in = (s32[], f32[4]) while(%t), condition=%cond, body=%inner_body, backend_config={"known_trip_count":{"n":"3"}}
+}
+%unknown_body (p: (s32[], f32[1])) -> (s32[], f32[1]) {
+  %ar.unknown = f32[1]{0} all-reduce(f32[1]{0} %u), replica_groups={{0,1}}, to_apply=%add
+}
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %w = (s32[], f32[8]) while(%t0), condition=%cond, body=%body, backend_config={"known_induction_variable":{"tuple_index":"0"},"known_trip_count":{"n":"8"}}
+  %w2 = (s32[], f32[1]) while(%t1), condition=%cond, body=%unknown_body
+  %w3 = (s32[], f32[2]) while(%t2), condition=%cond5, body=%bounded_body
+  %ar.top = f32[16]{0} all-reduce(f32[16]{0} %a), replica_groups={{0,2},{1,3}}, to_apply=%add
+}
+"""
+
+
+def test_collectives_in_loops_count_once_per_trip():
+  runs = hlo.trip_counts(_LOOPS)
+  assert runs["main"] == 1 and runs["body"] == 8 and runs["inner_body"] == 24
+  assert runs["fused"] == 8 and runs["unknown_body"] == 1  # No known count: a lower bound.
+  assert runs["bounded_body"] == 5 and runs["cond5"] == 1
+  got = {(c.nbytes, c.trips) for c in hlo.collectives(_LOOPS)}
+  assert got == {(16, 24), (8, 8), (32, 8), (4, 1), (64, 1), (8, 5)}
+  # Over 'path' (groups {0,2},{1,3}): 24 x 16 + 8 x 32 + 64 bytes.
+  assert hlo.cross_axis_bytes(_LOOPS, MESH_2x2, "path") == 24 * 16 + 8 * 32 + 64
+  assert hlo.cross_axis_bytes(_LOOPS, MESH_2x2, "data") == 8 * 8 + 4 + 5 * 8
+
+
+def test_a_compiled_microbatch_scan_counts_its_reduction_per_microbatch():
+  """The installed XLA's while loop: a gradient all-reduce inside a scan of 3 microbatches."""
+  mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("path", "data"))
+
+  def step(w, x):
+    def body(acc, xi):
+      return acc + jax.grad(lambda w: ((xi @ w) ** 2).sum())(w), None
+
+    return jax.lax.scan(body, jnp.zeros_like(w), x)[0]
+
+  w = jax.ShapeDtypeStruct((8, 8), jnp.float32, sharding=NamedSharding(mesh, P()))
+  x = jax.ShapeDtypeStruct((3, 4, 8), jnp.float32, sharding=NamedSharding(mesh, P(None, "data")))
+  text = jax.jit(step).lower(w, x).compile().as_text()
+  (c,) = hlo.collectives(text)
+  assert (c.op, c.nbytes, c.trips) == ("all-reduce", 8 * 8 * 4, 3)
+  assert hlo.cross_axis_bytes(text, mesh, "data") == 3 * 256
+  assert hlo.cross_axis_bytes(text, mesh, "path") == 0

@@ -1,8 +1,8 @@
 """Memory switches change how a step is computed, never what it computes.
 
 Gradient accumulation (inner.microbatches), the chunked cross-entropy
-(model.loss_chunk), remat policies (model.remat), jax.nn attention
-(model.attention) and FSDP (mesh.fsdp) against the plain computation.
+(model.loss_chunk), remat policies (model.remat) and FSDP (mesh.fsdp) against the
+plain computation (the attention kernels: tests/test_attention.py).
 """
 
 import dataclasses
@@ -118,27 +118,6 @@ def test_remat_policies_leave_loss_and_grads_unchanged(remat):
 def test_unknown_remat_policy_is_refused():
   with pytest.raises(ValueError, match="model.remat=True"):
     _model_cfg(remat=True)
-
-
-@pytest.mark.slow  # ~7-12 s of CPU: the fast suite's budget is 3 minutes.
-def test_dot_product_attention_equals_the_einsum_attention():
-  # Packed rows (two documents each) check the segment mask, causality the rest.
-  cfg = _model_cfg()
-  params = model.init_params(cfg, jax.random.key(3))
-  batch = _packed_batch(2)
-  apply = lambda c: model.Transformer(c).apply(
-    {"params": params}, batch["inputs"], batch["segment_ids"], batch["positions"]
-  )
-  ref = np.asarray(apply(cfg))
-  out = np.asarray(apply(dataclasses.replace(cfg, attention="dot_product_attention")))
-  np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
-  loss, grads = _loss_and_grads(cfg, params, batch)
-  loss_d, grads_d = _loss_and_grads(
-    dataclasses.replace(cfg, attention="dot_product_attention"), params, batch
-  )
-  np.testing.assert_allclose(loss_d, loss, rtol=1e-6)
-  for a, b in zip(_leaves(grads), _leaves(grads_d)):
-    np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.slow  # two experiments on a 2x2 mesh, FSDP and not, compiled and run (35 s, load 13)

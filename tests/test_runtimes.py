@@ -56,7 +56,9 @@ CASES = {
   "model.tie_embeddings": {"model.tie_embeddings": False},
   "model.dtype": {"model.dtype": "bfloat16"},
   "model.remat": {"model.remat": "full"},
-  "model.attention": {"model.attention": "dot_product_attention"},
+  "model.attention": {"model.attention": "xla"},
+  "model.attention_block_q": {"model.attention_block_q": 256},
+  "model.attention_block_kv": {"model.attention_block_kv": 256},
   "model.loss_chunk": {"model.loss_chunk": 8},
   "model.mlp": {"model.mlp": "swiglu"},
   "inner.lr": {"inner.lr": 1e-2},
@@ -94,6 +96,10 @@ COMBINED = {
   "guard.max_param_norm_ratio": 1.001,
 }
 SECTIONS = (sections.ModelConfig, sections.InnerConfig, sections.OuterConfig, sections.GuardConfig)
+# Fields whose every value runs the same program on CPU: the attention kernel (auto is XLA here;
+# splash needs a TPU, cuDNN a GPU) and splash's blocks. Both runtimes must still build their
+# model from the recipe's config with them: checked on the recipes, without running a phase.
+ACCELERATOR_ONLY = ("model.attention", "model.attention_block_q", "model.attention_block_kv")
 
 
 def test_every_field_of_the_recipes_sections_has_a_case():
@@ -191,6 +197,9 @@ def test_a_field_changes_both_runtimes_alike(case, shards, base, tmp_path):
   cfg = lambda mode: helpers.micro_config(
     **{**BASE, "data.shard_dir": shards, **over, "dipaco.mode": mode}
   )
+  if case in ACCELERATOR_ONLY:
+    _same_model_in_both_recipes(cfg("spmd"), cfg("elastic"), case)
+    return
   spmd = _spmd(cfg("spmd"), str(tmp_path / "spmd"))
   elastic = _elastic(cfg("elastic"), str(tmp_path / "elastic"))
   if isinstance(spmd, guard_lib.DivergenceError) or isinstance(elastic, dict):
@@ -210,6 +219,15 @@ def test_a_field_changes_both_runtimes_alike(case, shards, base, tmp_path):
   if not changed:  # A field that leaves the numbers alone (remat, attention): its programs.
     got, want = _inner_programs(cfg("spmd")), _inner_programs(helpers.micro_config(**BASE))
     assert got[0] != want[0] and got[1] != want[1], f"{case}: no runtime's inner step changed"
+
+
+def _same_model_in_both_recipes(spmd_cfg, elastic_cfg, key):
+  """Both runtimes' models carry the field's new value (the spmd one with its mesh)."""
+  spmd = experiment.Experiment(spmd_cfg).recipe.model
+  worker = grid_lib.Grid(elastic_cfg).recipe.model
+  name, want = key.split(".")[1], CASES[key][key]
+  assert getattr(spmd.cfg, name) == getattr(worker.cfg, name) == want
+  assert spmd.mesh is not None and worker.mesh is None  # The worker's program is one device's.
 
 
 def _inner_programs(cfg) -> tuple[str, str]:

@@ -160,13 +160,17 @@ def splash_kernel(heads: int, seq_len: int, blocks: tuple[int, int], interpret: 
 
 
 def splash_attention(
-  q_BxHxTxK, k_BxHxSxK, v_BxHxSxK, seg_BxT, *, blocks, mesh=None, interpret=False
+  q_BxHxTxK, k_BxHxSxK, v_BxHxSxK, seg_BxT, *, blocks, mesh=None, interpret=None
 ):
   """Causal splash attention within segments; q already scaled. [B, H, T, K] in and out.
 
   With a mesh of more than one device, under shard_map: the batch on 'data' and the heads on
   'model' where they divide (a vmap over workers with spmd_axis_name='path' adds 'path').
+  interpret (None: off TPU) runs Pallas's interpreter: the kernel's own code, on any backend,
+  for tests (a run refuses splash off TPU: `check`).
   """
+  if interpret is None:
+    interpret = platform_of(mesh) != "tpu"
   from jax.experimental.pallas.ops.tpu import splash_attention as sa  # pylint: disable=g-import-not-at-top
 
   def local(q, k, v, seg):
