@@ -369,3 +369,26 @@ def test_aot_model_flops_count_swiglus_third_matrix():
   swiglu = aot.model_flops_per_token(_cfg(mlp="swiglu"), T)
   # The gate adds D*F = 8*16 weights per block: 6 * 2 blocks * 128 = 1536 FLOPs per token.
   assert swiglu - gelu == 1536
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_rope_gradient_is_autodiffs_of_the_rotation(dtype):
+  """_rope's custom backward (rotate back, in the compute dtype) against autodiff of the formula."""
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(size=(2, 8, 3, 6)), dtype)
+  w = jnp.asarray(rng.normal(size=x.shape), jnp.float32)
+  pos = jnp.asarray(rng.integers(0, 50, size=(2, 8)), jnp.int32)
+
+  def plain(x):
+    freq = 1.0 / (10_000.0 ** (jnp.arange(3, dtype=jnp.float32) / 3))
+    angle = pos[..., None].astype(jnp.float32) * freq
+    s, c = jnp.sin(angle)[:, :, None], jnp.cos(angle)[:, :, None]
+    x1, x2 = x[..., :3].astype(jnp.float32), x[..., 3:].astype(jnp.float32)
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], -1).astype(x.dtype)
+
+  loss = lambda f: jax.grad(lambda x: (f(x).astype(jnp.float32) * w).sum())(x)
+  np.testing.assert_array_equal(model_lib._rope(x, pos), plain(x))  # pylint: disable=protected-access
+  got, want = loss(lambda x: model_lib._rope(x, pos)), loss(plain)  # pylint: disable=protected-access
+  np.testing.assert_allclose(
+    np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-6, atol=1e-6
+  )

@@ -31,6 +31,34 @@ REMAT_POLICIES = {
 ModelConfig = sections.ModelConfig  # config.model, declared in config/sections.py.
 
 
+def _rotate(x_BxTxHxK, sin, cos, sign: float):
+  """x's halves rotated by the angles (sign -1: back), in float32, returned in x's dtype."""
+  half = x_BxTxHxK.shape[-1] // 2
+  x1f = x_BxTxHxK[..., :half].astype(jnp.float32)
+  x2f = x_BxTxHxK[..., half:].astype(jnp.float32)
+  out = jnp.concatenate([x1f * cos - sign * x2f * sin, x2f * cos + sign * x1f * sin], -1)
+  return out.astype(x_BxTxHxK.dtype)
+
+
+@jax.custom_vjp
+def _rotary(x_BxTxHxK, sin, cos):
+  return _rotate(x_BxTxHxK, sin, cos, 1.0)
+
+
+def _rotary_fwd(x_BxTxHxK, sin, cos):
+  return _rotate(x_BxTxHxK, sin, cos, 1.0), (sin, cos)
+
+
+def _rotary_bwd(res, g_BxTxHxK):
+  # A rotation's transpose rotates back: the gradient leaves in the compute dtype, as autodiff's
+  # would, but from one fused elementwise op (no float32 gradient written to HBM).
+  sin, cos = res
+  return _rotate(g_BxTxHxK, sin, cos, -1.0), jnp.zeros_like(sin), jnp.zeros_like(cos)
+
+
+_rotary.defvjp(_rotary_fwd, _rotary_bwd)
+
+
 def _rope(x_BxTxHxK: jax.Array, positions_BxT: jax.Array) -> jax.Array:
   """Rotary position embedding on the last axis (pairs of halves)."""
   half = x_BxTxHxK.shape[-1] // 2
@@ -38,10 +66,7 @@ def _rope(x_BxTxHxK: jax.Array, positions_BxT: jax.Array) -> jax.Array:
   angle_BxTxK2 = positions_BxT[..., None].astype(jnp.float32) * freq_K2
   sin = jnp.sin(angle_BxTxK2)[:, :, None, :]
   cos = jnp.cos(angle_BxTxK2)[:, :, None, :]
-  x1, x2 = x_BxTxHxK[..., :half], x_BxTxHxK[..., half:]
-  x1f, x2f = x1.astype(jnp.float32), x2.astype(jnp.float32)
-  out = jnp.concatenate([x1f * cos - x2f * sin, x2f * cos + x1f * sin], -1)
-  return out.astype(x_BxTxHxK.dtype)
+  return _rotary(x_BxTxHxK, sin, cos)
 
 
 class Attention(nn.Module):
