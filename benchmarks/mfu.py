@@ -5,9 +5,9 @@ r"""Model FLOPs utilisation of a config's inner step on this machine's accelerat
 
 Times `Experiment.inner_step` (the trainer's jitted step: forward, backward,
 AdamW) on synthetic tokens for one worker on one device, and reports tokens/s,
-model FLOP/s by `aot.model_flops_per_token` (6 N + 12 L T H K) and their
-fraction of the device's dense peak (--peak_tflops, or the table below by
-device kind). The config's other switches (dtype, remat, loss_chunk,
+model FLOP/s by `aot.model_flops_per_token` and their fraction of the device's dense peak
+(--peak_tflops, or the table below by device kind) under both conventions (docs/tpu.md):
+`mfu` causal (6 N + 6 L T H K per token), `mfu_full` (6 N + 12 L T H K, PaLM). The config's other switches (dtype, remat, loss_chunk,
 microbatches) apply as set; --set overrides any field (repeatable).
 """
 # pylint: disable=invalid-name
@@ -92,7 +92,8 @@ def main(argv) -> dict:
     jax.block_until_ready(params)
     secs.append((time.perf_counter() - t0) / args.steps)
   step_s = statistics.median(secs)
-  fpt = aot.model_flops_per_token(exp.model_cfg, T)
+  fpt = aot.model_flops_per_token(exp.model_cfg, T, "causal")
+  fpt_full = aot.model_flops_per_token(exp.model_cfg, T, "full")
   tok_s = args.batch * T / step_s
   peak = args.peak_tflops or PEAK_TFLOPS.get((device.device_kind, c.model.dtype), 0.0)
   report = {
@@ -100,6 +101,7 @@ def main(argv) -> dict:
     "jax": jax.__version__,
     "device_kind": device.device_kind,
     "dtype": c.model.dtype,
+    "attention": c.model.attention,
     "remat": c.model.remat,
     "loss_chunk": c.model.loss_chunk,
     "microbatches": c.inner.microbatches,
@@ -114,6 +116,8 @@ def main(argv) -> dict:
     "model_tflops_per_s": fpt * tok_s / 1e12,
     "peak_tflops": peak or None,
     "mfu": fpt * tok_s / (peak * 1e12) if peak else None,
+    "model_flops_per_token_full": fpt_full,
+    "mfu_full": fpt_full * tok_s / (peak * 1e12) if peak else None,
   }
   print(json.dumps(report, indent=1))
   if args.out:
