@@ -7,8 +7,9 @@ Times `Experiment.inner_step` (the trainer's jitted step: forward, backward,
 AdamW) on synthetic tokens for one worker on one device, and reports tokens/s,
 model FLOP/s by `aot.model_flops_per_token` and their fraction of the device's dense peak
 (--peak_tflops, or the table below by device kind) under both conventions (docs/tpu.md):
-`mfu` causal (6 N + 6 L T H K per token), `mfu_full` (6 N + 12 L T H K, PaLM). The config's other switches (dtype, remat, loss_chunk,
-microbatches) apply as set; --set overrides any field (repeatable).
+`mfu` causal (6 N + 6 L T H K per token), `mfu_full` (6 N + 12 L T H K, PaLM). The config's
+other switches (dtype, remat, loss_chunk, microbatches) apply as set; --set overrides any field
+(repeatable).
 """
 # pylint: disable=invalid-name
 
