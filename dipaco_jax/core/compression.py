@@ -35,6 +35,8 @@ from dipaco_jax.config import sections
 
 KINDS = sections.COMPRESSIONS
 _QMAX = {"int8": 127.0, "fp4": 6.0}  # The largest code: absmax maps onto it.
+# float4 e2m1's magnitudes, in the order of their 3-bit patterns.
+E2M1 = np.float32([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
 
 def block_size(n: int, block: int) -> int:
@@ -82,7 +84,9 @@ def encode(x: jax.Array, kind: str, block: int) -> dict[str, jax.Array]:
     return {"q": c.astype(jnp.int8), "s": s}
   if m % 2:
     c = jnp.pad(c, [(0, 0)] * (c.ndim - 1) + [(0, 1)])
-  u = jax.lax.bitcast_convert_type(c.astype(jnp.float4_e2m1fn), jnp.uint4).astype(jnp.uint8)
+  # The e2m1 bit pattern: the sign, then |c|'s index in the grid (0 -> 0b000, ..., 6 -> 0b111).
+  mag = jnp.sum(jnp.abs(c)[..., None] > jnp.asarray(E2M1[:-1]), axis=-1).astype(jnp.uint8)
+  u = mag | jnp.where(jnp.signbit(c), jnp.uint8(8), jnp.uint8(0))
   u = u.reshape(*u.shape[:-1], -1, 2)
   return {"q": u[..., 0] | (u[..., 1] << 4), "s": s}
 
@@ -99,8 +103,8 @@ def decode(enc: dict, kind: str, block: int, n: int) -> jax.Array:
     c = q.astype(jnp.float32)
   else:
     nib = jnp.stack([q & 15, q >> 4], axis=-1).reshape(*q.shape[:-1], -1)[..., :m]
-    c = jax.lax.bitcast_convert_type(nib.astype(jnp.uint4), jnp.float4_e2m1fn)
-    c = c.astype(jnp.float32)
+    mag = jnp.asarray(E2M1)[(nib & 7).astype(jnp.int32)]
+    c = jnp.where(nib >= 8, -mag, mag)
   s = enc["s"]
   y = c.reshape(*c.shape[:-1], m // b, b) * s[..., None]
   return y.reshape(*y.shape[:-2], m)[..., :n]

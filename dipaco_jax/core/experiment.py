@@ -97,15 +97,15 @@ class Experiment:
     r = self.recipe
     ps = sharding.worker_specs(abstract.params, self.mesh, self.fsdp)
     ss = sharding.store_specs(abstract.store, self.mesh, self.topo, self.fsdp)
-    return TrainState(
+    specs = TrainState(
       step=P(),
       rng=P(),
       store=ss,
       params=ps,
       outer_opt=sharding.opt_state_specs(r.outer_tx, abstract.outer_opt, ss, leading=None),
       inner_opt=sharding.opt_state_specs(r.inner_tx, abstract.inner_opt, ps, leading="path"),
-      ef=ps if abstract.ef is not None else None,
     )
+    return r.with_ef(specs, ps) if r.feedback else specs
 
   def init_state(self, seed: int, theta: PyTree | None = None) -> TrainState:
     """A fresh, sharded state (θ̄ given, e.g. from a dense pretraining)."""

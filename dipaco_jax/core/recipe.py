@@ -46,9 +46,21 @@ class TrainState:
   outer_opt: PyTree  # Outer momentum, store-shaped.
   params: PyTree  # Worker params, leaves [W, ...].
   inner_opt: PyTree  # Worker AdamW states, leading W.
-  # Error feedback (outer.compression with outer.error_feedback): each worker's residual,
-  # params-shaped float32 [W, ...]. None otherwise: no leaf, so the checkpoint is as before.
-  ef: PyTree = None
+
+
+@flax.struct.dataclass
+class TrainStateEF(TrainState):
+  """The state of a run with error feedback (outer.compression, outer.error_feedback).
+
+  A run without it keeps `TrainState`, so its checkpoints are as they were.
+  """
+
+  ef: PyTree  # Each worker's error-feedback residual, params-shaped float32 [W, ...].
+
+
+def error_feedback(state: TrainState) -> PyTree | None:
+  """The state's error-feedback residuals, or None (a run without them)."""
+  return getattr(state, "ef", None)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -162,15 +174,21 @@ class Recipe:
     else:
       store = paths_lib.init_store(self.init_params(rng) if theta is None else theta, self.topo)
     params = paths_lib.assemble(store, self.topo)
-    return TrainState(
+    state = TrainState(
       step=jnp.zeros((), jnp.int32),
       rng=jax.random.key_data(rng),
       store=store,
       outer_opt=self.outer_tx.init(store),
       params=params,
       inner_opt=jax.vmap(self.init_opt)(params),
-      ef=self.init_ef(params) if self.feedback else None,
     )
+    return self.with_ef(state, self.init_ef(params)) if self.feedback else state
+
+  @staticmethod
+  def with_ef(state: TrainState, ef: PyTree) -> TrainStateEF:
+    """`state` with error-feedback residuals `ef`."""
+    fields = {f: getattr(state, f) for f in TrainState.__dataclass_fields__}
+    return TrainStateEF(**fields, ef=ef)
 
   @staticmethod
   def init_ef(params: PyTree) -> PyTree:

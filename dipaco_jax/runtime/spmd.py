@@ -16,6 +16,7 @@ from etils import epath
 
 from dipaco_jax import saved_config
 from dipaco_jax.core import experiment as exp_lib
+from dipaco_jax.core import recipe as recipe_lib
 from dipaco_jax.core import sharding
 from dipaco_jax.data import feed as feed_lib
 from dipaco_jax.io import checkpoint as ckpt_lib
@@ -139,12 +140,13 @@ def run(config, workdir: str) -> dict[str, Any]:
         step += 1
         outer_norm = None
         if step % H == 0 and exp.recipe.compressed:
-          ef = state.ef if exp.recipe.feedback else {}
+          ef = recipe_lib.error_feedback(state) if exp.recipe.feedback else {}
           store, outer_opt, params, om, ef = exp.outer_step(
             state.store, state.outer_opt, state.params, plan.alpha_W, ef, start
           )
-          ef = ef if exp.recipe.feedback else None
-          state = state.replace(store=store, outer_opt=outer_opt, params=params, ef=ef)
+          state = state.replace(store=store, outer_opt=outer_opt, params=params)
+          if exp.recipe.feedback:
+            state = state.replace(ef=ef)
           start = exp.copy_params(params)  # The next phase's start (params are donated).
           outer_norm = om["delta_norm"]
         elif step % H == 0 and exp.recipe.outer_enabled:
