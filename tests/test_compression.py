@@ -1,4 +1,4 @@
-"""outer.compression by hand: codes and scales, fp4's grid, error feedback, the outer step, resume."""
+"""outer.compression by hand: codes and scales, fp4's grid, error feedback, the outer step."""
 
 import jax
 import jax.numpy as jnp
@@ -55,7 +55,7 @@ def test_bf16_and_none():
   x = jnp.array([[1.0 + 2**-9, 1.0 + 3 * 2**-9, -3.0]], jnp.float32)
   enc = comp.encode(x, "bf16", 64)
   assert enc["q"].dtype == jnp.uint16 and set(enc) == {"q"}
-  # bf16 keeps 7 mantissa bits: 1 + 2^-9 -> 1 (half below the step, to even), 1 + 3*2^-9 -> 1 + 2^-7.
+  # bf16 keeps 7 mantissa bits: 1 + 2^-9 -> 1 (a quarter step: down); 1 + 3*2^-9 -> 1 + 2^-7.
   np.testing.assert_array_equal(comp.roundtrip(x, "bf16", 64), [[1.0, 1.0 + 2**-7, -3.0]])
   np.testing.assert_array_equal(comp.roundtrip(x, "none", 64), x)
 
@@ -174,7 +174,7 @@ def test_the_spmd_step_sends_what_the_workers_encode(tmp_path):
   )
   for s in r.topo.store_groups():
     for path, x_K in jax.tree_util.tree_flatten_with_path(store0[s.name])[0]:
-      get = lambda t: jax.tree_util.tree_flatten_with_path(t[s.name])[0]
+      get = lambda t, g=s.name: jax.tree_util.tree_flatten_with_path(t[g])[0]
       x_W = dict(get(moved))[path]
       e_W = dict(get(ef))[path]
       d_W = x_K[s.module_of_worker].astype(np.float32) - x_W + e_W

@@ -1,4 +1,4 @@
-"""Compression of the outer exchange: each worker's Δ_w as bf16, int8 or fp4 codes, per-block scaled.
+"""Compression of the outer exchange: each worker's Δ_w as bf16, int8 or fp4 codes, block-scaled.
 
 `config.outer.compression` (docs/communication.md, "Compression"):
 
