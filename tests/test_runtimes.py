@@ -85,9 +85,19 @@ CASES = {
   "outer.weighting": {"outer.weighting": "uniform"},
   "outer.sqrt_paths": {"outer.sqrt_paths": "divide"},
   "outer.sqrt_paths_cap": {"outer.sqrt_paths_cap": 1.2},
+  "outer.compression": {"outer.compression": "int8"},
+  # fp4 with blocks of 8: the d_model rows (32) split into 4 blocks, head_dim's (16) into 2.
+  "outer.compression_block": {"outer.compression": "fp4", "outer.compression_block": 8},
+  "outer.error_feedback": {"outer.compression": "int8", "outer.error_feedback": False},
   # Guards that trip: a loss driven above ln V, a norm ratio the first steps exceed.
   "guard.stuck_steps": {"guard.stuck_steps": 1, "inner.warmup_steps": 0, "inner.lr": 1.0},
   "guard.max_param_norm_ratio": {"guard.max_param_norm_ratio": 1.001, "inner.lr": 0.05},
+}
+# More values of a field than its case: each runs as a case of its own.
+MORE = {
+  "outer.compression=bf16": {"outer.compression": "bf16"},
+  # A block (24) that divides no row: every row padded.
+  "outer.compression=fp4": {"outer.compression": "fp4", "outer.compression_block": 24},
 }
 # Together: microbatches, remat and a guard that trips in one run.
 COMBINED = {
@@ -167,7 +177,8 @@ def _leaves(state):
   get = (lambda k: state[k]) if isinstance(state, dict) else (lambda k: getattr(state, k))
   return {
     k: [np.asarray(x, np.float64) for x in jax.tree.leaves(get(k))]
-    for k in ("store", "outer_opt", "params", "inner_opt")
+    for k in ("store", "outer_opt", "params", "inner_opt", "ef")
+    if k != "ef" or (state.get("ef") if isinstance(state, dict) else getattr(state, "ef", None))
   }
 
 
@@ -191,9 +202,9 @@ def base(shards, tmp_path_factory):
 
 
 @pytest.mark.slow  # ~4 s a case: the spmd loop and the elastic pieces each compile their steps.
-@pytest.mark.parametrize("case", [*CASES, "microbatches+remat+guard"])
+@pytest.mark.parametrize("case", [*CASES, *MORE, "microbatches+remat+guard"])
 def test_a_field_changes_both_runtimes_alike(case, shards, base, tmp_path):
-  over = COMBINED if case not in CASES else CASES[case]
+  over = {**CASES, **MORE}.get(case, COMBINED)
   cfg = lambda mode: helpers.micro_config(
     **{**BASE, "data.shard_dir": shards, **over, "dipaco.mode": mode}
   )
@@ -208,12 +219,21 @@ def test_a_field_changes_both_runtimes_alike(case, shards, base, tmp_path):
     _same_stop(spmd, elastic)
     return
   a, b = _leaves(spmd), _leaves(elastic)
+  assert set(a) == set(b), case
+  coded = cfg("spmd").outer.compression in ("int8", "fp4")
   for k in a:
     for x, y in zip(a[k], b[k], strict=True):
+      if coded:  # The runtimes' inner steps differ by float32 ulps (1e-9 here), which can round
+        # a rare value to the neighbouring code: at most 1 in 1000 values one code step apart.
+        off = np.abs(x - y) > 1e-6
+        assert off.sum() <= max(1, off.size // 1000), (case, k, off.sum())
+        x, y = x[~off], y[~off]
+        np.testing.assert_allclose(np.abs(x - y).max(initial=0), 0, atol=1e-6, err_msg=case)
+        continue
       np.testing.assert_allclose(x, y, rtol=0, atol=1e-6, err_msg=f"{case}: {k}")
   changed = len(a["store"]) != len(base["store"]) or any(
     x.shape != y.shape or not np.array_equal(x, y)
-    for k in a
+    for k in base
     for x, y in zip(a[k], base[k], strict=False)
   )
   if not changed:  # A field that leaves the numbers alone (remat, attention): its programs.

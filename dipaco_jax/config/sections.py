@@ -25,6 +25,7 @@ ATTENTION = ("auto", "xla", "splash", "cudnn")
 MLPS = ("gelu", "swiglu")
 WEIGHTINGS = ("shard_size", "uniform")  # α_p ∝ |D_p|, or equal.
 SQRT_MODES = ("multiply", "divide", "none")  # √P_{l,e} rescale of Δ (paper §2.7).
+COMPRESSIONS = ("none", "bf16", "int8", "fp4")  # Δ_w on the wire (core/compression.py).
 INITS = ("shared", "independent")  # Every module from one θ̄, or each its own.
 MODES = ("spmd", "elastic")
 TASKS = ("dipaco_embedded", "c4_en")  # The seqio tasks data/tasks.py registers.
@@ -197,6 +198,17 @@ class OuterConfig(f.Section):
       "a number >= 1 (the cap), or 0 (no cap)",
     ),
     "> 0: cap the √P_{l,e} factor at this (a bounded ×√P for modules shared by many paths).",
+  )
+  compression: str = f.field(
+    "none",
+    f.choice(COMPRESSIONS),
+    'Δ_w on the wire: "none" (float32) | "bf16" | "int8" | "fp4" (e2m1; docs/communication.md).',
+  )
+  compression_block: int = f.field(
+    64, f.integer(1), "Values per scale (int8, fp4) along a leaf's last axis; short rows padded."
+  )
+  error_feedback: bool = f.field(
+    True, f.boolean(), "With compression: each worker adds what its codes dropped to its next Δ."
   )
 
 

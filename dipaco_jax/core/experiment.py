@@ -8,6 +8,7 @@ mesh. Routing, evaluation, serving and the AOT tool use the same programs.
 # pylint: disable=invalid-name
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -61,11 +62,24 @@ class Experiment:
       out_shardings=(ps, self.state_sharding.inner_opt, per_worker),
       donate_argnums=(0, 1),
     )
+    outer_in = (ss, self.state_sharding.outer_opt, ps, replicated)
+    outer_out = (ss, self.state_sharding.outer_opt, ps, replicated)
+    if r.compressed:  # (..., ef, start) -> (..., ef): outer.sharded_outer_step.
+      ef = self.state_sharding.ef if r.feedback else {}
+      outer_in, outer_out = (*outer_in, ef, ps), (*outer_out, ef)
     self.outer_step = jax.jit(
       r.outer_program(self.mesh, (specs.store, specs.outer_opt, specs.params)),
-      in_shardings=(ss, self.state_sharding.outer_opt, ps, replicated),
-      out_shardings=(ss, self.state_sharding.outer_opt, ps, replicated),
-      donate_argnums=(0, 1, 2),
+      in_shardings=outer_in,
+      out_shardings=outer_out,
+      donate_argnums=(0, 1, 2, 4) if r.compressed else (0, 1, 2),
+    )
+    # With compression: each worker's params at its phase's start (its modules), kept by the
+    # spmd loop beside the state (not checkpointed: the store holds them at any step).
+    self.start_params = jax.jit(
+      lambda store: paths_lib.assemble(store, self.topo), in_shardings=(ss,), out_shardings=ps
+    )
+    self.copy_params = jax.jit(
+      lambda params: jax.tree.map(jnp.copy, params), in_shardings=(ps,), out_shardings=ps
     )
     self.eval_step = jax.jit(
       over_workers(r.eval_step),
@@ -90,7 +104,7 @@ class Experiment:
     r = self.recipe
     ps = sharding.worker_specs(abstract.params, self.mesh, self.fsdp)
     ss = sharding.store_specs(abstract.store, self.mesh, self.topo, self.fsdp)
-    return TrainState(
+    specs = TrainState(
       step=P(),
       rng=P(),
       store=ss,
@@ -98,6 +112,7 @@ class Experiment:
       outer_opt=sharding.opt_state_specs(r.outer_tx, abstract.outer_opt, ss, leading=None),
       inner_opt=sharding.opt_state_specs(r.inner_tx, abstract.inner_opt, ps, leading="path"),
     )
+    return r.with_ef(specs, ps) if r.feedback else specs
 
   def init_state(self, seed: int, theta: PyTree | None = None) -> TrainState:
     """A fresh, sharded state (θ̄ given, e.g. from a dense pretraining)."""

@@ -27,6 +27,7 @@ import optax
 from jax.sharding import PartitionSpec
 
 from dipaco_jax.config import sections
+from dipaco_jax.core import compression as comp
 from dipaco_jax.core import sharding
 from dipaco_jax.core import topology as topo_lib
 from dipaco_jax.types import PyTree
@@ -113,12 +114,50 @@ def _data_part(x: jax.Array, dim: int, ndata: int) -> jax.Array:
   return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index("data") * n, n, axis=dim)
 
 
-def _leaf_on_mesh(x_K, x_L, spec, param_spec, s: topo_lib.StoreGroup, w_KxW, trained_K, shape):
+def _rows_to_owners(enc_L, n: int, cfg, w_KxL, ndata: int, split_data: bool):
+  """Replicated layout, compressed: the L workers' wire rows to their owners, summed in float32.
+
+  Each worker's rows (every leading module dim folded into R rows of n values) are
+  dealt over 'path' (all_to_all of the codes and scales: the low-precision payload
+  crosses), the owner of a set of rows decodes every worker's and forms their
+  weighted sum in float32, and an all_gather returns the float32 sums to every device.
+  Returns the pseudo-gradient [K, R, n] (K = 1).
+  """
+  npath = jax.lax.axis_size("path")
+  parts = npath * (ndata if split_data else 1)
+  R = enc_L["q"].shape[1]
+  pad = -R % parts
+  enc = {k: jnp.pad(v, [(0, 0), (0, pad), (0, 0)]) for k, v in enc_L.items()}
+  if split_data:
+    enc = {k: _data_part(v, 1, ndata) for k, v in enc.items()}
+  got = {k: jax.lax.all_to_all(v, "path", 1, 0, tiled=True) for k, v in enc.items()}
+  w_KxW = jax.lax.all_gather(w_KxL, "path", axis=1, tiled=True)
+  d = average(w_KxW, comp.decode(got, cfg.compression, cfg.compression_block, n))
+  d = jax.lax.all_gather(d, "path", axis=1, tiled=True)
+  if split_data:
+    d = jax.lax.all_gather(d, "data", axis=1, tiled=True)
+  return d[:, :R]
+
+
+def _sent(cfg, d_L, e_L):
+  """Each worker's sent value of one leaf [L, ...]: (wire form of rows, its decoded value, e')."""
+  rows = comp.as_rows(d_L)
+  e = None if e_L is None else comp.as_rows(e_L)
+  enc, sent, e_new = comp.with_feedback(rows, e, cfg.compression, cfg.compression_block)
+  back = lambda y: None if y is None else y.reshape(d_L.shape)
+  return enc, back(sent), back(e_new)
+
+
+def _leaf_on_mesh(
+  x_K, x_L, spec, param_spec, s: topo_lib.StoreGroup, w_KxW, trained_K, shape, cfg, e_L, x0_L
+):
   """One store leaf's pseudo-gradient on its layout, inside the shard_map (`sharded_outer_step`).
 
   Returns (the pseudo-gradient of the rows here, their trained mask, first
   row's index in K, a function from the new rows here to this device's L
-  workers' params).
+  workers' params, the L workers' next error-feedback residual or None).
+  With compression (`cfg.compression`), e_L: the L workers' residuals (None:
+  no feedback), x0_L: their params at the phase's start (their modules).
   """
   npath, ndata = shape["path"], shape["data"]
   p = jax.lax.axis_index("path")
@@ -127,37 +166,75 @@ def _leaf_on_mesh(x_K, x_L, spec, param_spec, s: topo_lib.StoreGroup, w_KxW, tra
   idx_L = jnp.asarray(idx_W.reshape(npath, L))[p]
   w_KxL = jax.lax.dynamic_slice_in_dim(w_KxW, p * L, L, axis=1)
   j = sharding.path_dim(spec)
+  kind = cfg.compression
   if j == 0:  # K on 'path': this device's modules, read by its own workers only.
     if not sharding.owns_its_modules(s, npath):
       raise ValueError(f"store group {s.name}: K is on 'path' but its workers read other blocks.")
     k = s.num_modules // npath
     i_L = idx_L - p * k
-    d = _delta(x_K, x_L, jax.lax.dynamic_slice_in_dim(w_KxL, p * k, k), i_L)
-    return d, jax.lax.dynamic_slice_in_dim(trained_K, p * k, k), p * k, lambda new: new[i_L]
+    w = jax.lax.dynamic_slice_in_dim(w_KxL, p * k, k)
+    d_L, e_new = worker_deltas(x_K, x_L, i_L), None
+    if kind != "none":  # Nothing crosses 'path': the owner reads what its workers would send.
+      _, d_L, e_new = _sent(cfg, d_L, e_L)
+    d = average(w, d_L)
+    return d, jax.lax.dynamic_slice_in_dim(trained_K, p * k, k), p * k, lambda new: new[i_L], e_new
   if j is None:  # Replicated (K = 1): this device's workers' part, summed over 'path'.
+    free = lambda d: [i for i in range(1, d.ndim) if d.shape[i] % ndata == 0]
+    data_split = lambda d: ndata > 1 and "data" not in sharding.spec_axes(spec) and free(d)
+    if kind != "none":  # The workers' codes cross 'path'; their owners sum in float32.
+      d_L = worker_deltas(x_K, x_L, idx_L)
+      enc, _, e_new = _sent(cfg, d_L, e_L)
+      rows = comp.as_rows(d_L)
+      n = rows.shape[-1]
+      enc = {k: v.reshape(v.shape[0], -1, v.shape[-1]) for k, v in enc.items()}
+      split = ndata > 1 and "data" not in sharding.spec_axes(spec)
+      d = _rows_to_owners(enc, n, cfg, w_KxL, ndata, split)
+      return d.reshape((1,) + x_K.shape[1:]), trained_K, 0, lambda new: new[idx_L], e_new
     d = _delta(x_K, x_L, w_KxL, idx_L)  # The partial pseudo-gradient: what crosses 'path'.
-    free = [i for i in range(1, d.ndim) if d.shape[i] % ndata == 0]
-    if ndata > 1 and "data" not in sharding.spec_axes(spec) and free:
+    if data_split(d):
       # Each of a path's data-parallel devices sums its own part across paths.
-      i = max(free, key=lambda i: d.shape[i])
+      i = max(free(d), key=lambda i: d.shape[i])
       part = jax.lax.psum(_data_part(d, i, ndata), "path")
       d = jax.lax.all_gather(part, "data", axis=i, tiled=True)
     else:
       d = jax.lax.psum(d, "path")
-    return d, trained_K, 0, lambda new: new[idx_L]
+    return d, trained_K, 0, lambda new: new[idx_L], None
   # Dim j on 'path': every worker's slice j here; the pseudo-gradient of this slice of every
   # module. No device holds a whole module here, so a worker cannot form its own Δ_w: its params'
   # slices cross 'path' and the slice's owner forms the deltas. With 'data' there too (and not in
   # the params'), a device moves its part.
   split = "data" in sharding.spec_axes(spec[j : j + 1]) - sharding.spec_axes(param_spec[j : j + 1])
-  x_W = jax.lax.all_to_all(_data_part(x_L, j, ndata) if split else x_L, "path", j, 0, tiled=True)
-  d = _delta(x_K, x_W, w_KxW, idx_W)
 
   def to_workers(new):
     y = jax.lax.all_to_all(new[idx_W], "path", 0, j, tiled=True)
     return jax.lax.all_gather(y, "data", axis=j, tiled=True) if split else y
 
-  return d, trained_K, 0, to_workers
+  if kind != "none":
+    # With compression each worker forms its Δ_w from its phase-start copy x0_L, and its
+    # codes and scales cross 'path' (cut along dim j, as its params were), decoded by the owner.
+    d_L = x0_L.astype(jnp.float32) - x_L.astype(jnp.float32)
+    enc, sent, e_new = _sent(cfg, d_L, e_L)
+    n = comp.as_rows(d_L).shape[-1]
+    last = j == x_L.ndim - 1
+    parts = npath * (ndata if split else 1)
+    part = n // parts
+    aligned = "s" not in enc or (
+      n % parts == 0
+      and part % comp.block_size(n, cfg.compression_block) == 0
+      and (kind != "fp4" or part % 2 == 0)
+    )
+    if last and not aligned:  # Blocks would straddle the owners: the decoded values cross.
+      enc, kind_here = {"q": sent}, "none"
+    else:
+      kind_here = kind
+    cut = lambda v: _data_part(v, j, ndata) if split else v
+    got = {k: jax.lax.all_to_all(cut(v), "path", j, 0, tiled=True) for k, v in enc.items()}
+    n_here = part if last else n
+    d = average(w_KxW, comp.decode(got, kind_here, cfg.compression_block, n_here))
+    return d, trained_K, 0, to_workers, e_new
+  x_W = jax.lax.all_to_all(_data_part(x_L, j, ndata) if split else x_L, "path", j, 0, tiled=True)
+  d = _delta(x_K, x_W, w_KxW, idx_W)
+  return d, trained_K, 0, to_workers, None
 
 
 def sharded_outer_step(topo: topo_lib.Topology, cfg: sections.OuterConfig, tx, mesh, specs):
@@ -176,20 +253,45 @@ def sharded_outer_step(topo: topo_lib.Topology, cfg: sections.OuterConfig, tx, m
   the ‖Δ‖ metric (ΣK float32). The same `weights`, `average` and `apply` as
   `module_outer_step` and the one-device formula; only the order of the sums
   may differ. `tx`: the outer optimizer (`optimizer(cfg)`, the recipe's).
+
+  With `cfg.compression` other than "none" the program takes two more inputs
+  and returns one more output: (store, opt, params, α, ef, start) -> (store,
+  opt, params, metrics, ef). ef: each worker's error-feedback residual
+  (params-shaped, float32; {} without feedback); start: each worker's params
+  at the phase's start (its modules: `paths.assemble(store)`), from which a
+  worker of the inner-dim layout forms its own Δ_w. What crosses 'path' then:
+    K on 'path': nothing (each worker's Δ_w still takes the codes' round trip);
+    replicated: each worker's codes and scales, dealt by rows to their owners
+      (all_to_all: L m / r, r the compression ratio), decoded and summed in
+      float32 there, the float32 sums all_gathered back (m);
+    an inner dim on 'path': each worker's codes and scales, cut along that dim
+      (all_to_all: L m / r), decoded by the slice's owner; its module's new
+      slices come back in the params' dtype (all_to_all: L m), a parameter copy.
+      Where that dim is the last and a block would straddle two owners, the
+      decoded float32 values cross instead (the same numbers).
   """
   store_specs, opt_specs, param_specs = specs
+  compressed = cfg.compression != "none"
+  feedback = compressed and cfg.error_feedback
 
-  def body(store, opt_state, params_L, alpha_W):
-    pseudo_grads, masks, back, sq = {}, {}, {}, {}
+  def body(store, opt_state, params_L, alpha_W, ef_L=None, start_L=None):
+    ef_L = ef_L if feedback else None
+    pseudo_grads, masks, back, sq, new_ef = {}, {}, {}, {}, {}
     for s in topo.store_groups():
       w_KxW, norm_K, _ = weights(s, alpha_W, cfg)
       x_K, treedef = jax.tree.flatten(store[s.name])
       x_L = treedef.flatten_up_to(params_L[s.name])
       spec = treedef.flatten_up_to(store_specs[s.name])
       pspec = treedef.flatten_up_to(param_specs[s.name])
-      d_K, m_K, back[s.name] = [], [], (treedef, [])
-      for x, xl, sp, psp in zip(x_K, x_L, spec, pspec):
-        d, m, row, to_workers = _leaf_on_mesh(x, xl, sp, psp, s, w_KxW, norm_K > 0, mesh.shape)
+      none = [None] * len(x_K)
+      e_L = none if ef_L is None else treedef.flatten_up_to(ef_L[s.name])
+      x0_L = none if start_L is None else treedef.flatten_up_to(start_L[s.name])
+      d_K, m_K, e_K, back[s.name] = [], [], [], (treedef, [])
+      for x, xl, sp, psp, e, x0 in zip(x_K, x_L, spec, pspec, e_L, x0_L):
+        d, m, row, to_workers, e_new = _leaf_on_mesh(
+          x, xl, sp, psp, s, w_KxW, norm_K > 0, mesh.shape, cfg, e, x0
+        )
+        e_K.append(e_new)
         d = d.astype(x.dtype)
         d_K.append(d)
         m_K.append(m)
@@ -201,6 +303,8 @@ def sharded_outer_step(topo: topo_lib.Topology, cfg: sections.OuterConfig, tx, m
             part = jnp.where(jax.lax.axis_index(a) == 0, part, 0.0)
         sq[s.level] = sq.get(s.level, 0.0) + part
       pseudo_grads[s.name], masks[s.name] = treedef.unflatten(d_K), treedef.unflatten(m_K)
+      if ef_L is not None:
+        new_ef[s.name] = treedef.unflatten(e_K)
     new_store, new_opt_state = apply(tx, store, opt_state, pseudo_grads, masks)
     new_params = {
       g: t.unflatten([f(x) for f, x in zip(fs, t.flatten_up_to(new_store[g]))])
@@ -211,13 +315,19 @@ def sharded_outer_step(topo: topo_lib.Topology, cfg: sections.OuterConfig, tx, m
     total_sq = jax.lax.psum(jnp.concatenate([sq[lvl] for lvl in levels]), mesh.axis_names)
     cuts = np.cumsum([sq[lvl].shape[0] for lvl in levels])[:-1]
     norms = dict(zip(levels, jnp.split(jnp.sqrt(total_sq), cuts)))
-    return new_store, new_opt_state, new_params, {"delta_norm": norms}
+    out = new_store, new_opt_state, new_params, {"delta_norm": norms}
+    return (*out, new_ef) if compressed else out
 
+  in_specs = (store_specs, opt_specs, param_specs, PartitionSpec())
+  out_specs = (store_specs, opt_specs, param_specs, PartitionSpec())
+  if compressed:
+    ef_specs = param_specs if feedback else {}
+    in_specs, out_specs = (*in_specs, ef_specs, param_specs), (*out_specs, ef_specs)
   return jax.shard_map(
     body,
     mesh=mesh,
-    in_specs=(store_specs, opt_specs, param_specs, PartitionSpec()),
-    out_specs=(store_specs, opt_specs, param_specs, PartitionSpec()),
+    in_specs=in_specs,
+    out_specs=out_specs,
     # all_gather over 'data' returns equal copies, which the checker would
     # call varying; the metric's psum counts each copy once by masking.
     check_vma=False,

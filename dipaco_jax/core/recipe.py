@@ -27,6 +27,7 @@ import optax
 
 from dipaco_jax.config import sections
 from dipaco_jax.core import attention as attention_lib
+from dipaco_jax.core import compression as comp
 from dipaco_jax.core import guard as guard_lib
 from dipaco_jax.core import inner as inner_lib
 from dipaco_jax.core import model as model_lib
@@ -46,6 +47,21 @@ class TrainState:
   outer_opt: PyTree  # Outer momentum, store-shaped.
   params: PyTree  # Worker params, leaves [W, ...].
   inner_opt: PyTree  # Worker AdamW states, leading W.
+
+
+@flax.struct.dataclass
+class TrainStateEF(TrainState):
+  """The state of a run with error feedback (outer.compression, outer.error_feedback).
+
+  A run without it keeps `TrainState`, so its checkpoints are as they were.
+  """
+
+  ef: PyTree  # Each worker's error-feedback residual, params-shaped float32 [W, ...].
+
+
+def error_feedback(state: TrainState) -> PyTree | None:
+  """The state's error-feedback residuals, or None (a run without them)."""
+  return getattr(state, "ef", None)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -95,6 +111,16 @@ class Recipe:
   @property
   def outer_enabled(self) -> bool:
     return self.outer_cfg.enabled
+
+  @property
+  def compressed(self) -> bool:
+    """Whether the workers' deltas cross in a compressed form (outer.compression)."""
+    return self.outer_cfg.enabled and self.outer_cfg.compression != "none"
+
+  @property
+  def feedback(self) -> bool:
+    """Whether each worker keeps an error-feedback residual (state `ef`)."""
+    return self.compressed and self.outer_cfg.error_feedback
 
   # One path (no leading worker axis): the runtimes map or jit these.
 
@@ -154,7 +180,7 @@ class Recipe:
     else:
       store = paths_lib.init_store(self.init_params(rng) if theta is None else theta, self.topo)
     params = paths_lib.assemble(store, self.topo)
-    return TrainState(
+    state = TrainState(
       step=jnp.zeros((), jnp.int32),
       rng=jax.random.key_data(rng),
       store=store,
@@ -162,6 +188,18 @@ class Recipe:
       params=params,
       inner_opt=jax.vmap(self.init_opt)(params),
     )
+    return self.with_ef(state, self.init_ef(params)) if self.feedback else state
+
+  @staticmethod
+  def with_ef(state: TrainState, ef: PyTree) -> TrainStateEF:
+    """`state` with error-feedback residuals `ef`."""
+    fields = {f: getattr(state, f) for f in TrainState.__dataclass_fields__}
+    return TrainStateEF(**fields, ef=ef)
+
+  @staticmethod
+  def init_ef(params: PyTree) -> PyTree:
+    """Every worker's error-feedback residual at the start: zeros, float32."""
+    return jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), params)
 
   # The outer step.
 
@@ -185,6 +223,43 @@ class Recipe:
     """A worker's own delta Δ = θ_module − θ_worker of each leaf (float32), what it sends."""
     one = np.zeros(1, np.int32)  # Both carry a leading axis of 1.
     return jax.tree.map(lambda m, p: outer_lib.worker_deltas(m, p, one), module, params)
+
+  def encode_deltas(self, deltas: PyTree, residual: PyTree | None):
+    """A worker's deltas (leading 1) in their wire form, and its next residual (or None).
+
+    (wire: each leaf a {"q": codes, "s": scales} dict (core/compression.py), the
+    next residual Δ + e − C(Δ + e), None without feedback).
+    """
+    c = self.outer_cfg
+
+    def one(d, e):
+      rows = comp.as_rows(d)
+      enc, _, e_new = comp.with_feedback(
+        rows, None if e is None else comp.as_rows(e), c.compression, c.compression_block
+      )
+      return enc, None if e_new is None else e_new.reshape(d.shape)
+
+    res = residual if residual is not None else jax.tree.map(lambda _: None, deltas)
+    pairs = jax.tree.map(one, deltas, res, is_leaf=lambda x: x is None)
+    is_pair = lambda x: isinstance(x, tuple)
+    wire = jax.tree.map(lambda p: p[0], pairs, is_leaf=is_pair)
+    nxt = None if residual is None else jax.tree.map(lambda p: p[1], pairs, is_leaf=is_pair)
+    return wire, nxt
+
+  def decode_deltas(self, wire: PyTree, template: PyTree) -> PyTree:
+    """The float32 deltas (shaped as `template`, leading 1) of `encode_deltas`' wire form."""
+    c = self.outer_cfg
+
+    def one(t, enc):
+      n = comp.as_rows(jnp.zeros(t.shape, jnp.float32)).shape[-1]
+      return comp.decode(enc, c.compression, c.compression_block, n).reshape(t.shape)
+
+    return jax.tree.map(one, template, wire, is_leaf=lambda x: isinstance(x, dict) and "q" in x)
+
+  def wire_template(self, template: PyTree) -> PyTree:
+    """Shapes and dtypes of the wire form of deltas shaped as `template` (leading 1)."""
+    zeros = jax.tree.map(lambda t: jax.ShapeDtypeStruct(t.shape, jnp.float32), template)
+    return jax.eval_shape(lambda d: self.encode_deltas(d, None)[0], zeros)
 
   # The guard.
 

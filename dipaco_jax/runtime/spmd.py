@@ -16,6 +16,7 @@ from etils import epath
 
 from dipaco_jax import saved_config
 from dipaco_jax.core import experiment as exp_lib
+from dipaco_jax.core import recipe as recipe_lib
 from dipaco_jax.core import sharding
 from dipaco_jax.data import feed as feed_lib
 from dipaco_jax.io import checkpoint as ckpt_lib
@@ -74,6 +75,8 @@ def run(config, workdir: str) -> dict[str, Any]:
       best.load(ckpt.restore_best(exp.abstract_state.params))
   step = int(jax.device_get(state.step))
   labels = topo.worker_labels()
+  # outer.compression: each worker's phase-start params (its modules), from the store.
+  start = exp.start_params(state.store) if exp.recipe.compressed else None
   log = metrics_lib.MetricsLogger(
     workdir, resume_step=step, worker_labels=labels, module_labels=topo.module_labels()
   )
@@ -136,7 +139,17 @@ def run(config, workdir: str) -> dict[str, Any]:
         state = state.replace(params=params, inner_opt=inner_opt, step=state.step + 1)
         step += 1
         outer_norm = None
-        if step % H == 0 and exp.recipe.outer_enabled:
+        if step % H == 0 and exp.recipe.compressed:
+          ef = recipe_lib.error_feedback(state) if exp.recipe.feedback else {}
+          store, outer_opt, params, om, ef = exp.outer_step(
+            state.store, state.outer_opt, state.params, plan.alpha_W, ef, start
+          )
+          state = state.replace(store=store, outer_opt=outer_opt, params=params)
+          if exp.recipe.feedback:
+            state = state.replace(ef=ef)
+          start = exp.copy_params(params)  # The next phase's start (params are donated).
+          outer_norm = om["delta_norm"]
+        elif step % H == 0 and exp.recipe.outer_enabled:
           store, outer_opt, params, om = exp.outer_step(
             state.store, state.outer_opt, state.params, plan.alpha_W
           )

@@ -251,6 +251,15 @@ def _final_state(config, workdir: str, exp, grid: grid_lib.Grid):
     params=paths_lib.assemble(store, grid.topo),
     inner_opt=inner_opt,
   )
+  if grid.recipe.feedback:  # Each worker's error-feedback residual after the last phase.
+    efs = [
+      {
+        g: storage.load_tree(storage.ef_file(workdir, w, grid.T, g), grid.ef_template(g))[g]
+        for g, _ in grid.modules_of_worker(w)
+      }
+      for w in range(grid.W)
+    ]
+    state = grid.recipe.with_ef(state, jax.tree.map(lambda *xs: np.concatenate(xs), *efs))
   state = jax.device_put(state, exp.state_sharding)
   return state, data
 

@@ -105,6 +105,7 @@ class OuterExecutor:
     self._mine = sorted(grid_lib.module_key(g, e) for g, e in mine)
     self._cache = {}  # (phase, group, worker) -> that worker's delta of the group.
     self._step = None
+    self._decode = {}  # Group -> its jitted decoding (outer.compression).
     self._lock = threading.Lock()  # report/poll vs each other (max_concurrency=2 for pid()).
 
   def pid(self) -> int:
@@ -138,11 +139,21 @@ class OuterExecutor:
       self._step = jax.jit(self.grid.recipe.module_outer_step)
     return self._step
 
+  def _decode_fn(self, group: str):
+    """The jitted decoding of a worker's delta file of `group` (outer.compression)."""
+    if group not in self._decode:
+      template = self.grid.module_template(group)
+      self._decode[group] = jax.jit(lambda wire: self.grid.recipe.decode_deltas(wire, template))
+    return self._decode[group]
+
   def _worker_delta(self, phase: int, group: str, worker: int):
     key = (phase, group, worker)
     if key not in self._cache:
       path = storage.delta_file(self.workdir, worker, phase + 1, group)
-      self._cache[key] = storage.load_tree(path, self.grid.module_template(group))
+      delta = storage.load_tree(path, self.grid.delta_template(group))
+      if self.grid.recipe.compressed:  # Codes and scales: decoded here, summed in float32.
+        delta = jax.device_get(self._decode_fn(group)(delta))
+      self._cache[key] = delta
     return self._cache[key]
 
   def _module(self, group: str, module: int, version: int, kind: str = "v"):

@@ -81,6 +81,18 @@ class Grid:
   def module_opt_template(self, group: str) -> PyTree:
     return jax.eval_shape(self.recipe.outer_tx.init, self.module_template(group))
 
+  def ef_template(self, group: str) -> PyTree:
+    """A worker's error-feedback residual of one group: the module's shapes, float32."""
+    return jax.tree.map(
+      lambda t: jax.ShapeDtypeStruct(t.shape, np.float32), self.module_template(group)
+    )
+
+  def delta_template(self, group: str) -> PyTree:
+    """What a worker's delta file of `group` holds: float32, or the wire form's arrays."""
+    if not self.recipe.compressed:
+      return self.module_template(group)
+    return self.recipe.wire_template(self.module_template(group))
+
   def params_template(self) -> PyTree:
     """One worker's params with a leading axis of 1 (as the SPMD program's per-device block)."""
     return {s.name: self.module_template(s.name)[s.name] for s in self.groups}

@@ -11,6 +11,8 @@ here unpickles. Layout (t = outer steps applied, i.e. the phase that reads it):
   workers/w<w>/opt<t>.npz          worker w's AdamW state at the start of phase t
   workers/w<w>/data<t>.json        its data position at the start of phase t
   workers/w<w>/out<t>/delta_<group>.npz  its delta θ_module − θ_w after phase t-1's inner steps
+                                   (outer.compression: its codes and scales, core/compression.py)
+  workers/w<w>/out<t>/ef_<group>.npz     its error-feedback residual after phase t-1 (float32)
   workers/w<w>/out<t>/done.json    written last: the task's outputs are complete
   workers/w<w>/progress<t>/s<i>/   task (t, w)'s params, AdamW state, data after i of H steps
   workers/w<w>/progress<t>/at.json written last: the newest complete s<i> (removed when done)
@@ -71,6 +73,14 @@ def delta_file(workdir: str, worker: int, phase: int, group: str) -> epath.Path:
   (the pseudo-gradient) into each module's outer step.
   """
   return worker_out_dir(workdir, worker, phase) / f"delta_{group}.npz"
+
+
+def ef_file(workdir: str, worker: int, phase: int, group: str) -> epath.Path:
+  """Task (phase - 1, worker)'s error-feedback residual of `group` (outer.error_feedback).
+
+  What its codes dropped, added to its next delta by task (phase, worker); none before phase 1.
+  """
+  return worker_out_dir(workdir, worker, phase) / f"ef_{group}.npz"
 
 
 def progress_dir(workdir: str, worker: int, phase: int) -> epath.Path:

@@ -71,6 +71,7 @@ def programs(recipe) -> dict:
     "eval": jax.jit(jax.vmap(recipe.eval_step)),
     "norms": jax.jit(jax.vmap(recipe.group_norms)),
     "deltas": jax.jit(recipe.worker_deltas),
+    "encode": jax.jit(recipe.encode_deltas),  # outer.compression: the deltas' wire form.
     "finite": jax.jit(guard_lib.all_finite),
     # Re-shard scoring tasks: per-token log p of one path, the batch layout [1, B, T].
     "logp": jax.jit(jax.vmap(recipe.token_logprobs)),
@@ -97,7 +98,7 @@ class PathWorker:
     fns = programs(self.recipe)
     self._step, self._init_opt, self._eval = fns["step"], fns["init_opt"], fns["eval"]
     self._norms, self._deltas, self._finite = fns["norms"], fns["deltas"], fns["finite"]
-    self._logp = fns["logp"]
+    self._logp, self._encode = fns["logp"], fns["encode"]
     # (split, routing phase, worker) -> its evaluation batches (the same at every evaluation).
     self._val = {}
     # Early stopping on held-out training documents (shard_plan's): trained on the rest only.
@@ -149,11 +150,12 @@ class PathWorker:
       holdout=self._rest,
     )
 
-  def _load_groups(self, worker: int, file_of):
-    """Worker `worker`'s params: each group's from file_of(group, its module)."""
+  def _load_groups(self, worker: int, file_of, template=None):
+    """Worker `worker`'s params (or a params-shaped tree): each group's from file_of(group, e)."""
+    template = template or self.grid.module_template
     parts = {}
     for g, e in self.grid.modules_of_worker(worker):
-      parts.update(storage.load_tree(file_of(g, e), self.grid.module_template(g)))
+      parts.update(storage.load_tree(file_of(g, e), template(g)))
     return parts
 
   def _load_params(self, phase: int, worker: int):
@@ -166,6 +168,16 @@ class PathWorker:
       functools.partial(storage.save_tree, file_of(g), {g: tree[g]})
       for g, _ in self.grid.modules_of_worker(worker)
     ]
+
+  def _residual(self, phase: int, worker: int):
+    """The worker's error-feedback residual at the start of `phase` (zeros at phase 0)."""
+    if phase == 0:
+      return self.recipe.init_ef(self.grid.params_template())
+    return self._load_groups(
+      worker,
+      lambda g, _: storage.ef_file(self.workdir, worker, phase, g),
+      template=lambda g: self.grid.ef_template(g),
+    )
 
   def _val_batches(self, worker: int, k: int, split: str = "validation") -> list:
     """The first eval.batches batches of the worker's validation shard, or of its held-out docs.
@@ -389,13 +401,21 @@ class PathWorker:
     if not bool(self._finite(params)):  # Nothing non-finite leaves the task (as spmd's saves).
       guard.not_finite((phase + 1) * H)
     deltas = self._deltas(start_params, params)
-    deltas, opt = jax.device_get((deltas, opt))
+    residual = None
+    if self.recipe.compressed:  # Codes and scales cross; what they dropped stays here (ef).
+      residual = self._residual(phase, worker) if self.recipe.feedback else None
+      deltas, residual = self._encode(deltas, residual)
+    deltas, residual, opt = jax.device_get((deltas, residual, opt))
     clock["steps"] = time.time() - t0 - clock["progress_save"]
     t0 = time.time()
     out = storage.worker_out_dir(wd, worker, phase + 1)
     writes = self._group_writes(
       lambda g: storage.delta_file(wd, worker, phase + 1, g), deltas, worker
     )
+    if residual is not None:
+      writes += self._group_writes(
+        lambda g: storage.ef_file(wd, worker, phase + 1, g), residual, worker
+      )
     writes.append(
       functools.partial(storage.save_tree, storage.worker_opt_file(wd, worker, phase + 1), opt)
     )

@@ -1,0 +1,149 @@
+"""Compression of the outer exchange: each worker's Δ_w as bf16, int8 or fp4 codes, block-scaled.
+
+`config.outer.compression` (docs/communication.md, "Compression"):
+
+  none   Δ_w crosses in float32 (unchanged).
+  bf16   Δ_w rounded to bfloat16 (round to nearest even), no scales: 16 bits a value.
+  int8   per block of `b` values, scale = absmax / 127 and codes round(x · 127 / absmax)
+         in [-127, 127] (round half to even): 8 bits a value + 32 per block.
+  fp4    per block, scale = absmax / 6 and codes x · 6 / absmax rounded (to nearest even) to
+         float4 e2m1 {0, ±0.5, ±1, ±1.5, ±2, ±3, ±4, ±6}, packed two to a byte: 4 bits a
+         value + 32 per block.
+
+Blocks run along a leaf's last axis: b = min(outer.compression_block, that axis' length),
+and a row whose length b does not divide is padded with zeros to a multiple of b (the
+padding codes 0 and is dropped on decoding), so every block size fits every leaf. A block
+of zeros has scale 0 and decodes to zeros. Leading axes (workers, modules) never share a
+block.
+
+Error feedback (`outer.error_feedback`): a worker sends C(Δ_w + e_w), where C is decode ∘
+encode, and keeps e_w ← Δ_w + e_w − C(Δ_w + e_w) for its next phase (`with_feedback`); so
+over phases Σ_t C(·) = Σ_t Δ_t + e_0 − e_T: nothing the codes drop is lost for good.
+
+Everything here is pure JAX (jit, vmap and shard_map alike): the wire form (`encode`) is
+what the spmd program's collectives over 'path' carry and what an elastic worker's delta
+file holds, as integer arrays (int8, or uint8 / uint16 bit patterns), so every backend
+moves exactly these bytes.
+"""
+# pylint: disable=invalid-name
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dipaco_jax.config import sections
+
+KINDS = sections.COMPRESSIONS
+_QMAX = {"int8": 127.0, "fp4": 6.0}  # The largest code: absmax maps onto it.
+# float4 e2m1's magnitudes, in the order of their 3-bit patterns.
+E2M1 = np.float32([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def block_size(n: int, block: int) -> int:
+  """The block of a row of n values: `block`, or the whole row when it is shorter."""
+  return max(1, min(int(block), int(n)))
+
+
+def padded(n: int, block: int) -> int:
+  """A row of n values padded to whole blocks."""
+  b = block_size(n, block)
+  return -(-n // b) * b
+
+
+def _scaled_codes(x_R: jax.Array, kind: str, b: int):
+  """Per block of b values along the last axis: (codes as float32 values, scales)."""
+  *lead, n = x_R.shape
+  x_NxB = x_R.reshape(*lead, n // b, b)
+  absmax = jnp.max(jnp.abs(x_NxB), axis=-1)
+  qmax = _QMAX[kind]
+  inv = jnp.where(absmax > 0, qmax / jnp.where(absmax > 0, absmax, 1.0), 0.0)
+  y = x_NxB * inv[..., None]
+  if kind == "int8":
+    c = jnp.clip(jnp.round(y), -qmax, qmax)
+  else:  # fp4: the nearest e2m1 value (|y| <= 6 by construction).
+    c = y.astype(jnp.float4_e2m1fn).astype(jnp.float32)
+  return c.reshape(*lead, n), absmax / qmax
+
+
+def encode(x: jax.Array, kind: str, block: int) -> dict[str, jax.Array]:
+  """The wire form of float32 `x` [..., n]: {"q": codes} (+ {"s": scales [..., blocks]}).
+
+  q: bf16 bit patterns (uint16) [..., n]; int8 codes [..., n padded]; fp4 codes packed
+  two to a uint8, the lower 4 bits first [..., n padded / 2, rounded up]. kind "none": x.
+  """
+  x = jnp.asarray(x, jnp.float32)
+  if kind == "none":
+    return {"q": x}
+  if kind == "bf16":
+    return {"q": jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)}
+  n = x.shape[-1]
+  b, m = block_size(n, block), padded(n, block)
+  x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, m - n)])
+  c, s = _scaled_codes(x, kind, b)
+  if kind == "int8":
+    return {"q": c.astype(jnp.int8), "s": s}
+  if m % 2:
+    c = jnp.pad(c, [(0, 0)] * (c.ndim - 1) + [(0, 1)])
+  # The e2m1 bit pattern: the sign, then |c|'s index in the grid (0 -> 0b000, ..., 6 -> 0b111).
+  mag = jnp.sum(jnp.abs(c)[..., None] > jnp.asarray(E2M1[:-1]), axis=-1).astype(jnp.uint8)
+  u = mag | jnp.where(jnp.signbit(c), jnp.uint8(8), jnp.uint8(0))
+  u = u.reshape(*u.shape[:-1], -1, 2)
+  return {"q": u[..., 0] | (u[..., 1] << 4), "s": s}
+
+
+def decode(enc: dict, kind: str, block: int, n: int) -> jax.Array:
+  """float32 [..., n] from `encode`'s wire form of a row of n values."""
+  q = enc["q"]
+  if kind == "none":
+    return q.astype(jnp.float32)
+  if kind == "bf16":
+    return jax.lax.bitcast_convert_type(q, jnp.bfloat16).astype(jnp.float32)
+  b, m = block_size(n, block), padded(n, block)
+  if kind == "int8":
+    c = q.astype(jnp.float32)
+  else:
+    nib = jnp.stack([q & 15, q >> 4], axis=-1).reshape(*q.shape[:-1], -1)[..., :m]
+    mag = jnp.asarray(E2M1)[(nib & 7).astype(jnp.int32)]
+    c = jnp.where(nib >= 8, -mag, mag)
+  s = enc["s"]
+  y = c.reshape(*c.shape[:-1], m // b, b) * s[..., None]
+  return y.reshape(*y.shape[:-2], m)[..., :n]
+
+
+def roundtrip(x: jax.Array, kind: str, block: int) -> jax.Array:
+  """decode(encode(x)): what the owner of a module reads of a worker's `x`."""
+  x = jnp.asarray(x, jnp.float32)
+  if kind == "none":
+    return x
+  return decode(encode(x, kind, block), kind, block, x.shape[-1])
+
+
+def with_feedback(delta: jax.Array, residual, kind: str, block: int):
+  """(the sent value C(Δ + e), the next residual Δ + e − C(Δ + e)); residual None: no feedback.
+
+  Returns the wire form too: (encoded, sent, next residual or None).
+  """
+  c = jnp.asarray(delta, jnp.float32)
+  if residual is not None:
+    c = c + residual
+  enc = encode(c, kind, block)
+  sent = decode(enc, kind, block, c.shape[-1]) if kind != "none" else c
+  return enc, sent, (None if residual is None else c - sent)
+
+
+def as_rows(x: jax.Array) -> jax.Array:
+  """A leaf with a leading worker axis seen as rows: a scalar module's [W] as [W, 1]."""
+  return x[:, None] if x.ndim == 1 else x
+
+
+def wire_bytes(shape, kind: str, block: int) -> int:
+  """Bytes of the wire form of an array [..., n] (the arithmetic of docs/communication.md)."""
+  shape = tuple(shape) or (1,)
+  rows, n = int(np.prod(shape[:-1])), shape[-1]
+  if kind == "none":
+    return rows * n * 4
+  if kind == "bf16":
+    return rows * n * 2
+  m, b = padded(n, block), block_size(n, block)
+  q = m if kind == "int8" else -(-m // 2)
+  return rows * (q + 4 * (m // b))

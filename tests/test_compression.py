@@ -1,0 +1,217 @@
+"""outer.compression by hand: codes and scales, fp4's grid, error feedback, the outer step."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dipaco_jax import train
+from dipaco_jax.config import sections
+from dipaco_jax.core import compression as comp
+from dipaco_jax.core import experiment
+from dipaco_jax.core import outer
+from dipaco_jax.core import recipe as recipe_lib
+from dipaco_jax.errors import ConfigError
+from dipaco_jax.io import checkpoint
+
+import helpers
+
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+
+def test_int8_codes_and_scales_by_hand():
+  # Block 1: absmax 2, so codes are x * 127 / 2 rounded half to even: 31.75 -> 32, -63.5 -> -64,
+  # 63.5 -> 64, 15.875 -> 16; block 2 is all zeros (scale 0); block 3: 3 alone, padded by 3 zeros.
+  x = jnp.array([[0.5, -1.0, 2.0, 0.25, 0, 0, 0, 0, 3.0]], jnp.float32)
+  enc = comp.encode(x, "int8", 4)
+  assert enc["q"].dtype == jnp.int8
+  np.testing.assert_array_equal(enc["q"], [[32, -64, 127, 16, 0, 0, 0, 0, 127, 0, 0, 0]])
+  np.testing.assert_array_equal(enc["s"], np.float32([[2 / 127, 0, 3 / 127]]))
+  got = comp.decode(enc, "int8", 4, 9)
+  np.testing.assert_allclose(got[0], [32 * 2 / 127, -64 * 2 / 127, 2, 16 * 2 / 127, 0, 0, 0, 0, 3])
+  # The error of a value is at most half a code step (absmax / 254).
+  assert float(jnp.max(jnp.abs(got - x))) <= 2 / 254 + 1e-7
+
+
+def test_fp4_grid_values_are_exact_and_packed_two_to_a_byte():
+  grid = np.float32(E2M1 + [-v for v in E2M1[1:]])
+  x = jnp.asarray(grid[None, :])  # absmax 6: the scale is 1, every value a code.
+  enc = comp.encode(x, "fp4", 16)
+  assert enc["q"].dtype == jnp.uint8 and enc["q"].shape == (1, 8)
+  np.testing.assert_array_equal(enc["s"], [[1.0]])
+  np.testing.assert_array_equal(comp.decode(enc, "fp4", 16, 15), x)
+  # e2m1 bit patterns: 0.5 is 0b0001, 1 is 0b0010, so [0.5, 1] packs to 0x21; -6 is 0b1111.
+  pair = comp.encode(jnp.array([[0.5, 1.0, -6.0, 0.0]]), "fp4", 4)
+  np.testing.assert_array_equal(pair["q"], [[0x21, 0x0F]])
+  # Halfway values round to the even code: 2.5 -> 2, 5 -> 4, 0.25 -> 0; 5.1 -> 6.
+  y = comp.roundtrip(jnp.array([[6.0, 2.5, 5.0, 0.25, 5.1]]), "fp4", 5)
+  np.testing.assert_array_equal(y, [[6.0, 2.0, 4.0, 0.0, 6.0]])
+  # A scaled block: absmax 3, scale 0.5; 0.75 -> 1.5 (a code), 1.1 -> 2.2 -> 2 -> 1.0.
+  y = comp.roundtrip(jnp.array([[3.0, 0.75, -1.1]]), "fp4", 3)
+  np.testing.assert_allclose(y, [[3.0, 0.75, -1.0]], rtol=1e-7)
+
+
+def test_bf16_and_none():
+  x = jnp.array([[1.0 + 2**-9, 1.0 + 3 * 2**-9, -3.0]], jnp.float32)
+  enc = comp.encode(x, "bf16", 64)
+  assert enc["q"].dtype == jnp.uint16 and set(enc) == {"q"}
+  # bf16 keeps 7 mantissa bits: 1 + 2^-9 -> 1 (a quarter step: down); 1 + 3*2^-9 -> 1 + 2^-7.
+  np.testing.assert_array_equal(comp.roundtrip(x, "bf16", 64), [[1.0, 1.0 + 2**-7, -3.0]])
+  np.testing.assert_array_equal(comp.roundtrip(x, "none", 64), x)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "int8", "fp4"])
+def test_round_trip_error_bound_and_wire_bytes(kind):
+  x = jax.random.normal(jax.random.key(0), (3, 5, 100), jnp.float32)
+  enc = comp.encode(x, kind, 32)
+  y = comp.decode(enc, kind, 32, 100)
+  absmax = np.max(np.abs(np.pad(np.asarray(x), [(0, 0), (0, 0), (0, 28)]).reshape(3, 5, 4, 32)), -1)
+  step = {"bf16": None, "int8": absmax / 127, "fp4": absmax / 6 * 2}[kind]  # fp4: its widest gap.
+  err = np.abs(np.asarray(y - x)).reshape(3, 5, 100)
+  if step is None:
+    assert np.all(err <= np.abs(np.asarray(x)) * 2**-8)
+  else:
+    bound = np.repeat(step / 2, 32, axis=-1)[..., :100]
+    assert np.all(err <= bound * (1 + 1e-6))
+  assert sum(v.nbytes for v in enc.values()) == comp.wire_bytes(x.shape, kind, 32)
+
+
+def test_error_feedback_telescopes():
+  """Σ_t sent_t = Σ_t Δ_t + e_0 − e_T, to float32's rounding; without feedback the error grows."""
+  keys = jax.random.split(jax.random.key(1), 20)
+  deltas = [1e-3 * jax.random.normal(k, (4, 64)) + 1e-4 for k in keys]
+  e = jnp.zeros((4, 64), jnp.float32)
+  sent_sum = jnp.zeros((4, 64))
+  plain_sum = jnp.zeros((4, 64))
+  for d in deltas:
+    _, sent, e = comp.with_feedback(d, e, "fp4", 16)
+    sent_sum = sent_sum + sent
+    plain_sum = plain_sum + comp.roundtrip(d, "fp4", 16)
+  true_sum = sum(deltas)
+  np.testing.assert_allclose(sent_sum, true_sum - e, rtol=0, atol=1e-8)
+  assert float(jnp.max(jnp.abs(sent_sum - true_sum))) < float(
+    jnp.max(jnp.abs(plain_sum - true_sum))
+  )
+
+
+NON_IID = [[1.0, -2.0, 0.5, 3.0], [-1.0, 0.0, 2.5, 1.0]]
+IID = [[0.0, -1.0, 1.5, 2.0], [0.0, -1.0, 1.5, 2.0]]
+
+
+def _quadratic(kind: str, feedback: bool, c=NON_IID, phases: int = 200):
+  """DiLoCo on f(θ) = ½ Σ_w |θ − c_w|² (2 workers, H = 5 SGD steps): the store's final θ."""
+  c = jnp.array(c, jnp.float32)
+  cfg = sections.OuterConfig(compression=kind, compression_block=4, error_feedback=feedback)
+  tx = outer.optimizer(cfg)
+
+  def phase(carry, _):
+    theta, opt, e = carry
+    x = jnp.repeat(theta["g"], 2, axis=0)
+    for _ in range(5):
+      x = x - 0.1 * (x - c)
+    _, sent, e_new = comp.with_feedback(theta["g"] - x, e if feedback else None, kind, 4)
+    theta, opt, _ = outer.module_outer_step(theta, opt, {"g": sent}, jnp.ones(2), tx=tx, cfg=cfg)
+    return (theta, opt, e_new if feedback else e), None
+
+  theta = {"g": jnp.full((1, 4), 10.0)}
+  carry = (theta, tx.init(theta), jnp.zeros((2, 4)))
+  (theta, _, _), _ = jax.lax.scan(jax.jit(phase), carry, None, length=phases)
+  return np.asarray(theta["g"][0])
+
+
+def test_int8_with_error_feedback_converges_to_the_fp32_point():
+  want = _quadratic("none", False)
+  np.testing.assert_allclose(want, [0.0, -1.0, 1.5, 2.0], atol=1e-5)  # The mean of the c_w.
+  # At the optimum each worker still moves: Δ_w = (θ* − c_w)(1 − 0.9^5), |Δ_w| <= 0.41, so an
+  # int8 code step is 0.41 / 127 = 3.2e-3: the codes hold θ within about one step of θ*.
+  np.testing.assert_allclose(_quadratic("int8", True), want, atol=0.41 / 127)
+  # Workers that agree: Δ_w -> 0 at θ*, the scales with it, and int8 reaches θ* as fp32 does.
+  want = _quadratic("none", False, IID)
+  np.testing.assert_allclose(_quadratic("int8", True, IID), want, atol=1e-6)
+  np.testing.assert_allclose(_quadratic("fp4", True, IID), want, atol=1e-6)
+
+
+def test_bad_values_are_one_line_errors():
+  with pytest.raises(ConfigError, match=r"config\.outer\.compression='int4' is invalid"):
+    sections.OuterConfig(compression="int4")
+  with pytest.raises(ConfigError, match=r"config\.outer\.compression_block=0 is invalid"):
+    sections.OuterConfig(compression_block=0)
+
+
+BASE = {
+  "model.vocab_size": 8192,
+  "model.num_layers": 1,
+  "dipaco.level_groups": ("embed,head", "block_0"),
+  "dipaco.modules_per_level": (1, 2),
+  "dipaco.replicas": 2,
+  "dipaco.outer_steps": 2,
+  "early_stopping.enabled": False,
+  "eval.every_steps": 2,
+  "outer.compression": "int8",
+}
+
+
+def test_the_spmd_step_sends_what_the_workers_encode(tmp_path):
+  """The sharded program's pseudo-gradient is the α-average of the decoded codes (every layout).
+
+  A micro grid on 4 devices: the shared embedding (replicated: codes dealt by rows), block_0's
+  two modules (an inner dim on 'path': codes cut along it).
+  """
+  cfg = helpers.micro_config(**{**BASE, "data.shard_dir": str(tmp_path)})
+  exp = experiment.Experiment(cfg)
+  r = exp.recipe
+  state = exp.init_state(0)
+  moved = jax.tree.map(
+    lambda x: x + 1e-3 * jax.random.normal(jax.random.key(3), x.shape, x.dtype), state.params
+  )
+  ef = jax.tree.map(lambda x: 1e-5 * jnp.ones(x.shape, jnp.float32), state.params)
+  start = exp.start_params(state.store)
+  alpha = jnp.ones(4, jnp.float32)
+  store0, moved, ef = jax.device_get((state.store, moved, ef))  # The step donates its inputs.
+  put = lambda t: jax.device_put(t, exp.state_sharding.params)
+  store, _, _, _, ef_new = exp.outer_step(
+    state.store, state.outer_opt, put(moved), alpha, put(ef), start
+  )
+  for s in r.topo.store_groups():
+    for path, x_K in jax.tree_util.tree_flatten_with_path(store0[s.name])[0]:
+      get = lambda t, g=s.name: jax.tree_util.tree_flatten_with_path(t[g])[0]
+      x_W = dict(get(moved))[path]
+      e_W = dict(get(ef))[path]
+      d_W = x_K[s.module_of_worker].astype(np.float32) - x_W + e_W
+      sent = np.asarray(comp.roundtrip(comp.as_rows(d_W), "int8", 64)).reshape(d_W.shape)
+      np.testing.assert_allclose(dict(get(jax.device_get(ef_new)))[path], d_W - sent, atol=1e-7)
+      w, _, _ = outer.weights(s, alpha, r.outer_cfg)
+      g = np.einsum("kw,w...->k...", np.asarray(w), sent)
+      # Nesterov from zero momentum: θ − lr (1 + μ) g.
+      want = x_K - 0.7 * 1.9 * g
+      np.testing.assert_allclose(dict(get(jax.device_get(store)))[path], want, atol=1e-6)
+
+
+@pytest.mark.slow  # ~40 s: three spmd runs of a micro grid.
+def test_a_resumed_run_restores_error_feedback_bit_exactly(tmp_path):
+  """Stopped after phase 1 of 2 and resumed, a run ends where an uninterrupted one does."""
+  shards = str(tmp_path / "shards")
+  cfg = lambda **kw: helpers.micro_config(**{**BASE, "data.shard_dir": shards, **kw})
+  train.train_and_evaluate(cfg(), str(tmp_path / "whole"))
+  train.train_and_evaluate(cfg(stop_at_step=2), str(tmp_path / "cut"))
+  mid = checkpoint.restore_numpy(str(tmp_path / "cut"))
+  assert any(np.any(x != 0) for x in jax.tree.leaves(mid["ef"]))
+  train.train_and_evaluate(cfg(), str(tmp_path / "cut"))
+  a = checkpoint.restore_numpy(str(tmp_path / "whole"))
+  b = checkpoint.restore_numpy(str(tmp_path / "cut"))
+  for k in ("store", "outer_opt", "params", "inner_opt", "ef"):
+    for x, y in zip(jax.tree.leaves(a[k]), jax.tree.leaves(b[k]), strict=True):
+      np.testing.assert_array_equal(x, y, err_msg=k)
+
+
+def test_a_run_without_compression_keeps_its_state_layout():
+  cfg = helpers.micro_config()
+  r = recipe_lib.Recipe.from_config(cfg)
+  state = jax.eval_shape(r.init_state, jax.random.key(0), None)
+  assert type(state) is recipe_lib.TrainState and recipe_lib.error_feedback(state) is None
+  cfg = helpers.micro_config(**{"outer.compression": "fp4"})
+  state = jax.eval_shape(recipe_lib.Recipe.from_config(cfg).init_state, jax.random.key(0), None)
+  assert type(state) is recipe_lib.TrainStateEF
+  cfg = helpers.micro_config(**{"outer.compression": "fp4", "outer.error_feedback": False})
+  state = jax.eval_shape(recipe_lib.Recipe.from_config(cfg).init_state, jax.random.key(0), None)
+  assert type(state) is recipe_lib.TrainState
