@@ -2,7 +2,7 @@
 
   auto    splash on TPU where the sequence allows it, cuDNN on GPU where the shape and dtype
           allow it, XLA otherwise (and always for decoding and short prefixes)
-  xla     jax.nn.dot_product_attention(implementation="xla"): [B, H, T, S] scores in HBM
+  xla     einsums and a masked float32 softmax, as XLA fuses them: [B, H, T, S] scores in HBM
   splash  jax.experimental.pallas.ops.tpu.splash_attention: scores stay in VMEM, blocks of
           (model.attention_block_q x model.attention_block_kv), masked blocks skipped; run
           under shard_map over the model's mesh (batch on 'data', heads on 'model'), so the
@@ -17,6 +17,7 @@ Every implementation computes causal attention that never crosses packed segment
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
@@ -116,16 +117,31 @@ def _dividing_block(t: int) -> int:
 
 
 def xla_attention(q_BxTxHxK, k_BxSxHxK, v_BxSxHxK, mask_BxTxS, *, causal, scale, implementation):
-  """jax.nn's attention: implementation 'xla' or 'cudnn'; mask and causality combined."""
-  return jax.nn.dot_product_attention(
-    q_BxTxHxK,
-    k_BxSxHxK,
-    v_BxSxHxK,
-    mask=mask_BxTxS[:, None],
-    scale=scale,
-    is_causal=causal,
-    implementation=implementation,
+  """XLA's attention (implementation 'xla') or cuDNN's ('cudnn'); mask and causality combined.
+
+  'xla' is written out: scores in the compute dtype, the masked softmax in float32. (jax.nn's
+  implementation="xla" makes float32 scores: on dipaco_2x4's inner step on v5e that was 1.3x
+  the HBM bytes, docs/results/tpu.md.) 'cudnn' is jax.nn.dot_product_attention's fused kernel.
+  """
+  if implementation == "cudnn":
+    return jax.nn.dot_product_attention(
+      q_BxTxHxK,
+      k_BxSxHxK,
+      v_BxSxHxK,
+      mask=mask_BxTxS[:, None],
+      scale=scale,
+      is_causal=causal,
+      implementation="cudnn",
+    )
+  T, S = q_BxTxHxK.shape[1], k_BxSxHxK.shape[1]
+  if causal:
+    mask_BxTxS &= jnp.tril(jnp.ones((T, S), dtype=bool))[None]
+  att_BxHxTxS = jnp.einsum("bqhk,bshk->bhqs", q_BxTxHxK * scale, k_BxSxHxK)
+  att_BxHxTxS = jnp.where(
+    mask_BxTxS[:, None], att_BxHxTxS.astype(jnp.float32), jnp.finfo(jnp.float32).min
   )
+  att_BxHxTxS = jax.nn.softmax(att_BxHxTxS, axis=-1).astype(q_BxTxHxK.dtype)
+  return jnp.einsum("bhqs,bshk->bqhk", att_BxHxTxS, v_BxSxHxK)
 
 
 @functools.lru_cache(maxsize=None)
