@@ -30,6 +30,7 @@ from dipaco_jax.config import sections
 from dipaco_jax.core import compression as comp
 from dipaco_jax.core import sharding
 from dipaco_jax.core import topology as topo_lib
+from dipaco_jax.errors import ConfigError
 from dipaco_jax.types import PyTree
 
 
@@ -121,6 +122,41 @@ def downlink(old: PyTree, new: PyTree, cfg) -> tuple[PyTree, PyTree]:
   is_wire = lambda x: isinstance(x, dict) and "q" in x
   rebuilt = jax.tree.map(lambda o, e: apply_update(o, e, cfg), old, wire, is_leaf=is_wire)
   return wire, rebuilt
+
+
+def check_block(params: PyTree, specs: PyTree, shape, cfg) -> None:
+  """ConfigError unless each device's part of a last axis split over 'model' holds whole blocks.
+
+  (Or over 'data', with FSDP.)
+  A worker codes its Δ_w where it lies, each device its own part of a leaf: the blocks
+  are the whole leaf's (an elastic worker's) only where no block straddles two parts.
+  params: [W, ...] leaves (shapes), specs: their PartitionSpecs, shape: the mesh's.
+  """
+  if cfg.compression in ("none", "bf16"):
+    return
+  block, bad, parts_all = cfg.compression_block, None, []
+  flat = jax.tree_util.tree_flatten_with_path(params)[0]
+  for (kp, x), spec in zip(
+    flat, jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, PartitionSpec))
+  ):
+    axes = [a for a in _last_axes(spec, x.ndim) if a != "path"]
+    if not axes:
+      continue
+    n = x.shape[-1]
+    part = n // int(np.prod([shape[a] for a in axes]))
+    parts_all.append(part)
+    if bad is None and part % comp.block_size(n, block):
+      bad = (jax.tree_util.keystr(kp), n, "x".join(f"'{a}'" for a in axes), part)
+  if bad is None:
+    return
+  g = int(np.gcd.reduce(parts_all))
+  fit = max(d for d in range(1, min(block, g) + 1) if g % d == 0)
+  leaf, n, axes, part = bad
+  raise ConfigError(
+    f"config.outer.compression_block={block} puts a block across devices: {leaf}'s last axis "
+    f"({n}) is split over {axes} into parts of {part}; choose a block that divides every "
+    f"such part, e.g. config.outer.compression_block={fit}."
+  )
 
 
 def _last_axes(spec, ndim: int) -> tuple:
