@@ -359,12 +359,13 @@ class PathWorker:
     saved = self._saved_progress(phase, worker) if phase < self.grid.T else None
     batcher = self._batcher(worker, k) if phase < self.grid.T else None
     losses = []
-    t_link = time.time()
     start_params, down = self._receive(phase, worker)  # The path's modules: what Δ is against.
+    link_down = 0.0
     if phase > 0:  # The outer exchange's downlink (phase 0 reads the initial θ̄).
       result["bytes_down"] = down
+      t_link = time.time()
       plan.at("received", bytes=down)
-    link_down = time.time() - t_link
+      link_down = time.time() - t_link
     if saved is not None:  # A retry: the evaluation and the first steps are in the save.
       rec, folder = saved
       params = self._load_groups(worker, lambda g, _: folder / f"{g}.npz")
