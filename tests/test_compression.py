@@ -13,6 +13,11 @@ from dipaco_jax.core import outer
 from dipaco_jax.core import recipe as recipe_lib
 from dipaco_jax.errors import ConfigError
 from dipaco_jax.io import checkpoint
+from dipaco_jax.runtime.elastic import driver
+from dipaco_jax.runtime.elastic import executor as exec_lib
+from dipaco_jax.runtime.elastic import grid as grid_lib
+from dipaco_jax.runtime.elastic import storage
+from dipaco_jax.runtime.elastic import worker as worker_lib
 
 import helpers
 
@@ -282,3 +287,40 @@ def test_a_run_without_compression_keeps_its_state_layout():
   cfg = helpers.micro_config(**{"outer.compression": "fp4", "outer.error_feedback": False})
   state = jax.eval_shape(recipe_lib.Recipe.from_config(cfg).init_state, jax.random.key(0), None)
   assert type(state) is recipe_lib.TrainState
+
+
+@pytest.mark.slow  # ~20 s (more under load): an elastic phase and an executor step compile.
+def test_an_elastic_worker_reads_the_coded_update_and_rebuilds_the_version(tmp_path):
+  """Phase 1 of a worker that ran phase 0: it reads u1 (codes), not v1, and holds v1's bytes.
+
+  The link hooks see those bytes; a worker without v0 (a new actor) reads v1 whole.
+  """
+  cfg = helpers.micro_config(
+    **{
+      **BASE,
+      "data.shard_dir": str(tmp_path / "shards"),
+      "dipaco.mode": "elastic",
+      "outer.compression": "fp4",
+      "dipaco.replicas": 1,
+      "dipaco.modules_per_level": (1, 1),
+    }
+  )
+  wd = str(tmp_path / "run")
+  grid = grid_lib.Grid(cfg)
+  _, _, alpha = driver._prepare(cfg, wd, grid)  # pylint: disable=protected-access
+  w = worker_lib.PathWorker(cfg, wd, 0)
+  w.run(0, 0)
+  exec_lib.OuterExecutor(cfg, wd, 0, [s.name for s in grid.groups], alpha).report(0, 0)
+  held, _ = w._receive(1, 0)  # pylint: disable=protected-access
+  groups = [g for g, _ in grid.modules_of_worker(0)]
+  u = sum(storage.size(storage.module_file(wd, g, 0, 1, "u")) for g in groups)
+  v = sum(storage.size(storage.module_file(wd, g, 0, 1)) for g in groups)
+  got = worker_lib.PathWorker(cfg, wd, 1)._receive(1, 0)  # pylint: disable=protected-access
+  assert got[1] == v and u < v / 5  # A new actor reads v1 whole; fp4's update is ~1/7 of it.
+  for x, y in zip(jax.tree.leaves(held), jax.tree.leaves(got[0]), strict=True):
+    np.testing.assert_array_equal(x, y)  # The rebuilt version is v1's bytes.
+  w._held = {
+    (g, 0): (0, storage.load_tree(storage.module_file(wd, g, 0, 0), grid.module_template(g)))
+    for g in groups
+  }  # pylint: disable=protected-access
+  assert w._receive(1, 0)[1] == u  # pylint: disable=protected-access
