@@ -13,6 +13,11 @@ from dipaco_jax.core import outer
 from dipaco_jax.core import recipe as recipe_lib
 from dipaco_jax.errors import ConfigError
 from dipaco_jax.io import checkpoint
+from dipaco_jax.runtime.elastic import driver
+from dipaco_jax.runtime.elastic import executor as exec_lib
+from dipaco_jax.runtime.elastic import grid as grid_lib
+from dipaco_jax.runtime.elastic import storage
+from dipaco_jax.runtime.elastic import worker as worker_lib
 
 import helpers
 
@@ -94,6 +99,39 @@ def test_error_feedback_telescopes():
   )
 
 
+@pytest.mark.parametrize(
+  "kind, codes",
+  [
+    # u = −0.5 Δ = [−0.25, 0.5, −1, −0.125], absmax 1: int8 codes u · 127 rounded half to
+    # even (−31.75 → −32, 63.5 → 64, −15.875 → −16), scale 1 / 127.
+    ("int8", [-32 / 127, 64 / 127, -1.0, -16 / 127]),
+    # fp4: u · 6 = [−1.5, 3, −6, −0.75]; −0.75 is halfway between 0.5 and 1: to the even
+    # code, 1 (0b010); scale 1 / 6.
+    ("fp4", [-0.25, 0.5, -1.0, -1 / 6]),
+  ],
+)
+def test_the_downlink_sends_the_update_coded_by_hand(kind, codes):
+  """One module, one worker, plain SGD at lr 0.5: θ' = θ + decode(C(−0.5 Δ)), the wire in hand."""
+  cfg = sections.OuterConfig(lr=0.5, momentum=0.0, compression=kind, compression_block=4)
+  tx = outer.optimizer(cfg)
+  theta = {"g": jnp.array([[1.0, 2.0, 3.0, 4.0]])}
+  delta = {"g": jnp.array([[0.5, -1.0, 2.0, 0.25]])}
+  new, _, m = outer.module_outer_step(theta, tx.init(theta), delta, jnp.ones(1), tx=tx, cfg=cfg)
+  want = np.float32([1.0, 2.0, 3.0, 4.0]) + np.float32(codes)
+  np.testing.assert_allclose(new["g"][0], want, rtol=0, atol=1e-7)
+  wire = m["update"]["g"]
+  np.testing.assert_allclose(wire["s"], [[1 / 127 if kind == "int8" else 1 / 6]], rtol=1e-7)
+  if kind == "int8":
+    np.testing.assert_array_equal(wire["q"], [[-32, 64, -127, -16]])
+  else:  # e2m1 patterns: −1.5 = 0b1011, 3 = 0b0101, −6 = 0b1111, −1 = 0b1010; low nibble first.
+    np.testing.assert_array_equal(wire["q"], [[0x5B, 0xAF]])
+  # A holder of θ rebuilds θ' from the wire alone (the elastic worker's program).
+  r = recipe_lib.Recipe.from_config(helpers.micro_config(**{"outer.compression": kind}))
+  rebuilt = jax.tree.map(lambda o, e: outer.apply_update(o, e, cfg), theta, m["update"])
+  np.testing.assert_array_equal(rebuilt["g"], new["g"])
+  del r
+
+
 NON_IID = [[1.0, -2.0, 0.5, 3.0], [-1.0, 0.0, 2.5, 1.0]]
 IID = [[0.0, -1.0, 1.5, 2.0], [0.0, -1.0, 1.5, 2.0]]
 
@@ -138,6 +176,28 @@ def test_bad_values_are_one_line_errors():
     sections.OuterConfig(compression_block=0)
 
 
+@pytest.mark.parametrize(
+  "over, axes",
+  [({"mesh.model": 2, "mesh.path": 2}, "'model'"), ({"mesh.fsdp": True, "mesh.data": 2}, "'data'")],
+)
+def test_a_block_across_devices_is_one_line(over, axes):
+  """A last axis split over 'model' (or FSDP's 'data') in parts a block straddles is refused.
+
+  The micro model's query kernel [32, 32] (heads x head_dim last) on 'model' = 2: parts of 16;
+  under FSDP the largest dim not on 'model' goes to 'data', the last when it is the largest (the
+  mlp_out kernel [128, 32] splits its 128, the embedding [256, 32] its 256: mlp_in [32, 128] its
+  last, parts of 64). Block 24 fits no part; every split part is a multiple of 16.
+  """
+  cfg = helpers.micro_config(**{"outer.compression": "fp4", "outer.compression_block": 24, **over})
+  with pytest.raises(ConfigError) as e:
+    experiment.Experiment(cfg)
+  msg = str(e.value)
+  assert "\n" not in msg and "config.outer.compression_block=24 puts a block across" in msg
+  assert f"split over {axes}" in msg and msg.endswith("config.outer.compression_block=16."), msg
+  fit = helpers.micro_config(**{"outer.compression": "fp4", "outer.compression_block": 16, **over})
+  experiment.Experiment(fit)  # The block it names is accepted.
+
+
 BASE = {
   "model.vocab_size": 8192,
   "model.num_layers": 1,
@@ -169,9 +229,10 @@ def test_the_spmd_step_sends_what_the_workers_encode(tmp_path):
   alpha = jnp.ones(4, jnp.float32)
   store0, moved, ef = jax.device_get((state.store, moved, ef))  # The step donates its inputs.
   put = lambda t: jax.device_put(t, exp.state_sharding.params)
-  store, _, _, _, ef_new = exp.outer_step(
+  store, _, params, _, ef_new = exp.outer_step(
     state.store, state.outer_opt, put(moved), alpha, put(ef), start
   )
+  store, params = jax.device_get((store, params))
   for s in r.topo.store_groups():
     for path, x_K in jax.tree_util.tree_flatten_with_path(store0[s.name])[0]:
       get = lambda t, g=s.name: jax.tree_util.tree_flatten_with_path(t[g])[0]
@@ -182,9 +243,20 @@ def test_the_spmd_step_sends_what_the_workers_encode(tmp_path):
       np.testing.assert_allclose(dict(get(jax.device_get(ef_new)))[path], d_W - sent, atol=1e-7)
       w, _, _ = outer.weights(s, alpha, r.outer_cfg)
       g = np.einsum("kw,w...->k...", np.asarray(w), sent)
-      # Nesterov from zero momentum: θ − lr (1 + μ) g.
-      want = x_K - 0.7 * 1.9 * g
-      np.testing.assert_allclose(dict(get(jax.device_get(store)))[path], want, atol=1e-6)
+      # Nesterov from zero momentum: θ − lr (1 + μ) g; the update comes back coded too.
+      u = comp.as_rows(-0.7 * 1.9 * g)
+      want = x_K + np.asarray(comp.roundtrip(u, "int8", 64)).reshape(x_K.shape)
+      # The program's g and this one differ by float32 ulps, which can move a value at a
+      # code's halfway point to the neighbouring code: at most 1 in 1000, one code step off.
+      got = dict(get(store))[path]
+      off = np.abs(got - want) > 1e-6
+      assert off.sum() <= max(1, off.size // 1000), off.sum()
+      step = np.max(np.abs(u)) / 127
+      np.testing.assert_allclose(got, want, atol=step * 1.01)
+      # Every worker holds its module's rebuilt params, the store's bytes.
+      np.testing.assert_array_equal(
+        dict(get(params))[path], dict(get(store))[path][s.module_of_worker]
+      )
 
 
 @pytest.mark.slow  # ~40 s: three spmd runs of a micro grid.
@@ -215,3 +287,40 @@ def test_a_run_without_compression_keeps_its_state_layout():
   cfg = helpers.micro_config(**{"outer.compression": "fp4", "outer.error_feedback": False})
   state = jax.eval_shape(recipe_lib.Recipe.from_config(cfg).init_state, jax.random.key(0), None)
   assert type(state) is recipe_lib.TrainState
+
+
+@pytest.mark.slow  # ~20 s (more under load): an elastic phase and an executor step compile.
+def test_an_elastic_worker_reads_the_coded_update_and_rebuilds_the_version(tmp_path):
+  """Phase 1 of a worker that ran phase 0: it reads u1 (codes), not v1, and holds v1's bytes.
+
+  The link hooks see those bytes; a worker without v0 (a new actor) reads v1 whole.
+  """
+  cfg = helpers.micro_config(
+    **{
+      **BASE,
+      "data.shard_dir": str(tmp_path / "shards"),
+      "dipaco.mode": "elastic",
+      "outer.compression": "fp4",
+      "dipaco.replicas": 1,
+      "dipaco.modules_per_level": (1, 1),
+    }
+  )
+  wd = str(tmp_path / "run")
+  grid = grid_lib.Grid(cfg)
+  _, _, alpha = driver._prepare(cfg, wd, grid)  # pylint: disable=protected-access
+  w = worker_lib.PathWorker(cfg, wd, 0)
+  w.run(0, 0)
+  exec_lib.OuterExecutor(cfg, wd, 0, [s.name for s in grid.groups], alpha).report(0, 0)
+  held, _ = w._receive(1, 0)  # pylint: disable=protected-access
+  groups = [g for g, _ in grid.modules_of_worker(0)]
+  u = sum(storage.size(storage.module_file(wd, g, 0, 1, "u")) for g in groups)
+  v = sum(storage.size(storage.module_file(wd, g, 0, 1)) for g in groups)
+  got = worker_lib.PathWorker(cfg, wd, 1)._receive(1, 0)  # pylint: disable=protected-access
+  assert got[1] == v and u < v / 5  # A new actor reads v1 whole; fp4's update is ~1/7 of it.
+  for x, y in zip(jax.tree.leaves(held), jax.tree.leaves(got[0]), strict=True):
+    np.testing.assert_array_equal(x, y)  # The rebuilt version is v1's bytes.
+  w._held = {
+    (g, 0): (0, storage.load_tree(storage.module_file(wd, g, 0, 0), grid.module_template(g)))
+    for g in groups
+  }  # pylint: disable=protected-access
+  assert w._receive(1, 0)[1] == u  # pylint: disable=protected-access

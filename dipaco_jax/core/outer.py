@@ -30,6 +30,7 @@ from dipaco_jax.config import sections
 from dipaco_jax.core import compression as comp
 from dipaco_jax.core import sharding
 from dipaco_jax.core import topology as topo_lib
+from dipaco_jax.errors import ConfigError
 from dipaco_jax.types import PyTree
 
 
@@ -94,6 +95,100 @@ def apply(tx, store: PyTree, opt_state: PyTree, pseudo_grads: PyTree, masks: PyT
     tx, lambda _, m: m, new_opt_state, masks, transform_non_params=lambda _: None
   )
   return new_store, _where_trained(new_opt_state, opt_state, opt_masks)
+
+
+def encode_update(old: jax.Array, new: jax.Array, cfg) -> dict:
+  """The downlink's wire form of one leaf's update new − old (float32 rows, no feedback)."""
+  u = comp.as_rows(new.astype(jnp.float32) - old.astype(jnp.float32))
+  return comp.encode(u, cfg.compression, cfg.compression_block)
+
+
+def apply_update(old: jax.Array, enc: dict, cfg) -> jax.Array:
+  """old + decode(update): a module as every holder of `old` rebuilds it from the downlink."""
+  n = comp.as_rows(old).shape[-1]
+  dec = comp.decode(enc, cfg.compression, cfg.compression_block, n).reshape(old.shape)
+  return (old.astype(jnp.float32) + dec).astype(old.dtype)
+
+
+def downlink(old: PyTree, new: PyTree, cfg) -> tuple[PyTree, PyTree]:
+  """(wire, rebuilt): each leaf's update new − old encoded, and old + its decoded value.
+
+  The owner of a module sends the update of its outer step, compressed as the workers'
+  deltas are (outer.compression, blocks along the last axis), and every holder (the
+  store too) takes old + decode(update). No error feedback on the way back: what the
+  codes drop of one step's update is lost (docs/communication.md).
+  """
+  wire = jax.tree.map(lambda o, n: encode_update(o, n, cfg), old, new)
+  is_wire = lambda x: isinstance(x, dict) and "q" in x
+  rebuilt = jax.tree.map(lambda o, e: apply_update(o, e, cfg), old, wire, is_leaf=is_wire)
+  return wire, rebuilt
+
+
+def check_block(params: PyTree, specs: PyTree, shape, cfg) -> None:
+  """ConfigError unless each device's part of a last axis split over 'model' holds whole blocks.
+
+  (Or over 'data', with FSDP.)
+  A worker codes its Δ_w where it lies, each device its own part of a leaf: the blocks
+  are the whole leaf's (an elastic worker's) only where no block straddles two parts.
+  params: [W, ...] leaves (shapes), specs: their PartitionSpecs, shape: the mesh's.
+  """
+  if cfg.compression in ("none", "bf16"):
+    return
+  block, bad, parts_all = cfg.compression_block, None, []
+  flat = jax.tree_util.tree_flatten_with_path(params)[0]
+  for (kp, x), spec in zip(
+    flat, jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, PartitionSpec))
+  ):
+    axes = [a for a in _last_axes(spec, x.ndim) if a != "path"]
+    if not axes:
+      continue
+    n = x.shape[-1]
+    part = n // int(np.prod([shape[a] for a in axes]))
+    parts_all.append(part)
+    if bad is None and part % comp.block_size(n, block):
+      bad = (jax.tree_util.keystr(kp), n, "x".join(f"'{a}'" for a in axes), part)
+  if bad is None:
+    return
+  g = int(np.gcd.reduce(parts_all))
+  fit = max(d for d in range(1, min(block, g) + 1) if g % d == 0)
+  leaf, n, axes, part = bad
+  raise ConfigError(
+    f"config.outer.compression_block={block} puts a block across devices: {leaf}'s last axis "
+    f"({n}) is split over {axes} into parts of {part}; choose a block that divides every "
+    f"such part, e.g. config.outer.compression_block={fit}."
+  )
+
+
+def _last_axes(spec, ndim: int) -> tuple:
+  """The mesh axes splitting a leaf's last axis (as `as_rows` sees it: none for a 1-D leaf)."""
+  if ndim < 2 or len(spec) < ndim or spec[ndim - 1] is None:
+    return ()
+  e = spec[ndim - 1]
+  return tuple(e) if isinstance(e, tuple) else (e,)
+
+
+def _downlink_here(old, new, spec, cfg, shape):
+  """This device's part of one store leaf: (old + decoded update, its wire form or None).
+
+  The blocks are the whole leaf's (as an elastic executor's on a whole module): where
+  the leaf's last axis is split over devices and a block would straddle two of them, the
+  float32 update is gathered along that axis, coded whole, and this device takes its
+  part; the wire is then None (the rebuilt params cross instead: the same numbers).
+  """
+  axes = _last_axes(spec, old.ndim)
+  parts = int(np.prod([shape[a] for a in axes])) if axes else 1
+  kind, block = cfg.compression, cfg.compression_block
+  n = comp.as_rows(old).shape[-1]
+  b = comp.block_size(n * parts, block)
+  if parts == 1 or kind == "bf16" or n % b == 0:
+    enc = encode_update(old, new, cfg)
+    packs = parts == 1 or kind != "fp4" or n % 2 == 0  # fp4 pairs that no cut splits.
+    return apply_update(old, enc, cfg), (enc if packs else None)
+  u = comp.as_rows(new.astype(jnp.float32) - old.astype(jnp.float32))
+  whole = jax.lax.all_gather(u, axes, axis=u.ndim - 1, tiled=True)
+  dec = comp.roundtrip(whole, kind, block)
+  mine = jax.lax.dynamic_slice_in_dim(dec, jax.lax.axis_index(axes) * n, n, axis=u.ndim - 1)
+  return (old.astype(jnp.float32) + mine.reshape(old.shape)).astype(old.dtype), None
 
 
 def delta_norms(deltas: PyTree, topo: topo_lib.Topology) -> dict[str, jax.Array]:
@@ -177,7 +272,13 @@ def _leaf_on_mesh(
     if kind != "none":  # Nothing crosses 'path': the owner reads what its workers would send.
       _, d_L, e_new = _sent(cfg, d_L, e_L)
     d = average(w, d_L)
-    return d, jax.lax.dynamic_slice_in_dim(trained_K, p * k, k), p * k, lambda new: new[i_L], e_new
+    return (
+      d,
+      jax.lax.dynamic_slice_in_dim(trained_K, p * k, k),
+      p * k,
+      lambda new, _: new[i_L],
+      e_new,
+    )
   if j is None:  # Replicated (K = 1): this device's workers' part, summed over 'path'.
     free = lambda d: [i for i in range(1, d.ndim) if d.shape[i] % ndata == 0]
     data_split = lambda d: ndata > 1 and "data" not in sharding.spec_axes(spec) and free(d)
@@ -189,7 +290,7 @@ def _leaf_on_mesh(
       enc = {k: v.reshape(v.shape[0], -1, v.shape[-1]) for k, v in enc.items()}
       split = ndata > 1 and "data" not in sharding.spec_axes(spec)
       d = _rows_to_owners(enc, n, cfg, w_KxL, ndata, split)
-      return d.reshape((1,) + x_K.shape[1:]), trained_K, 0, lambda new: new[idx_L], e_new
+      return d.reshape((1,) + x_K.shape[1:]), trained_K, 0, lambda new, _: new[idx_L], e_new
     d = _delta(x_K, x_L, w_KxL, idx_L)  # The partial pseudo-gradient: what crosses 'path'.
     if data_split(d):
       # Each of a path's data-parallel devices sums its own part across paths.
@@ -198,14 +299,19 @@ def _leaf_on_mesh(
       d = jax.lax.all_gather(part, "data", axis=i, tiled=True)
     else:
       d = jax.lax.psum(d, "path")
-    return d, trained_K, 0, lambda new: new[idx_L], None
+    return d, trained_K, 0, lambda new, _: new[idx_L], None
   # Dim j on 'path': every worker's slice j here; the pseudo-gradient of this slice of every
   # module. No device holds a whole module here, so a worker cannot form its own Δ_w: its params'
   # slices cross 'path' and the slice's owner forms the deltas. With 'data' there too (and not in
   # the params'), a device moves its part.
   split = "data" in sharding.spec_axes(spec[j : j + 1]) - sharding.spec_axes(param_spec[j : j + 1])
 
-  def to_workers(new):
+  def to_workers(new, wire):
+    if wire is not None:  # The update's codes cross; each worker rebuilds from its start copy.
+      got = {k: jax.lax.all_to_all(v[idx_W], "path", 0, j, tiled=True) for k, v in wire.items()}
+      if split:
+        got = {k: jax.lax.all_gather(v, "data", axis=j, tiled=True) for k, v in got.items()}
+      return apply_update(x0_L, got, cfg)
     y = jax.lax.all_to_all(new[idx_W], "path", 0, j, tiled=True)
     return jax.lax.all_gather(y, "data", axis=j, tiled=True) if split else y
 
@@ -306,8 +412,26 @@ def sharded_outer_step(topo: topo_lib.Topology, cfg: sections.OuterConfig, tx, m
       if ef_L is not None:
         new_ef[s.name] = treedef.unflatten(e_K)
     new_store, new_opt_state = apply(tx, store, opt_state, pseudo_grads, masks)
+    wires = {}
+    if compressed:  # The downlink: old + decode(C(update)) on the store and at every worker.
+      for g, (t, _) in back.items():
+        here = [
+          _downlink_here(o, n, sp, cfg, mesh.shape)
+          for o, n, sp in zip(
+            t.flatten_up_to(store[g]),
+            t.flatten_up_to(new_store[g]),
+            t.flatten_up_to(store_specs[g]),
+          )
+        ]
+        new_store[g] = t.unflatten([x for x, _ in here])
+        wires[g] = [w for _, w in here]
     new_params = {
-      g: t.unflatten([f(x) for f, x in zip(fs, t.flatten_up_to(new_store[g]))])
+      g: t.unflatten(
+        [
+          f(x, w)
+          for f, x, w in zip(fs, t.flatten_up_to(new_store[g]), wires.get(g, [None] * len(fs)))
+        ]
+      )
       for g, (t, fs) in back.items()
     }
     # The ‖Δ‖ metric in one psum of ΣK floats.
@@ -349,6 +473,8 @@ def module_outer_step(
   {group: leaves [N, ...]}, each worker's own Δ_w = θ − θ_w (`worker_deltas`),
   in worker order. The same `weights` (α, √P with P = the N active workers),
   `average` and `apply` as the spmd program; returns (theta, opt_state, metrics).
+  With `cfg.compression` the update crosses compressed (`downlink`): theta is old +
+  decode(C(update)) and metrics["update"] the wire form the executor writes.
   """
   (group,) = theta
   n = jax.tree.leaves(deltas_N)[0].shape[0]
@@ -362,4 +488,7 @@ def module_outer_step(
   norm = jnp.sqrt(
     sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(pseudo_grads))
   )
-  return new_theta, new_opt, {"delta_norm": norm}
+  if cfg.compression == "none":
+    return new_theta, new_opt, {"delta_norm": norm}
+  wire, new_theta = downlink(theta, new_theta, cfg)
+  return new_theta, new_opt, {"delta_norm": norm, "update": wire}

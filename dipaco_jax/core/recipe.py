@@ -256,6 +256,14 @@ class Recipe:
 
     return jax.tree.map(one, template, wire, is_leaf=lambda x: isinstance(x, dict) and "q" in x)
 
+  def apply_update(self, module: PyTree, wire: PyTree) -> PyTree:
+    """A module (leading 1) rebuilt from its previous version and the downlink's wire form.
+
+    The executor writes the new version with this program and a worker that holds the
+    previous version rebuilds it with the same one: the same bytes.
+    """
+    return jax.tree.map(lambda o, e: outer_lib.apply_update(o, e, self.outer_cfg), module, wire)
+
   def wire_template(self, template: PyTree) -> PyTree:
     """Shapes and dtypes of the wire form of deltas shaped as `template` (leading 1)."""
     zeros = jax.tree.map(lambda t: jax.ShapeDtypeStruct(t.shape, jnp.float32), template)

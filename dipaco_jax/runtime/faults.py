@@ -19,6 +19,12 @@ object with the same hook). The points:
   an elastic worker task (the plan `task_plan` builds from the spec)
     "step"         after each inner step
     "wrote"        after file `n` of the `of` files of a `kind` of write (or before a score's)
+    "received"     the task read `bytes` of its modules' new versions or updates (phase >= 1)
+    "sent"         the task wrote `bytes` of deltas (the outer exchange's uplink)
+
+A task's spec may carry {"link_bps": b, "link_scale": s} (benchmarks/link.py): the task
+then sleeps bytes x s x 8 / b at "received" and "sent", a link of b bits a second
+carrying s times the bytes the run exchanged (s scales a small model's bytes up).
 """
 
 import os
@@ -65,6 +71,8 @@ class _TaskFaults(Plan):
   def at(self, point: str, **where) -> Any:
     if point == "step" and self.delay:
       time.sleep(self.delay)
+    elif point in ("received", "sent") and self.spec.get("link_bps"):
+      time.sleep(where["bytes"] * self.spec.get("link_scale", 1.0) * 8 / self.spec["link_bps"])
     elif point == "wrote":
       after = self.spec.get(f"die_in_{where['kind']}", 0)
       if after and where["n"] == min(after, where["of"]):

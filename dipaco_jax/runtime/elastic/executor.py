@@ -106,6 +106,8 @@ class OuterExecutor:
     self._cache = {}  # (phase, group, worker) -> that worker's delta of the group.
     self._step = None
     self._decode = {}  # Group -> its jitted decoding (outer.compression).
+    # outer.compression: a new version from the old and the update's codes (a worker's program).
+    self._rebuild = jax.jit(self.grid.recipe.apply_update)
     self._lock = threading.Lock()  # report/poll vs each other (max_concurrency=2 for pid()).
 
   def pid(self) -> int:
@@ -178,7 +180,11 @@ class OuterExecutor:
     deltas_N = jax.tree.map(lambda *xs: np.concatenate(xs), *parts)
     alpha_N = self._alpha(phase)[list(workers) + list(late)]
     if self.outer_enabled:
-      theta, opt, _ = jax.device_get(self._step_fn()(theta, opt, deltas_N, alpha_N))
+      old = theta
+      theta, opt, m = jax.device_get(self._step_fn()(theta, opt, deltas_N, alpha_N))
+      if self.grid.recipe.compressed:  # The update crosses as codes; v<t+1> is what they rebuild.
+        storage.save_tree(storage.module_file(wd, group, module, phase + 1, "u"), m["update"])
+        theta = jax.device_get(self._rebuild(old, m["update"]))
     else:  # No outer step: the module becomes its first worker's params (spmd's sync_store).
       theta = jax.tree.map(
         lambda t, d: (t.astype(np.float32) - d[:1]).astype(t.dtype), theta, parts[0]

@@ -8,6 +8,8 @@ here unpickles. Layout (t = outer steps applied, i.e. the phase that reads it):
 
   store/<group>/m<e>/v<t>.npz      module e of a store group after t outer steps
   store/<group>/m<e>/opt<t>.npz    its outer momentum
+  store/<group>/m<e>/u<t>.npz      outer.compression: the update v<t> − v<t-1>, codes and scales
+                                   (v<t> = v<t-1> + decoded u<t>: what a worker with v<t-1> reads)
   workers/w<w>/opt<t>.npz          worker w's AdamW state at the start of phase t
   workers/w<w>/data<t>.json        its data position at the start of phase t
   workers/w<w>/out<t>/delta_<group>.npz  its delta θ_module − θ_w after phase t-1's inner steps
@@ -45,7 +47,7 @@ def root(workdir: str) -> epath.Path:
 
 
 def module_file(workdir: str, group: str, module: int, version: int, kind: str = "v") -> epath.Path:
-  """Module params (kind "v") or its outer momentum (kind "opt") at a version."""
+  """Module params (kind "v"), its outer momentum ("opt") or its compressed update ("u")."""
   return root(workdir) / "store" / group / f"m{module}" / f"{kind}{version:05d}.npz"
 
 
@@ -146,6 +148,11 @@ def load_tree(path: epath.Path, template: PyTree) -> PyTree:
       )
     leaves.append(x)
   return jax.tree.unflatten(jax.tree.structure(template), leaves)
+
+
+def size(path: epath.Path) -> int:
+  """A stored item's bytes."""
+  return int(path.stat().length)
 
 
 def save_array(path: epath.Path, x: np.ndarray) -> None:

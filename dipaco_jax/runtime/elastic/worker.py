@@ -72,6 +72,7 @@ def programs(recipe) -> dict:
     "norms": jax.jit(jax.vmap(recipe.group_norms)),
     "deltas": jax.jit(recipe.worker_deltas),
     "encode": jax.jit(recipe.encode_deltas),  # outer.compression: the deltas' wire form.
+    "rebuild": jax.jit(recipe.apply_update),  # outer.compression: v<t> from v<t-1> and u<t>.
     "finite": jax.jit(guard_lib.all_finite),
     # Re-shard scoring tasks: per-token log p of one path, the batch layout [1, B, T].
     "logp": jax.jit(jax.vmap(recipe.token_logprobs)),
@@ -98,7 +99,10 @@ class PathWorker:
     fns = programs(self.recipe)
     self._step, self._init_opt, self._eval = fns["step"], fns["init_opt"], fns["eval"]
     self._norms, self._deltas, self._finite = fns["norms"], fns["deltas"], fns["finite"]
-    self._logp, self._encode = fns["logp"], fns["encode"]
+    self._logp, self._encode, self._rebuild = fns["logp"], fns["encode"], fns["rebuild"]
+    # (group, module) -> (version, params) of the last task's modules: with compression the
+    # next phase reads their updates' codes instead of the new versions (`_receive`).
+    self._held = {}
     # (split, routing phase, worker) -> its evaluation batches (the same at every evaluation).
     self._val = {}
     # Early stopping on held-out training documents (shard_plan's): trained on the rest only.
@@ -161,6 +165,31 @@ class PathWorker:
   def _load_params(self, phase: int, worker: int):
     """The path's modules at version `phase` (the store)."""
     return self._load_groups(worker, lambda g, e: storage.module_file(self.workdir, g, e, phase))
+
+  def _receive(self, phase: int, worker: int):
+    """The path's modules at version `phase` and the bytes read for them (the downlink).
+
+    With outer.compression, a module this actor holds at version phase − 1 (its last
+    task read it) is rebuilt from the compressed update u<phase> with the executor's
+    program (the same bytes as v<phase>); any other is read whole.
+    """
+    parts, nbytes, held = {}, 0, {}
+    for g, e in self.grid.modules_of_worker(worker):
+      prev = self._held.get((g, e))
+      update = storage.module_file(self.workdir, g, e, phase, "u")
+      if self.recipe.compressed and prev is not None and prev[0] == phase - 1 and update.exists():
+        tree = jax.device_get(
+          self._rebuild(prev[1], storage.load_tree(update, self.grid.delta_template(g)))
+        )
+        nbytes += storage.size(update)
+      else:
+        f = storage.module_file(self.workdir, g, e, phase)
+        tree = storage.load_tree(f, self.grid.module_template(g))
+        nbytes += storage.size(f)
+      held[(g, e)] = (phase, tree)
+      parts.update(tree)
+    self._held = held
+    return parts, nbytes
 
   def _group_writes(self, file_of, tree, worker: int) -> list:
     """Writes of each group of worker `worker`'s `tree` (params or deltas) to file_of(group)."""
@@ -330,7 +359,13 @@ class PathWorker:
     saved = self._saved_progress(phase, worker) if phase < self.grid.T else None
     batcher = self._batcher(worker, k) if phase < self.grid.T else None
     losses = []
-    start_params = self._load_params(phase, worker)  # The path's modules: what Δ is against.
+    start_params, down = self._receive(phase, worker)  # The path's modules: what Δ is against.
+    link_down = 0.0
+    if phase > 0:  # The outer exchange's downlink (phase 0 reads the initial θ̄).
+      result["bytes_down"] = down
+      t_link = time.time()
+      plan.at("received", bytes=down)
+      link_down = time.time() - t_link
     if saved is not None:  # A retry: the evaluation and the first steps are in the save.
       rec, folder = saved
       params = self._load_groups(worker, lambda g, _: folder / f"{g}.npz")
@@ -364,7 +399,8 @@ class PathWorker:
         else:
           batcher.set_state(storage.load_json(storage.worker_data_file(wd, worker, phase)))
     guard = self._guard(phase, worker, start_params, losses)
-    clock = {"load": time.time() - start, "progress_save": 0.0}
+    # "link": time in the fault plan's link hooks (a benchmark's injected transfer delay).
+    clock = {"load": time.time() - start - link_down, "progress_save": 0.0, "link": link_down}
     t0 = time.time()
     pending, m = None, None  # pending: a dispatched step's metrics, unread.
 
@@ -426,6 +462,14 @@ class PathWorker:
     )
     _write_all(writes, plan, "output")  # The last one: everything but done.json.
     clock["save"] = time.time() - t0
+    # The outer exchange's uplink: the delta files' bytes (codes and scales with compression).
+    groups = self.grid.modules_of_worker(worker)
+    result["bytes_up"] = sum(
+      storage.size(storage.delta_file(wd, worker, phase + 1, g)) for g, _ in groups
+    )
+    t0 = time.time()
+    plan.at("sent", bytes=result["bytes_up"])
+    clock["link"] += time.time() - t0
     result.update(
       start=start,
       end=time.time(),
