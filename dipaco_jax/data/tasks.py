@@ -4,6 +4,11 @@ import os
 import re
 from typing import Iterator
 
+# isort: off
+# TensorFlow first, its native start-up notices held back (tf_setup.py); seqio imports it.
+from dipaco_jax.data import tf_setup  # noqa: F401
+
+# isort: on
 import numpy as np
 import seqio
 import tensorflow as tf
@@ -14,7 +19,6 @@ from dipaco_jax.config.sections import C4_TFDS_NAME
 from dipaco_jax.config.sections import TASKS
 from dipaco_jax.config.sections import TFDS_NAME_PATTERN
 from dipaco_jax.data import corpus
-from dipaco_jax.data import tf_setup  # noqa: F401  (side effect: TensorFlow set up before tfds)
 from dipaco_jax.data import tfds_builder
 from dipaco_jax.data import vocab
 from dipaco_jax.data.document import Document

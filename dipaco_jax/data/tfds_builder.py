@@ -3,11 +3,15 @@
 import hashlib
 import os
 
+# isort: off
+# TensorFlow first, its native start-up notices held back (tf_setup.py); seqio imports it.
+from dipaco_jax.data import tf_setup  # noqa: F401
+
+# isort: on
 import numpy as np
 import tensorflow_datasets as tfds
 
 from dipaco_jax.data import corpus
-from dipaco_jax.data import tf_setup  # noqa: F401  (side effect: TensorFlow set up before tfds)
 
 DEFAULT_DATA_DIR = os.path.join(os.path.expanduser("~"), ".cache", "dipaco_jax", "tfds")
 

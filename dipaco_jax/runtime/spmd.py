@@ -43,7 +43,7 @@ def run(config, workdir: str) -> dict[str, Any]:
   topo = exp.topo
   W, H, T = topo.num_workers, config.dipaco.inner_steps, config.dipaco.outer_steps
   total = H * T
-  logging.info("%s; mesh %s", topo.describe(), sharding.describe(exp.mesh))
+  logging.info("mesh %s", sharding.describe(exp.mesh))
 
   # Routed shards and re-shards (shard_plan.py): the plan's train_it, eval_batches
   # (same batches at every evaluation) and alpha_W.
@@ -90,7 +90,9 @@ def run(config, workdir: str) -> dict[str, Any]:
   ckpt_every = config.ckpt.every_steps
   ahead = dispatch.dispatch_ahead(config)
   logging.info("dispatch ahead: %s (config.dispatch_ahead=%r)", ahead, config.dispatch_ahead)
-  bar = progress.bar(total=total, initial=step, desc="inner steps", unit="step")
+  stop = total if config.stop_at_step < 0 else min(config.stop_at_step, total)
+  # Its total is where this command stops (config.stop_at_step), not the run's end.
+  bar = progress.bar(total=stop, initial=min(step, stop), desc="inner steps", unit="step")
 
   def logged(at: int) -> bool:
     return at % log_every == 0 or at % H == 0 or at == total
@@ -125,7 +127,6 @@ def run(config, workdir: str) -> dict[str, Any]:
   pending = None
   record: dict[str, Any] = {}
   result: dict[str, Any] = {}
-  stop = total if config.stop_at_step < 0 else min(config.stop_at_step, total)
   try:  # On any stop, the last checkpoint's save (async) still completes.
     while step < stop:
       ckpt.check()  # A failed background save stops the run here (CheckpointSaveError).
@@ -184,6 +185,8 @@ def run(config, workdir: str) -> dict[str, Any]:
           "step": step,
           "val_loss": val.tolist(),
           "val_loss_mean": metrics_lib.nan_mean(val),
+          "val_loss_routed": routed,
+          "val_perplexity_routed": float(np.exp(routed)),
           "train_loss_mean": float(np.mean(m["loss"])),
         }
       if record:
