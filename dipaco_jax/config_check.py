@@ -213,6 +213,20 @@ def _check_relations(c) -> None:
       f"{c.dipaco.init_from!r}: init_from gives every module the same θ̄; set "
       "init='shared' or init_from=''."
     )
+  if c.profile.num_steps:
+    end = c.dipaco.inner_steps * c.dipaco.outer_steps
+    last = c.profile.start_step + c.profile.num_steps - 1
+    if last > end:
+      raise ConfigError(
+        f"config.profile.start_step={c.profile.start_step} with num_steps="
+        f"{c.profile.num_steps} traces up to step {last}, past the run's last step {end}: "
+        "start earlier or trace fewer steps."
+      )
+    if c.dipaco.mode != "spmd":
+      raise ConfigError(
+        "config.profile.num_steps > 0 traces the spmd loop; the elastic pool does not trace "
+        "its tasks yet: set dipaco.mode='spmd' or profile.num_steps=0."
+      )
   routing.discriminative_steps(c)  # The re-shards fit in 1..T-1.
   routing.phase0_grid(c, topo)  # The phase-0 router suits the grid and the replicas.
   if c.dipaco.mode == "elastic":  # What the Ray pool cannot run (ElasticConfigError).

@@ -348,6 +348,7 @@ def main(argv):
       batch_size=_BATCH.value,
     )
   )
+  print(f"(read {workdir}; serving writes nothing)")
 
 
 if __name__ == "__main__":

@@ -94,7 +94,7 @@ def _source(task: str, data_dir, tfds_name: str, part: int, num_parts: int) -> s
   if task == "dipaco_embedded":
     return seqio.TfdsDataSource(
       tfds_name=f"dipaco_embedded/{tfds_builder.DipacoEmbedded.BUILDER_CONFIGS[0].name}:1.0.0",
-      tfds_data_dir=data_dir or tfds_builder.DEFAULT_DATA_DIR,
+      tfds_data_dir=data_dir or tfds_builder.default_data_dir(),
       splits=_split_map({s: s for s in corpus.SPLITS}, part, num_parts),
       read_only=True,
     )
