@@ -122,7 +122,8 @@ def complete_line(config, workdir: str, step: int) -> str:
   if step >= total:
     more = config.dipaco.outer_steps * 2
     longer = (
-      f"rerun with a larger --config.dipaco.outer_steps (e.g. {more}: it resumes from step {step})"
+      f"rerun with a larger outer_steps, e.g. --config.dipaco.outer_steps={more} (it resumes "
+      f"from step {step})"
       if config.dipaco.mode == "spmd"
       else "train a new workdir with a larger --config.dipaco.outer_steps (the elastic pool "
       "does not extend a finished run)"
