@@ -348,7 +348,6 @@ def main(argv):
       batch_size=_BATCH.value,
     )
   )
-  print(f"(read {workdir}; serving writes nothing)")
 
 
 if __name__ == "__main__":

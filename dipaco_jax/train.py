@@ -41,6 +41,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   started = bool(saved) or elastic.started(workdir)
   saved_config.check_matches(path, config, started=started, may_grow=config.dipaco.mode == "spmd")
   if saved and saved[-1] >= console.stop_step(config):  # Nothing left to train.
+    saved_config.write(path, config)  # Where check_matches found none, as its warning says.
     console.say(console.complete_line(config, workdir, saved[-1]))
     return _final_metrics(workdir, saved[-1])
   if not started:  # An earlier attempt that saved nothing never blocks this one.
