@@ -45,12 +45,8 @@ from dipaco_jax.io import hugepages
 from dipaco_jax.io import native
 
 flags.adopt_module_key_flags(distributed)  # --coordinator_address, --num_processes, --process_id.
-_VERBOSE = flags.DEFINE_bool(
-  "verbose_errors",
-  False,
-  "Show the traceback of a user error (a bad config field, a "
-  "missing file) instead of its one line.",
-)
+flags.adopt_module_key_flags(errors)  # --verbose_errors.
+_VERBOSE = errors.VERBOSE_ERRORS
 _CONFIG = config_flags.DEFINE_config_file(
   "config",
   None,
