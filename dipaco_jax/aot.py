@@ -547,9 +547,8 @@ def _define_flags() -> None:
   _FLAGS["dcn_gbps"] = flags.DEFINE_float(
     "dcn_gbps", DEFAULT_DCN_GBPS_PER_CHIP, "DCN Gb/s per chip for the outer step's time estimate."
   )
-  _FLAGS["verbose_errors"] = flags.DEFINE_bool(
-    "verbose_errors", False, "Show the traceback of a bad input instead of its one line."
-  )
+  _FLAGS["verbose_errors"] = errors.VERBOSE_ERRORS
+  flags.declare_key_flag("verbose_errors")  # errors.py's: --help lists it.
   flags.register_validator(
     "dcn_gbps", lambda v: v > 0, "the outer step's DCN time needs a bandwidth: give --dcn_gbps > 0"
   )
