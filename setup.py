@@ -36,7 +36,8 @@ setuptools.setup(
   version="0.1.0",
   description="DiPaCo and DiLoCo trainers in JAX/Flax for TPU pods and CPUs.",
   packages=setuptools.find_packages(include=["dipaco_jax", "dipaco_jax.*"]),
-  package_data={"dipaco_jax": ["data/assets/*", "data/assets/**/*"]},
+  # configs/ ships inside the package: --config=configs/NAME.py resolves there from any directory.
+  package_data={"dipaco_jax": ["data/assets/*", "data/assets/**/*", "configs/*.py"]},
   include_package_data=True,
   python_requires=">=3.11",
   install_requires=_CORE,

@@ -5,7 +5,7 @@ r"""The elastic task queue at the paper's scale: per-task seconds, snapshot byte
 
 In process, no Ray: the coordinator's methods (elastic/coordinator.py) called as
 the driver calls them, for a 16x16 grid (256 paths) with the paper's tau = 150
-inner steps (../shared/reference/dipaco-paper.md §3.4; its headline run is about
+inner steps (the DiPaCo paper, §3.4; its headline run is about
 427 outer steps, ~110k tasks). Each phase: every path's task leased and
 completed with a result shaped as a worker returns it (H per-step losses,
 evaluation, clocks), then every module's outer step (modules_updated), as the

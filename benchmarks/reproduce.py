@@ -18,7 +18,7 @@ out of the seed range.
 
 Every model uses the shipped 8k SentencePiece tokenizer, the same batch (B x T
 per path) and the same number of weight-update steps, as in the paper's
-Table 1 / Fig. 8 (shared/reference/dipaco-paper.md §5):
+Table 1 / Fig. 8 (the DiPaCo paper, §5):
 
   pretrain      dense path-size model, `pretrain` steps: θ̄, the fork point.
   dense_path    θ̄ + `steps` more steps (the paper's 150M baseline protocol).

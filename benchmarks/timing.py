@@ -1,6 +1,6 @@
 """Timing harness for benchmarks: step loops, interleaved repetitions, ratios.
 
-Every loop blocks at least every BLOCK_EVERY steps (NOTES.md: unblocked loops
+Every loop blocks at least every BLOCK_EVERY steps (unblocked loops
 of jitted steps with collectives abort on fake CPU devices).
 """
 # pylint: disable=invalid-name

@@ -653,9 +653,8 @@ def _define_flags() -> None:
     "DCN Gb/s per chip for the outer step's time estimate (default: the chip's, aot.CHIPS: "
     "v5e 25, v5p 50, v6e 100).",
   )
-  _FLAGS["verbose_errors"] = flags.DEFINE_bool(
-    "verbose_errors", False, "Show the traceback of a bad input instead of its one line."
-  )
+  _FLAGS["verbose_errors"] = errors.VERBOSE_ERRORS
+  flags.declare_key_flag("verbose_errors")  # errors.py's: --help lists it.
   flags.register_validator(
     "dcn_gbps",
     lambda v: v is None or v > 0,

@@ -42,14 +42,11 @@ from dipaco_jax import errors
 from dipaco_jax.io import distributed
 from dipaco_jax.io import files
 from dipaco_jax.io import hugepages
+from dipaco_jax.io import native
 
 flags.adopt_module_key_flags(distributed)  # --coordinator_address, --num_processes, --process_id.
-_VERBOSE = flags.DEFINE_bool(
-  "verbose_errors",
-  False,
-  "Show the traceback of a user error (a bad config field, a "
-  "missing file) instead of its one line.",
-)
+flags.adopt_module_key_flags(errors)  # --verbose_errors.
+_VERBOSE = errors.VERBOSE_ERRORS
 _CONFIG = config_flags.DEFINE_config_file(
   "config",
   None,
@@ -201,6 +198,9 @@ def start(argv: list[str], *, writes: bool = True) -> tuple[Any, str]:
   if workdir.strip() in ("", "None", "none"):
     raise errors.ConfigError(f"--workdir={workdir!r} names no directory: give the run's directory.")
   check_workdir(workdir, writes=writes)
+  # Before any backend starts: a host without TPU or GPU runs jax on the CPU alone, so an
+  # installed libtpu prints no start-up errors (io/native.py).
+  native.choose_platforms()
   if config.mesh.cpu_devices:  # Before any backend starts; TPU/GPU runs are unaffected.
     jax.config.update("jax_num_cpu_devices", config.mesh.cpu_devices)
   distributed.initialize()

@@ -30,16 +30,58 @@ _CONFIG_FILE = re.compile(r"^--?config(?:=(.*))?$")
 _FLAG_ERROR = re.compile(r"^flag --config\.([\w.]+)=(.*?): (.*)$")
 
 
+# The shipped configs: dipaco_jax/configs/NAME.py (the clone's configs/ links there).
+PACKAGE_CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+
+
+def shipped_configs() -> list[str]:
+  """`configs/NAME.py` for each config the package ships."""
+  names = sorted(n for n in os.listdir(PACKAGE_CONFIGS) if n.endswith(".py"))
+  return [f"configs/{n}" for n in names if not n.startswith("_")]
+
+
+def config_file(path: str) -> str:
+  """`path` where such a file exists; else, for `configs/NAME.py`, the package's own copy.
+
+  So `--config=configs/tiny.py` runs from any directory after any install (wheel or
+  editable); a file of that name in the working directory comes first.
+  """
+  if os.path.isfile(path) or os.path.isabs(path):
+    return path
+  parts = os.path.normpath(path).split(os.sep)
+  if len(parts) == 2 and parts[0] == "configs":
+    shipped = os.path.join(PACKAGE_CONFIGS, parts[1])
+    if os.path.isfile(shipped):
+      return shipped
+  return path
+
+
 def check_config_args(argv: list[str]) -> None:
-  """Refuses a missing or failing config file or an unknown --config.a.b before absl parses them."""
+  """Refuses a missing or failing config file or an unknown --config.a.b before absl parses them.
+
+  A `--config=configs/NAME.py` that is not in the working directory is rewritten in `argv`
+  (in place) to the package's copy (`config_file`).
+  """
   for i, arg in enumerate(argv[1:], 1):
     if arg == "--":
       break
     if m := _CONFIG_FILE.match(arg):
-      spec = m.group(1) if m.group(1) is not None else (argv[i + 1] if i + 1 < len(argv) else "")
-      path = spec.split(":", 1)[0]
+      inline = m.group(1) is not None
+      spec = m.group(1) if inline else (argv[i + 1] if i + 1 < len(argv) else "")
+      path, *rest = spec.split(":", 1)
+      found = config_file(path)
+      if found != path:
+        spec = ":".join([found, *rest])
+        if inline:
+          argv[i] = f"--config={spec}"
+        else:
+          argv[i + 1] = spec
+        path = found
       if not os.path.isfile(path):
-        raise ConfigError(f"--config={path}: no such config file; give one of configs/*.py.")
+        raise ConfigError(
+          f"--config={path}: no such config file; give a config file's path, or one of the "
+          f"shipped {', '.join(shipped_configs())}."
+        )
       run_config_file(spec)  # What the file raises or returns, in one line, before absl runs it.
     elif m := _CONFIG_FLAG.match(arg):
       if m.group(1) not in schema.field_names():
@@ -173,6 +215,20 @@ def _check_relations(c) -> None:
       f"{c.dipaco.init_from!r}: init_from gives every module the same θ̄; set "
       "init='shared' or init_from=''."
     )
+  if c.profile.num_steps:
+    end = c.dipaco.inner_steps * c.dipaco.outer_steps
+    last = c.profile.start_step + c.profile.num_steps - 1
+    if last > end:
+      raise ConfigError(
+        f"config.profile.start_step={c.profile.start_step} with num_steps="
+        f"{c.profile.num_steps} traces up to step {last}, past the run's last step {end}: "
+        "start earlier or trace fewer steps."
+      )
+    if c.dipaco.mode != "spmd":
+      raise ConfigError(
+        "config.profile.num_steps > 0 traces the spmd loop; the elastic pool does not trace "
+        "its tasks yet: set dipaco.mode='spmd' or profile.num_steps=0."
+      )
   routing.discriminative_steps(c)  # The re-shards fit in 1..T-1.
   routing.phase0_grid(c, topo)  # The phase-0 router suits the grid and the replicas.
   if c.dipaco.mode == "elastic":  # What the Ray pool cannot run (ElasticConfigError).
@@ -223,6 +279,7 @@ def load(path: str, **overrides) -> ml_collections.ConfigDict:
   size, init_from exists) wait for the trainer and the CLIs, which call
   config_check.validate(config) before they touch the workdir.
   """
+  path = config_file(path)
   spec = importlib.util.spec_from_file_location("dipaco_config", path)
   if spec is None or spec.loader is None or not path.endswith(".py"):
     raise ConfigError(f"no config file at {path}: give a configs/NAME.py path.")

@@ -6,6 +6,15 @@ from typing import NoReturn
 from absl import app
 from absl import flags
 
+# Every command's --verbose_errors (cli.py, aot.py, python -m dipaco_jax.data): here, so a
+# command that does not import cli.py (jax, the trainer's flags) shares the one flag.
+VERBOSE_ERRORS = flags.DEFINE_bool(
+  "verbose_errors",
+  False,
+  "Show the traceback of a user error (a bad config field, flag or input, a missing file) "
+  "instead of its one line.",
+)
+
 
 class UserError(Exception):
   """Bad input or a stopped run: the message says what happened and how to fix it."""

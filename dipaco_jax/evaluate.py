@@ -418,6 +418,9 @@ def evaluate_and_write(config, workdir: str, step: int | None = None) -> str:
 def main(argv):
   config, workdir = cli.start(argv, writes=False)  # Its reports' folder is checked on its own.
   print(evaluate_and_write(config, workdir, step=_STEP.value))
+  step = _STEP.value if _STEP.value is not None else ckpt_lib.latest_step(workdir)
+  out = files.join(workdir, EVAL_DIR, f"step_{step}")
+  print(f"\nwrote: {out}.md (this report) and {out}.json (every number).")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,6 @@ Kept tiny on purpose: everything it calls is importable from tests and colab.
 """
 
 from absl import flags
-from absl import logging
 
 from dipaco_jax import cli
 
@@ -16,8 +15,7 @@ def main(argv):
   # Imported after jax.distributed is up: the trainer touches devices.
   from dipaco_jax import train  # pylint: disable=g-import-not-at-top
 
-  logging.info("config:\n%s", config)
-  train.train_and_evaluate(config, workdir)
+  train.train_and_evaluate(config, workdir)  # The full config goes to <workdir>/config.json.
 
 
 if __name__ == "__main__":

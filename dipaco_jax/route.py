@@ -30,6 +30,17 @@ def main(argv):
   print(
     routing.route_run(config, workdir, process_index=process_index, num_processes=num_processes)
   )
+  if process_index == 0:
+    from dipaco_jax.routing import phases  # pylint: disable=g-import-not-at-top
+
+    router = phases.router_dir(workdir, 0)
+    print(
+      f"\nwrote: the shards in {phases.shard_dir(config, workdir, 0)}; the report "
+      f"{router}/{phases.REPORT_FILE}"
+      + ("" if config.routing.router == "random" else f"; the router in {router}")
+      + f". Train on them: python -m dipaco_jax.main --config=... --workdir={workdir} (the "
+      "same --config flags)."
+    )
 
 
 if __name__ == "__main__":

@@ -3,7 +3,10 @@
 Checks the config and the workdir before anything is written, then runs the
 synchronous SPMD loop (runtime/spmd.py) or the elastic Ray pool
 (runtime/elastic/), as config.dipaco.mode says. Both run the same recipe
-(core/recipe.py) and write the same checkpoints; a rerun resumes.
+(core/recipe.py) and write the same checkpoints; a rerun resumes, and a rerun of
+a run that already reached its last step says so in one line and trains nothing.
+The console gets a few lines about the run and a summary at its end
+(runtime/console.py); the full config is the workdir's config.json.
 """
 
 from typing import Any
@@ -13,8 +16,20 @@ from etils import epath
 from dipaco_jax import config_check
 from dipaco_jax import saved_config
 from dipaco_jax.io import checkpoint
+from dipaco_jax.io import metrics as metrics_lib
+from dipaco_jax.runtime import console
 from dipaco_jax.runtime import elastic
 from dipaco_jax.runtime import spmd
+
+
+def _final_metrics(workdir: str, step: int) -> dict[str, Any]:
+  """A finished run's result as its runtime returned it, from its last evaluated record."""
+  for r in reversed(metrics_lib.read_records(workdir)):
+    if "val_loss" in r and r["step"] <= step:
+      out = {"step": step, "val_loss": r["val_loss"], "val_loss_mean": r.get("val_loss_mean")}
+      out.update({k: r[k] for k in ("val_loss_routed", "val_perplexity_routed") if k in r})
+      return out
+  return {"step": step}
 
 
 def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
@@ -22,10 +37,20 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   config_check.validate(config)
   elastic.check_workdir_mode(workdir, config.dipaco.mode)
   path = epath.Path(workdir)
-  started = bool(checkpoint.steps(workdir)) or elastic.started(workdir)
+  saved = checkpoint.steps(workdir)
+  started = bool(saved) or elastic.started(workdir)
   saved_config.check_matches(path, config, started=started, may_grow=config.dipaco.mode == "spmd")
+  if saved and saved[-1] >= console.stop_step(config):  # Nothing left to train.
+    saved_config.write(path, config)  # Where check_matches found none, as its warning says.
+    console.say(console.complete_line(config, workdir, saved[-1]))
+    return _final_metrics(workdir, saved[-1])
   if not started:  # An earlier attempt that saved nothing never blocks this one.
     saved_config.set_aside_earlier_attempt(path, config)
+  console.say(console.start_lines(config, workdir, saved[-1] if saved else 0))
   if config.dipaco.mode == "elastic":  # The Ray worker pool.
-    return elastic.run(config, workdir)
-  return spmd.run(config, workdir)
+    result = elastic.run(config, workdir)
+  else:
+    result = spmd.run(config, workdir)
+  if not result.get("stopped"):  # The elastic driver's planned stop (faults) resumes later.
+    console.say(console.end_lines(config, workdir))
+  return result

@@ -490,7 +490,9 @@ def test_route_evaluate_serve_read_the_saved_config(module, extra, saved_run):
   ],
 )
 def test_every_command_help_lists_its_flags(module, want):
-  r = _command(module, "--help")  # absl's --help exits 1, argparse's 0: the text is the test.
+  r = _command(
+    module, "--help"
+  )  # Exit statuses differ (absl's 1, the data command's 0): the text is the test.
   missing = [f for f in want if not re.search(rf"--(\[no\])?{f[2:]}\b", r.stdout)]
   assert not missing, r.stdout
 

@@ -50,15 +50,19 @@ def test_tensorboard_values_name_each_path_and_module():
   scalars, hists = metrics.tensorboard_values(
     {"step": 10, **RECORD}, LABELS, {"level_1": ["module_0", "module_1"]}
   )
+  assert math.isnan(scalars.pop("train/grad_norm/path_0-0-1"))  # Kept as recorded.
   assert scalars == {
-    "phase": 0,
-    "tokens_per_s": 100.0,
-    "train_loss_mean": 3.0,  # (1 + 3 + 2 + 6) / 4
-    "grad_norm_mean": 1.0,  # (0.5 + 1.5 + 1) / 3: NaN skipped
+    "train/phase": 0,
+    "perf/tokens_per_s": 100.0,
+    "train/loss/mean": 3.0,  # (1 + 3 + 2 + 6) / 4
+    "train/grad_norm/mean": 1.0,  # (0.5 + 1.5 + 1) / 3: NaN skipped
     "train/loss/path_0-0-0": 1.0,
     "train/loss/path_0-0-1": 3.0,
     "train/loss/path_0-1-0": 2.0,
     "train/loss/path_0-1-1": 6.0,
+    "train/grad_norm/path_0-0-0": 0.5,
+    "train/grad_norm/path_0-1-0": 1.5,
+    "train/grad_norm/path_0-1-1": 1.0,
     "outer/delta_norm/level_0/module_0": 4.0,  # Unnamed level: indices.
     "outer/delta_norm/level_1/module_0": 0.25,
     "outer/delta_norm/level_1/module_1": 0.75,
@@ -70,6 +74,60 @@ def test_tensorboard_values_name_each_path_and_module():
     "train/loss",
   ]
   np.testing.assert_array_equal(hists["train/loss"], [1.0, 3.0, 2.0, 6.0])
+
+
+def _numbers(record, prefix=""):
+  """Every number of a record, by its JSON path (`param_norm.embed[2]`)."""
+  out = {}
+  for key, value in record.items():
+    name = f"{prefix}{key}"
+    if isinstance(value, dict):
+      out.update(_numbers(value, f"{name}."))
+    elif isinstance(value, list):
+      out.update({f"{name}[{i}]": v for i, v in enumerate(value)})
+    elif key != "step":
+      out[name] = value
+  return out
+
+
+def test_every_number_of_metrics_jsonl_reaches_tensorboard_with_its_value(tmp_path):
+  # A record as the spmd loop writes one at an evaluated outer step, with every kind of key.
+  record = {
+    **RECORD,
+    "grad_norm": [0.5, 0.25, 1.5, 1.0],
+    "lr": 0.002,
+    "param_norm": {"embed": [10.0, 10.5, 11.0, 11.5], "block_0": [3.0, 3.5, 4.0, 4.5]},
+    "step_s": 0.5,
+    "tflops_per_device": 0.01,
+    "val_loss": [2.0, 2.5, 3.0, 1.0],
+    "val_loss_mean": 2.125,
+    "val_loss_routed": 2.1,
+    "val_perplexity_routed": math.exp(2.1),
+    "heldout_loss": [2.0, 2.0, 2.0, 2.0],
+    "heldout_loss_mean": 2.0,
+    "shards/tokens_min": 5.0,
+  }
+  log = metrics.MetricsLogger(tmp_path, worker_labels=LABELS)
+  log.write(50, record)
+  log.close()
+  (saved,) = metrics.read_records(tmp_path)
+  numbers = {k: v for k, v in _numbers(saved).items() if not k.endswith("_mean")}
+  tb = {tag: v for tag, [(step, v)] in _scalars(helpers.events(tmp_path)).items() if step == 50}
+  # Each number is one TensorBoard value (float32 there), and each value one of the numbers.
+  assert sorted(map(np.float32, numbers.values())) == sorted(
+    np.float32(v) for tag, v in tb.items() if not tag.endswith("/mean")
+  ), (numbers, tb)
+  assert tb["train/learning_rate"] == pytest.approx(0.002)
+  assert tb["train/param_norm/block_0/path_0-1-1"] == 4.5
+  assert tb["perf/per_device_tflops_per_sec"] == pytest.approx(0.01)
+  assert tb["val/perplexity_routed"] == pytest.approx(math.exp(2.1))
+  # The recorded means are the charts' means.
+  assert tb["val/loss/mean"] == saved["val_loss_mean"] and tb["train/loss/mean"] == 3.0
+  assert tb["heldout/loss/mean"] == saved["heldout_loss_mean"]
+  # The Custom Scalars page overlays the paths of each per-path metric on one chart.
+  layouts = [v for e in helpers.events(tmp_path) for v in e.summary.value]
+  layouts = [v for v in layouts if v.metadata.plugin_data.plugin_name == "custom_scalars"]
+  assert len(layouts) == 1
 
 
 def test_logger_appends_jsonl_and_writes_events_tensorboard_reads(tmp_path, monkeypatch):
@@ -91,8 +149,8 @@ def test_logger_appends_jsonl_and_writes_events_tensorboard_reads(tmp_path, monk
   scalars = _scalars(events)
   assert scalars["train/loss/path_0-1-1"] == [(5, 6.0)]
   assert scalars["val/loss/path_0-0-0"] == [(10, 2.0)]
-  assert scalars["val_loss_mean"] == [(10, 2.0)]
-  assert scalars["val_perplexity_routed"] == [(10, pytest.approx(math.exp(2.0)))]
+  assert scalars["val/loss/mean"] == [(10, 2.0)]
+  assert scalars["val/perplexity_routed"] == [(10, pytest.approx(math.exp(2.0)))]
   assert scalars["outer/delta_norm/level_1/module_1"] == [(5, 0.75)]
   plugins = {v.tag: v.metadata.plugin_data.plugin_name for e in events for v in e.summary.value}
   assert plugins["train/loss"] == plugins["val/loss"] == "histograms"

@@ -93,7 +93,12 @@ def test_short_run_loss_falls(tmp_path, shard_dir, monkeypatch):
     assert wall - l["step_s"] * steps >= 0.2, (prev, l)
   # TensorBoard: a scalar per path and per module.
   tags = {v.tag for e in helpers.events(tmp_path) for v in e.summary.value}
-  assert {"train/loss/path_0-1-0", "val/loss/path_0-1-1", "val_perplexity_routed"} <= tags
+  assert {"train/loss/path_0-1-0", "val/loss/path_0-1-1", "val/perplexity_routed"} <= tags
+  assert {
+    "train/learning_rate",
+    "perf/per_device_tflops_per_sec",
+    "train/param_norm/embed/mean",
+  } <= tags
   assert {"outer/delta_norm/level_0/module_0", "outer/delta_norm/level_2/module_1"} <= tags
 
 
@@ -168,8 +173,12 @@ def _trace(monkeypatch, events: list, bad_step: int | None = None) -> None:
   monkeypatch.setattr(guard_lib.DivergenceGuard, "check", traced_check)
 
 
+# Wall-clock numbers: they differ between two runs of the same steps.
+_TIMED = ("tokens_per_s", "step_s", "tflops_per_device")
+
+
 def _untimed(records):
-  return [{k: v for k, v in r.items() if k not in ("tokens_per_s", "step_s")} for r in records]
+  return [{k: v for k, v in r.items() if k not in _TIMED} for r in records]
 
 
 def test_dispatch_ahead_reads_each_step_after_the_next_and_changes_nothing(

@@ -568,6 +568,21 @@ class FaultsConfig(f.Section):
 
 
 @dataclasses.dataclass(frozen=True)
+class ProfileConfig(f.Section):
+  """A jax.profiler trace of a window of inner steps (TensorBoard's profile tab); off by default."""
+
+  SECTION = "profile"
+  start_step: int = f.field(
+    1, count, "First inner step traced (a resumed run traces the window's steps it runs)."
+  )
+  num_steps: int = f.field(
+    0,
+    f.integer(0, what=" (0 = off)"),
+    "Inner steps traced from start_step, into <workdir>/plugins/profile; 0 = off (spmd).",
+  )
+
+
+@dataclasses.dataclass(frozen=True)
 class GuardConfig(f.Section):
   """The divergence guard (core/guard.py); 0 turns a rule off."""
 
@@ -603,4 +618,5 @@ SECTIONS = (
   ElasticConfig,
   FaultsConfig,
   GuardConfig,
+  ProfileConfig,
 )

@@ -11,6 +11,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from dipaco_jax.config import sections
@@ -182,6 +183,21 @@ def eval_step(params: PyTree, batch: dict, *, model: model_lib.Transformer, micr
     zero = jnp.zeros((), jnp.float32)
     (loss_sum, weight), _ = jax.lax.scan(body, (zero, zero), microbatch(batch, microbatches))
   return {"loss_sum": loss_sum, "weight": weight}
+
+
+def schedule_step(inner_opt: PyTree) -> int:
+  """The LR schedule's step in a (workers') inner optimizer state: the next step's count.
+
+  Every worker steps together, so the first worker's count is the run's (0 when none).
+  """
+  is_sched = lambda x: isinstance(x, optax.ScaleByScheduleState)
+  found = [x.count for x in jax.tree.leaves(inner_opt, is_leaf=is_sched) if is_sched(x)]
+  if not found:
+    return 0
+  count = found[0]
+  if isinstance(count, jax.Array):  # This process's first shard: every worker holds the same.
+    count = count.addressable_shards[0].data
+  return int(np.asarray(count).ravel()[0])
 
 
 def restart_schedule(inner_opt: PyTree) -> PyTree:

@@ -1,16 +1,19 @@
-"""Per-split, per-domain documents and tokens of a data task.
+r"""Per-split, per-domain documents and tokens of a data task.
 
   python -m dipaco_jax.data --stats                       # the embedded corpus, all splits
   python -m dipaco_jax.data --stats --task c4_en --tfds_data_dir gs://BUCKET/tfds \
       --vocab_path gs://t5-data/vocabs/cc_all.32000/sentencepiece.model --max_docs 100000
 
-A bad flag or input is one stderr line and exit status 1, as in the other commands
-(cli.py); --verbose_errors shows its traceback.
+Flags as in the other commands (absl): a bad flag or input is one stderr line and exit status 1
+(cli.py); --verbose_errors shows its traceback. The command does not import cli.py (jax, the
+trainer's flags): --verbose_errors is errors.py's.
 """
 
-import argparse
 import collections
 import sys
+
+from absl import app
+from absl import flags
 
 from dipaco_jax import errors
 from dipaco_jax.config.sections import TASKS
@@ -59,63 +62,102 @@ def format_table(table: dict, max_rows: int = 50) -> str:
   return "\n".join(lines)
 
 
-class _Parser(argparse.ArgumentParser):
-  """argparse whose errors are one line (errors.ArgumentError), not usage and exit status 2."""
-
-  def error(self, message: str):
-    raise errors.ArgumentError(f"{message}; see --help.")
-
-
-def _parser() -> argparse.ArgumentParser:
-  parser = _Parser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--stats", action="store_true", help="print documents and tokens")
-  parser.add_argument("--task", default="dipaco_embedded", choices=TASKS)
-  parser.add_argument("--splits", default=",".join(corpus.SPLITS))
-  parser.add_argument("--tfds_data_dir", default=None)
-  parser.add_argument("--vocab_path", default=None)
-  parser.add_argument("--max_docs", type=int, default=None, help="per split (for C4)")
-  parser.add_argument("--json", default=None, help="also write the numbers to this file")
-  parser.add_argument("--verbose_errors", action="store_true", help="show a bad input's traceback")
-  return parser
+# The command's own flags, apart from absl's global FLAGS: it takes these and no other (no
+# trainer flag, required --workdir included, when a process has imported cli.py too).
+_FV = flags.FlagValues()
+_FLAGS: dict[str, flags.FlagHolder] = {}
+_HELP = ("--help", "-help", "--helpshort", "--helpfull", "-h")
 
 
-def _run(args) -> None:
-  if not args.stats:
+def _define_flags() -> None:
+  """The command's flags (into _FV), defined when it runs: importing the module adds none."""
+  if _FLAGS:
+    return
+  define = {"flag_values": _FV}
+  _FLAGS["stats"] = flags.DEFINE_bool(
+    "stats", False, "Print documents and tokens per domain.", **define
+  )
+  _FLAGS["task"] = flags.DEFINE_enum("task", "dipaco_embedded", TASKS, "The seqio task.", **define)
+  _FLAGS["splits"] = flags.DEFINE_string(
+    "splits", ",".join(corpus.SPLITS), "The splits to count, comma-separated.", **define
+  )
+  _FLAGS["tfds_data_dir"] = flags.DEFINE_string(
+    "tfds_data_dir", None, "tfds dir (gs:// for C4); unset: the project's cache folder.", **define
+  )
+  _FLAGS["vocab_path"] = flags.DEFINE_string(
+    "vocab_path", None, "SentencePiece model; unset: the task's shipped tokenizer.", **define
+  )
+  _FLAGS["max_docs"] = flags.DEFINE_integer(
+    "max_docs", None, "Documents per split (for C4); unset: all.", **define
+  )
+  _FLAGS["json"] = flags.DEFINE_string(
+    "json", None, "Also write the numbers to this file.", **define
+  )
+  # errors.py's --verbose_errors, the same flag object: errors.VERBOSE_ERRORS reads it.
+  flags.DEFINE_flag(flags.FLAGS["verbose_errors"], flag_values=_FV)
+
+
+def _run() -> None:
+  f = {name: holder.value for name, holder in _FLAGS.items()}
+  if not f["stats"]:
     raise errors.ArgumentError("nothing to do: pass --stats.")
-  splits = args.splits.split(",")
+  splits = f["splits"].split(",")
   if unknown := [s for s in splits if s not in corpus.SPLITS]:
     raise errors.ArgumentError(
-      f"--splits={args.splits}: unknown split(s) {unknown}; give some of "
+      f"--splits={f['splits']}: unknown split(s) {unknown}; give some of "
       f"{','.join(corpus.SPLITS)}, comma-separated."
     )
-  if args.max_docs is not None and args.max_docs < 1:
+  if f["max_docs"] is not None and f["max_docs"] < 1:
     raise errors.ArgumentError(
-      f"--max_docs={args.max_docs}: count at least 1 document per split (leave it out for all)."
+      f"--max_docs={f['max_docs']}: count at least 1 document per split (leave it out for all)."
     )
   # Before TensorFlow starts and minutes of streaming: the tokenizer and the output file.
-  vocab.load(vocab.resolve(args.task, args.vocab_path))
-  if args.json:
-    files.check_writable(args.json, f"--json={args.json}", file=True)
+  vocab.load(vocab.resolve(f["task"], f["vocab_path"]))
+  if f["json"]:
+    files.check_writable(f["json"], f"--json={f['json']}", file=True)
   table = stats(
-    args.task,
+    f["task"],
     splits,
-    data_dir=args.tfds_data_dir,
-    vocab_path=args.vocab_path,
-    max_docs=args.max_docs,
+    data_dir=f["tfds_data_dir"],
+    vocab_path=f["vocab_path"],
+    max_docs=f["max_docs"],
   )
   print(format_table(table))
-  if args.json:
-    files.write_json(args.json, table, indent=1, sort_keys=False)
+  if f["json"]:
+    files.write_json(f["json"], table, indent=1, sort_keys=False)
 
 
-def main(argv: list[str] | None = None) -> None:
-  argv = sys.argv[1:] if argv is None else argv
+def _parse_flags(argv: list[str]) -> list[str]:
+  """The command's flags parsed; a bad or unknown flag is one line (ArgumentError), status 1."""
+  if any(a in _HELP for a in argv[1:]):
+    print(f"{__doc__}\nflags:\n{_FV.get_help()}")
+    sys.exit(0)
+  _FV.unparse_flags()  # Each call parses from the defaults (tests call main again).
   try:
-    _run(_parser().parse_args(argv))
+    rest = _FV(argv)
+  except flags.Error as e:
+    reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+    errors.fail(errors.ArgumentError(f"{reason}; see --help."), "--verbose_errors" in argv)
+  flags.FLAGS.mark_as_parsed()  # absl's app.run needs it; this command takes none of them.
+  return rest
+
+
+def _main(argv: list[str]) -> None:
+  try:
+    if len(argv) > 1:
+      raise app.UsageError(f"unexpected arguments {argv[1:]}: every option is a --flag=value.")
+    _run()
   except Exception as e:  # pylint: disable=broad-except
     if not errors.is_user_error(e):
       raise  # A bug keeps its traceback.
-    errors.fail(e, "--verbose_errors" in argv)
+    errors.fail(e, _FV["verbose_errors"].value)
+
+
+def main(argv: list[str] | None = None) -> None:
+  """`python -m dipaco_jax.data ARGS` (argv: ARGS; the command line when None); exits."""
+  argv = sys.argv[1:] if argv is None else list(argv)
+  _define_flags()
+  app.run(_main, argv=["dipaco_jax.data", *argv], flags_parser=_parse_flags)
 
 
 if __name__ == "__main__":

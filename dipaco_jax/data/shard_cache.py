@@ -39,9 +39,7 @@ def cache_root(setting: str) -> epath.Path | None:
   if setting == OFF:
     return None
   if setting == AUTO:
-    base = os.environ.get("DIPACO_CACHE_DIR") or os.path.join(
-      os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "dipaco_jax"
-    )
+    base = files.user_cache_dir()
   else:
     base = setting
   return epath.Path(base) / "shard_sets"  # shards.CACHE_DIR (remote reads) is ./shards.

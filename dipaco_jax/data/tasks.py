@@ -4,6 +4,11 @@ import os
 import re
 from typing import Iterator
 
+# isort: off
+# TensorFlow first, its native start-up notices held back (tf_setup.py); seqio imports it.
+from dipaco_jax.data import tf_setup  # noqa: F401
+
+# isort: on
 import numpy as np
 import seqio
 import tensorflow as tf
@@ -14,7 +19,6 @@ from dipaco_jax.config.sections import C4_TFDS_NAME
 from dipaco_jax.config.sections import TASKS
 from dipaco_jax.config.sections import TFDS_NAME_PATTERN
 from dipaco_jax.data import corpus
-from dipaco_jax.data import tf_setup  # noqa: F401  (side effect: TensorFlow set up before tfds)
 from dipaco_jax.data import tfds_builder
 from dipaco_jax.data import vocab
 from dipaco_jax.data.document import Document
@@ -90,7 +94,7 @@ def _source(task: str, data_dir, tfds_name: str, part: int, num_parts: int) -> s
   if task == "dipaco_embedded":
     return seqio.TfdsDataSource(
       tfds_name=f"dipaco_embedded/{tfds_builder.DipacoEmbedded.BUILDER_CONFIGS[0].name}:1.0.0",
-      tfds_data_dir=data_dir or tfds_builder.DEFAULT_DATA_DIR,
+      tfds_data_dir=data_dir or tfds_builder.default_data_dir(),
       splits=_split_map({s: s for s in corpus.SPLITS}, part, num_parts),
       read_only=True,
     )

@@ -3,13 +3,21 @@
 import hashlib
 import os
 
+# isort: off
+# TensorFlow first, its native start-up notices held back (tf_setup.py); seqio imports it.
+from dipaco_jax.data import tf_setup  # noqa: F401
+
+# isort: on
 import numpy as np
 import tensorflow_datasets as tfds
 
 from dipaco_jax.data import corpus
-from dipaco_jax.data import tf_setup  # noqa: F401  (side effect: TensorFlow set up before tfds)
+from dipaco_jax.io import files
 
-DEFAULT_DATA_DIR = os.path.join(os.path.expanduser("~"), ".cache", "dipaco_jax", "tfds")
+
+def default_data_dir() -> str:
+  """Where tfds keeps the prepared corpus: <the project's cache folder>/tfds (io/files.py)."""
+  return os.path.join(files.user_cache_dir(), "tfds")
 
 
 def corpus_fingerprint() -> str:
@@ -50,7 +58,7 @@ class DipacoEmbedded(tfds.core.GeneratorBasedBuilder):
 
 def prepare(data_dir: str | None = None) -> tfds.core.DatasetBuilder:
   """Returns the builder, preparing it into data_dir first if that was not done yet (cached)."""
-  builder = DipacoEmbedded(data_dir=data_dir or DEFAULT_DATA_DIR)
+  builder = DipacoEmbedded(data_dir=data_dir or default_data_dir())
   if not builder.is_prepared():
     corpus.check_files()
     tfds.disable_progress_bar()

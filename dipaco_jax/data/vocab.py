@@ -10,6 +10,9 @@ from etils import epath
 from dipaco_jax import errors
 from dipaco_jax.data import corpus
 
+# SentencePiece's own INFO lines ("precompiled_charsmap is empty") stay off the console.
+spm.set_min_log_level(1)
+
 # T5 conventions, shared with the T5 32k C4 vocabulary: pad doubles as the BOS of shifted inputs.
 PAD_ID, EOS_ID, UNK_ID = 0, 1, 2
 DEFAULT_VOCAB_PATH = os.path.join(corpus.ASSETS_DIR, "dipaco_spm8k.model")

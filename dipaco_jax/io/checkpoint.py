@@ -25,6 +25,7 @@ and reports an unreadable file or a mismatch as one DamagedCheckpointError
 import dataclasses
 import json
 import logging
+import os
 
 import jax
 import numpy as np
@@ -81,7 +82,9 @@ def save_args(state: PyTree) -> PyTree:
 
 
 def directory(workdir: str) -> epath.Path:
-  return epath.Path(workdir) / DIRNAME
+  """<workdir>/checkpoints; a relative local workdir made absolute (orbax wants absolute paths)."""
+  local = "://" not in os.fspath(workdir)
+  return epath.Path(os.path.abspath(workdir) if local else workdir) / DIRNAME
 
 
 def steps(workdir: str) -> list[int]:

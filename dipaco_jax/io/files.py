@@ -106,3 +106,13 @@ def read_npz(p: PathLike) -> dict[str, np.ndarray]:
   """The arrays of an .npz (no pickles); a cut file raises what np.load raises."""
   with np.load(io.BytesIO(path(p).read_bytes()), allow_pickle=False) as z:
     return {k: z[k] for k in z.files}
+
+
+def user_cache_dir() -> str:
+  """$DIPACO_CACHE_DIR, else $XDG_CACHE_HOME/dipaco_jax, else ~/.cache/dipaco_jax.
+
+  The project's cache folder: the shard cache, tfds's prepared corpus.
+  """
+  return os.environ.get("DIPACO_CACHE_DIR") or os.path.join(
+    os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "dipaco_jax"
+  )

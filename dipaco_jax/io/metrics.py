@@ -115,9 +115,32 @@ def _drop_after(workdir: str | os.PathLike, resume_step: int) -> None:
     return
 
 
-# Record keys with one value per worker: a TensorBoard scalar per path, and a histogram.
-_PER_WORKER = {"train_loss": "train/loss", "val_loss": "val/loss", "heldout_loss": "heldout/loss"}
-_HISTOGRAMS = {**_PER_WORKER, "grad_norm": "train/grad_norm"}
+# TensorBoard's name of each record key: grouped as JAX trainers group them (train/, val/,
+# perf/, outer/). A key not listed keeps its own name.
+TB_NAMES = {
+  "phase": "train/phase",
+  "lr": "train/learning_rate",
+  "train_loss": "train/loss",
+  "grad_norm": "train/grad_norm",
+  "param_norm": "train/param_norm",
+  "val_loss": "val/loss",
+  "val_loss_mean": "val/loss/mean",
+  "val_loss_routed": "val/loss_routed",
+  "val_perplexity_routed": "val/perplexity_routed",
+  "heldout_loss": "heldout/loss",
+  "heldout_loss_mean": "heldout/loss/mean",
+  "tokens_per_s": "perf/tokens_per_s",
+  "step_s": "perf/step_s",
+  "tflops_per_device": "perf/per_device_tflops_per_sec",
+  "mfu": "perf/mfu",
+  "outer_delta_norm": "outer/delta_norm",
+}
+# Record keys with one value per worker: a scalar per path, their mean, and a histogram.
+_HISTOGRAMS = ("train_loss", "val_loss", "heldout_loss", "grad_norm")
+
+
+def _number(x) -> bool:
+  return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def tensorboard_values(
@@ -125,30 +148,72 @@ def tensorboard_values(
   worker_labels: list[str] | None = None,
   module_labels: Mapping[str, list[str]] | None = None,
 ) -> tuple[dict[str, float], dict[str, np.ndarray]]:
-  """A record's TensorBoard scalars and histograms, by tag.
+  """A record's TensorBoard scalars and histograms, by tag: every number of the record.
 
-  A number keeps its key; a list also gives `<key>_mean` (NaN entries skipped). Per-worker
-  lists give `train/loss/path_<label>`; `outer_delta_norm` ({level: [K]}) gives
-  `outer/delta_norm/<level>/<module>`. Labels default to indices.
+  A number gets its TB_NAMES tag. A per-worker list gives `<tag>/path_<label>` and
+  `<tag>/mean` (NaN entries skipped); `param_norm` ({group: [W]}) gives
+  `train/param_norm/<group>/path_<label>` and `.../mean`; `outer_delta_norm`
+  ({level: [K]}) gives `outer/delta_norm/<level>/<module>`. Labels default to indices.
   """
   scalars, histograms = {}, {}
+
+  def per_worker(tag: str, values: list) -> None:
+    labels = worker_labels or [str(w) for w in range(len(values))]
+    scalars[f"{tag}/mean"] = nan_mean(values)
+    scalars.update({f"{tag}/path_{l}": v for l, v in zip(labels, values)})
+
   for key, value in record.items():
-    if key == "step":
+    tag = TB_NAMES.get(key, key)
+    if key in ("step", "outer_delta_norm"):
       continue
-    if isinstance(value, (int, float)):
-      scalars[key] = value
-    elif isinstance(value, list) and value and isinstance(value[0], (int, float)):
-      scalars[f"{key}_mean"] = nan_mean(value)
-      labels = worker_labels or [str(w) for w in range(len(value))]
-      if key in _PER_WORKER:
-        scalars.update({f"{_PER_WORKER[key]}/path_{l}": v for l, v in zip(labels, value)})
+    if _number(value):
+      scalars[tag] = value
+    elif isinstance(value, list) and value and _number(value[0]):
+      per_worker(tag, value)
       if key in _HISTOGRAMS:
-        histograms[_HISTOGRAMS[key]] = np.asarray(value, np.float64)
+        histograms[tag] = np.asarray(value, np.float64)
+    elif isinstance(value, Mapping):  # param_norm: {group: [per worker]}.
+      for group, values in value.items():
+        if isinstance(values, list) and values and _number(values[0]):
+          per_worker(f"{tag}/{group}", values)
   for level, norms in record.get("outer_delta_norm", {}).items():
     names = (module_labels or {}).get(level) or [f"module_{k}" for k in range(len(norms))]
     scalars.update({f"outer/delta_norm/{level}/{n}": v for n, v in zip(names, norms)})
     histograms[f"outer/delta_norm/{level}"] = np.asarray(norms, np.float64)
   return scalars, histograms
+
+
+def console_values(record: Mapping[str, Any]) -> dict[str, float]:
+  """The console line's numbers: a record's plain numbers and each list's mean."""
+  out = {}
+  for key, value in record.items():
+    if key != "step" and _number(value):
+      out[key] = value
+    elif isinstance(value, list) and value and _number(value[0]):
+      out.setdefault(f"{key}_mean", nan_mean(value))
+  return out
+
+
+def layout(worker_labels: list[str] | None) -> dict[str, list[tuple[str, str]]]:
+  """TensorBoard's Custom Scalars page: each per-path metric's paths overlaid on one chart.
+
+  {category: [(chart title, tag regex)]}.
+  """
+  del worker_labels  # Every path matches the regex, whatever its label.
+  return {
+    "paths": [
+      ("train/loss per path", r"train/loss/(path_.*|mean)"),
+      ("val/loss per path (own shard)", r"val/loss/(path_.*|mean)"),
+      ("heldout/loss per path", r"heldout/loss/(path_.*|mean)"),
+      ("train/grad_norm per path", r"train/grad_norm/(path_.*|mean)"),
+    ],
+    "run": [
+      ("val/perplexity_routed", r"val/perplexity_routed"),
+      ("train/learning_rate", r"train/learning_rate"),
+      ("perf/per_device_tflops_per_sec", r"perf/per_device_tflops_per_sec"),
+      ("outer/delta_norm per module", r"outer/delta_norm/.*"),
+    ],
+  }
 
 
 class MetricsLogger:
@@ -176,6 +241,8 @@ class MetricsLogger:
     self._events = summaries.EventWriter(workdir)
     if resume_step:
       self._events.restart(resume_step + 1)
+    else:
+      self._events.layout(layout(worker_labels))
 
   def write_hparams(self, hparams: Mapping[str, Any]) -> None:
     if self.active:
@@ -190,7 +257,7 @@ class MetricsLogger:
     scalars, histograms = tensorboard_values(record, *self._labels)
     self._events.scalars(step, scalars)
     self._events.histograms(step, histograms)
-    flat = {k: v for k, v in scalars.items() if "/" not in k}
+    flat = console_values(record)
     logging.info("[%d] %s", step, ", ".join(f"{k}={v:.6g}" for k, v in sorted(flat.items())))
 
   def close(self) -> None:

@@ -8,6 +8,9 @@ captured stream (not a TTY) gets one plain line at most every
 `LOG_INTERVAL_S` seconds and a last line at the end, so logs and test output
 stay short. Either way a step shorter than its first interval prints nothing.
 DIPACO_PROGRESS=0 turns every bar off, =1 draws bars even when stderr is not a TTY.
+While a terminal shows a bar, absl's log lines are written through tqdm: the bar is
+cleared, the line written whole, the bar drawn again below it (a log line never sticks
+to the end of the bar's line).
 """
 
 import os
@@ -17,6 +20,7 @@ import time
 from typing import Any, Iterable
 
 import tqdm
+from absl import logging as absl_logging
 
 LOG_INTERVAL_S = 10.0  # Not a TTY: seconds between lines.
 TTY_INTERVAL_S = 1.0  # A TTY: seconds between redraws.
@@ -36,6 +40,38 @@ class _Lines:
 
   def flush(self) -> None:
     self.stream.flush()
+
+
+class _AroundBars:
+  """A stream for absl's log handler that clears the terminal's bars around each write."""
+
+  def __init__(self, stream):
+    self.stream = stream
+
+  def write(self, s: str) -> None:
+    with tqdm.tqdm.external_write_mode(file=self.stream):
+      self.stream.write(s)
+
+  def flush(self) -> None:
+    self.stream.flush()
+
+  def __eq__(self, other) -> bool:  # absl compares its stream with sys.stderr.
+    return other is self or other is self.stream
+
+  def __hash__(self) -> int:
+    return hash(self.stream)
+
+  def __getattr__(self, name):  # isatty, fileno, encoding: the wrapped stream's.
+    return getattr(self.stream, name)
+
+
+def _log_around_bars() -> None:
+  """Routes absl's log lines (to stderr) around the terminal's bars, once."""
+  handler = absl_logging.get_absl_handler().python_handler
+  stream = handler.stream
+  if isinstance(stream, _AroundBars) or stream not in (sys.stderr, sys.__stderr__):
+    return  # Already routed, or logging to a file: no bar shares it.
+  handler.stream = _AroundBars(stream)
 
 
 def _process_index() -> int:
@@ -59,6 +95,7 @@ def bar(iterable: Iterable | None = None, **kw: Any) -> tqdm.tqdm:
   mode = _mode()
   disable = bool(kw.pop("disable", False)) or mode == "off"
   if mode == "tty":
+    _log_around_bars()
     kw = {"mininterval": TTY_INTERVAL_S, "delay": TTY_INTERVAL_S, "dynamic_ncols": True, **kw}
     return tqdm.tqdm(iterable, file=sys.stderr, disable=disable, **kw)
   kw = {"mininterval": LOG_INTERVAL_S, "delay": LOG_INTERVAL_S, **kw}

@@ -19,6 +19,10 @@ import numpy as np
 from etils import epath
 from tensorboard.compat.proto import event_pb2
 from tensorboard.compat.proto import summary_pb2
+from tensorboard.compat.proto import tensor_pb2
+from tensorboard.compat.proto import types_pb2
+from tensorboard.plugins.custom_scalar import layout_pb2
+from tensorboard.plugins.custom_scalar import metadata as custom_scalar_metadata
 from tensorboard.plugins.histogram import summary_v2 as histogram_summary
 from tensorboard.plugins.hparams import summary_v2 as hparams_summary
 from tensorboard.summary.writer import record_writer
@@ -150,6 +154,31 @@ class EventWriter:
       if x.size:
         out.append(histogram_summary.histogram_pb(tag, x, buckets=min(buckets, x.size)))
     self._summaries(step, out)
+
+  def layout(self, categories: Mapping[str, list[tuple[str, str]]]) -> None:
+    """The Custom Scalars page: {category: [(chart title, tag regex)]}, each chart one plot."""
+    layout = layout_pb2.Layout(
+      category=[
+        layout_pb2.Category(
+          title=title,
+          chart=[
+            layout_pb2.Chart(title=chart, multiline=layout_pb2.MultilineChartContent(tag=[regex]))
+            for chart, regex in charts
+          ],
+        )
+        for title, charts in categories.items()
+      ]
+    )
+    # The plugin's own summary (custom_scalar.summary.pb), built without TensorFlow.
+    tensor = tensor_pb2.TensorProto(
+      dtype=types_pb2.DT_STRING, string_val=[layout.SerializeToString()]
+    )
+    value = summary_pb2.Summary.Value(
+      tag=custom_scalar_metadata.CONFIG_SUMMARY_TAG,
+      metadata=custom_scalar_metadata.create_summary_metadata(),
+      tensor=tensor,
+    )
+    self._summaries(0, [summary_pb2.Summary(value=[value])])
 
   def hparams(self, hparams: Mapping[str, Any]) -> None:
     self._summaries(0, [hparams_summary.hparams_pb(_flat_hparams(hparams))])

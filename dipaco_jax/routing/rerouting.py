@@ -159,7 +159,7 @@ class TransformerRerouter:
       for _ in range(steps):
         idx = rng.choice(len(inputs), bs, replace=False)
         params, opt, loss = step(params, opt, inputs[idx], labels[idx], mask[idx])
-        loss.block_until_ready()  # Keeps dispatch close (NOTES.md).
+        loss.block_until_ready()  # Keeps dispatch close (CPU collectives).
         pbar.update(1)
         if (per_step := timer.tick()) is not None:
           progress.note(

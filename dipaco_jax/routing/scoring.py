@@ -108,7 +108,7 @@ class PathScorer:
         taken += [(w, b, i) for b, i in enumerate(rows)]
         rows_W.append([tokens[i] for i in rows])
       inputs, targets = unit_batch(rows_W, B, T)
-      # Blocks every batch: keeps dispatch close (CPU collectives, NOTES.md).
+      # Blocks every batch: keeps dispatch close (CPU collectives).
       logp = np.asarray(
         feed_lib.host(self._fn(self.params_W, self._put(inputs), self._put(targets)))
       )

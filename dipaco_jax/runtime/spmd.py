@@ -16,6 +16,8 @@ from etils import epath
 
 from dipaco_jax import saved_config
 from dipaco_jax.core import experiment as exp_lib
+from dipaco_jax.core import flops as flops_lib
+from dipaco_jax.core import inner as inner_lib
 from dipaco_jax.core import recipe as recipe_lib
 from dipaco_jax.core import sharding
 from dipaco_jax.data import feed as feed_lib
@@ -44,7 +46,7 @@ def run(config, workdir: str) -> dict[str, Any]:
   topo = exp.topo
   W, H, T = topo.num_workers, config.dipaco.inner_steps, config.dipaco.outer_steps
   total = H * T
-  logging.info("%s; mesh %s", topo.describe(), sharding.describe(exp.mesh))
+  logging.info("mesh %s", sharding.describe(exp.mesh))
 
   # Routed shards and re-shards (shard_plan.py): the plan's train_it, eval_batches
   # (same batches at every evaluation) and alpha_W.
@@ -88,12 +90,27 @@ def run(config, workdir: str) -> dict[str, Any]:
   # The norms each phase is held against: its workers' modules in the store (the phase's start).
   guard.start_phase(step // H, exp.store_norms(state.store))
   meter = metrics_lib.Throughput(W * config.data.batch_size * config.data.seq_len, step)
+  # perf/per_device_tflops_per_sec: model FLOPs of the tokens trained over all the wall time.
+  flops_per_token = flops_lib.model_flops_per_token(exp.recipe.model_cfg, config.data.seq_len)
+
+  def rates(at: int) -> dict[str, float]:
+    r = meter.rates(at)
+    r["tflops_per_device"] = flops_per_token * r["tokens_per_s"] / jax.device_count() / 1e12
+    return r
+
+  # The inner LR each step runs with (train/learning_rate): the schedule at its count, which
+  # a re-shard's restart sets back to 0. Counted here, so no step reads the device for it.
+  lr_schedule = inner_lib.schedule(exp.recipe.inner_cfg)
+  lr_count = inner_lib.schedule_step(state.inner_opt)
+  profile = _Profile(config, workdir)
   log_every = config.log_every_steps
   eval_every = config.eval.every_steps
   ckpt_every = config.ckpt.every_steps
   ahead = dispatch.dispatch_ahead(config)
   logging.info("dispatch ahead: %s (config.dispatch_ahead=%r)", ahead, config.dispatch_ahead)
-  bar = progress.bar(total=total, initial=step, desc="inner steps", unit="step")
+  stop = total if config.stop_at_step < 0 else min(config.stop_at_step, total)
+  # Its total is where this command stops (config.stop_at_step), not the run's end.
+  bar = progress.bar(total=stop, initial=min(step, stop), desc="inner steps", unit="step")
 
   def logged(at: int) -> bool:
     return at % log_every == 0 or at % H == 0 or at == total
@@ -105,8 +122,10 @@ def run(config, workdir: str) -> dict[str, Any]:
     """A dispatched step's metrics on the host, past the guard, and its metrics record."""
     nonlocal shards_record
     at, m, outer_norm = dispatched
+    m = dict(m)
+    schedule_step = m.pop("schedule_step")  # A host int: the LR schedule's count at step `at`.
     # Blocking on each step's small metrics (now or one step late) keeps the CPU collectives
-    # healthy (NOTES.md) and lets the divergence guard stop before a bad state is saved.
+    # healthy and lets the divergence guard stop before a bad state is saved.
     m = feed_lib.host(m)
     guard.check(at, m["loss"], m["param_norm"])
     out: dict[str, Any] = {}
@@ -115,6 +134,7 @@ def run(config, workdir: str) -> dict[str, Any]:
     if logged(at):  # Its tokens_per_s and step_s join it outside meter.timed().
       out.update(
         phase=(at - 1) // H,
+        lr=float(lr_schedule(schedule_step)),
         train_loss=m["loss"],
         grad_norm=m["grad_norm"],
         param_norm=m["param_norm"],
@@ -128,14 +148,16 @@ def run(config, workdir: str) -> dict[str, Any]:
   pending = None
   record: dict[str, Any] = {}
   result: dict[str, Any] = {}
-  stop = total if config.stop_at_step < 0 else min(config.stop_at_step, total)
   try:  # On any stop, the last checkpoint's save (async) still completes.
     while step < stop:
       ckpt.check()  # A failed background save stops the run here (CheckpointSaveError).
       previous = None  # (step, record) of the step read while this one was queued.
+      profile.before(step + 1)
       with meter.timed():  # step_s: the steps alone (tokens_per_s counts everything).
         batch = exp.put_batch(plan.train_it.next_batch())
         params, inner_opt, m = exp.inner_step(state.params, state.inner_opt, batch)
+        m = {**m, "schedule_step": lr_count}
+        lr_count += 1
         state = state.replace(params=params, inner_opt=inner_opt, step=state.step + 1)
         step += 1
         outer_norm = None
@@ -170,15 +192,17 @@ def run(config, workdir: str) -> dict[str, Any]:
           pending = None
       if previous is not None:
         at, rec = previous
-        log.write(at, {**rec, **meter.rates(at)} if logged(at) else rec)
+        log.write(at, {**rec, **rates(at)} if logged(at) else rec)
       if pending is None and logged(step):
-        record.update(meter.rates(step))  # The write and save below fall in the next interval.
+        record.update(rates(step))  # The write and save below fall in the next interval.
       if reshard:
         plan.reshard(step, state.params)
         record.update(plan.shard_record())
         if config.routing.restart_schedule:  # Paper Fig. 10: the cosine starts over.
           state = state.replace(inner_opt=exp.recipe.restart_schedule(state.inner_opt))
+          lr_count = 0
       bar.update(1)
+      profile.after(step, state.params)
       if step % eval_every == 0 or step == stop:
         loss_sum_W, tokens_W = exp.evaluate_sums(state.params, plan.eval_batches)
         val = exp.losses(loss_sum_W, tokens_W)
@@ -197,6 +221,8 @@ def run(config, workdir: str) -> dict[str, Any]:
           "step": step,
           "val_loss": val.tolist(),
           "val_loss_mean": metrics_lib.nan_mean(val),
+          "val_loss_routed": routed,
+          "val_perplexity_routed": float(np.exp(routed)),
           "train_loss_mean": float(np.mean(m["loss"])),
         }
       if record:
@@ -208,7 +234,41 @@ def run(config, workdir: str) -> dict[str, Any]:
         ckpt.save(step, state, plan.data_state(), best=best.saved() if best else None)
         guard.saved(step)
   finally:
+    profile.close()
     bar.close()
     ckpt.close()
     log.close()
   return result
+
+
+class _Profile:
+  """config.profile's window: a jax.profiler trace of inner steps [start, start + n).
+
+  Written under the workdir (plugins/profile/<time>/), where TensorBoard's profile tab finds
+  it. Off (num_steps = 0), each call is one comparison.
+  """
+
+  def __init__(self, config, workdir: str):
+    self.first = config.profile.start_step
+    self.last = self.first + config.profile.num_steps - 1 if config.profile.num_steps else -1
+    self.workdir = workdir
+    self.active = False
+
+  def before(self, step: int) -> None:
+    if self.last < 0 or self.active or not self.first <= step <= self.last:
+      return
+    jax.profiler.start_trace(self.workdir)
+    self.active = True
+    logging.info(
+      "profiling inner steps %d-%d into %s/plugins/profile", step, self.last, self.workdir
+    )
+
+  def after(self, step: int, params) -> None:
+    if self.active and step >= self.last:
+      jax.block_until_ready(params)  # The window's device work inside the trace.
+      self.close()
+
+  def close(self) -> None:
+    if self.active:
+      self.active = False
+      jax.profiler.stop_trace()
