@@ -5,7 +5,7 @@ r"""Model FLOPs utilisation of a config's inner step on this machine's accelerat
 
 Times `Experiment.inner_step` (the trainer's jitted step: forward, backward,
 AdamW) on synthetic tokens for one worker on one device, and reports tokens/s,
-model FLOP/s by `aot.model_flops_per_token` and their fraction of the device's dense peak
+model FLOP/s by `flops.model_flops_per_token` and their fraction of the device's dense peak
 (--peak_tflops, or the table below by device kind) under both conventions (docs/tpu.md):
 `mfu` causal (6 N + 6 L T H K per token), `mfu_full` (6 N + 12 L T H K, PaLM). The config's
 other switches (dtype, remat, loss_chunk, microbatches) apply as set; --set overrides any field
@@ -22,10 +22,10 @@ import time
 import jax
 import numpy as np
 
-from dipaco_jax import aot
 from dipaco_jax import config_check
 from dipaco_jax import data as data_lib
 from dipaco_jax.core import experiment
+from dipaco_jax.core import flops
 from dipaco_jax.core import sharding
 
 # Dense peak TFLOP/s per chip by device kind, in the config's compute dtype (vendor sheets).
@@ -93,8 +93,8 @@ def main(argv) -> dict:
     jax.block_until_ready(params)
     secs.append((time.perf_counter() - t0) / args.steps)
   step_s = statistics.median(secs)
-  fpt = aot.model_flops_per_token(exp.model_cfg, T, "causal")
-  fpt_full = aot.model_flops_per_token(exp.model_cfg, T, "full")
+  fpt = flops.model_flops_per_token(exp.model_cfg, T, "causal")
+  fpt_full = flops.model_flops_per_token(exp.model_cfg, T, "full")
   tok_s = args.batch * T / step_s
   peak = args.peak_tflops or PEAK_TFLOPS.get((device.device_kind, c.model.dtype), 0.0)
   report = {

@@ -43,6 +43,7 @@ from dipaco_jax import errors  # pylint: disable=wrong-import-position
 from dipaco_jax import hlo  # pylint: disable=wrong-import-position
 from dipaco_jax.core import attention as attention_lib  # pylint: disable=wrong-import-position
 from dipaco_jax.core import experiment as exp_lib  # pylint: disable=wrong-import-position
+from dipaco_jax.core import flops as flops_lib  # pylint: disable=wrong-import-position
 from dipaco_jax.core import model as model_lib  # pylint: disable=wrong-import-position
 from dipaco_jax.core import sharding  # pylint: disable=wrong-import-position
 from dipaco_jax.core import topology as topo_lib  # pylint: disable=wrong-import-position
@@ -216,31 +217,6 @@ def collective_table(hlo_text: str, mesh) -> list[dict[str, Any]]:
     row["count"] += c.trips
     row["bytes"] += c.nbytes * c.trips
   return sorted(rows.values(), key=lambda r: -r["bytes"])
-
-
-# Model FLOPs conventions for MFU: attention's score and value matmuls counted over every
-# (query, key) pair ("full": PaLM App. B, 12 L T H K per token) or over the causal half that a
-# causal model needs ("causal": 6 L T H K, as MaxText counts). The report's MFU is the causal
-# one; both are printed.
-CONVENTIONS = ("causal", "full")
-
-
-def model_flops_per_token(
-  cfg: model_lib.ModelConfig, seq_len: int, convention: str = "causal"
-) -> float:
-  """Training FLOPs per token: 6 x matmul params + attention (PaLM, App. B; see CONVENTIONS).
-
-  The params are counted from the model's own tree, so every MLP kind (gelu, swiglu's third
-  matrix) counts as built.
-  """
-  params = jax.eval_shape(lambda: model_lib.init_params(cfg, jax.random.key(0)))
-  n = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
-  # Lookup tables do no matmul; a tied table does one (the unembedding).
-  n -= cfg.vocab_size * cfg.d_model * (0 if cfg.tie_embeddings else 1)
-  if cfg.positions == "learned":
-    n -= cfg.max_len * cfg.d_model
-  attention = 12.0 * cfg.num_layers * seq_len * cfg.num_heads * cfg.head_dim
-  return 6.0 * n + (attention / 2 if convention == "causal" else attention)
 
 
 # The splash kernels' instruction names (splash_mha_fwd..., _dq..., _dkv...) and their kinds.
@@ -459,8 +435,8 @@ class Report:
         t = max(flops / self.peak, nbytes / self.hbm_bw)
         per_device = W * B * T / self.n_devices
         model_flops = {
-          conv: model_flops_per_token(self.exp.model_cfg, T, conv) * per_device
-          for conv in CONVENTIONS
+          conv: flops_lib.model_flops_per_token(self.exp.model_cfg, T, conv) * per_device
+          for conv in flops_lib.CONVENTIONS
         }
         row.update(
           flops=flops,

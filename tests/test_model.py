@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dipaco_jax.core import flops
 from dipaco_jax.core import inner
 from dipaco_jax.core import model as model_lib
 
@@ -362,11 +363,9 @@ def test_swiglu_training_lowers_the_loss():
   assert losses[-1] < losses[0] - 0.1, losses  # Measured 2.61 -> 2.26 over 5 steps.
 
 
-def test_aot_model_flops_count_swiglus_third_matrix():
-  from dipaco_jax import aot  # pylint: disable=g-import-not-at-top
-
-  gelu = aot.model_flops_per_token(_cfg(), T)
-  swiglu = aot.model_flops_per_token(_cfg(mlp="swiglu"), T)
+def test_model_flops_count_swiglus_third_matrix():
+  gelu = flops.model_flops_per_token(_cfg(), T)
+  swiglu = flops.model_flops_per_token(_cfg(mlp="swiglu"), T)
   # The gate adds D*F = 8*16 weights per block: 6 * 2 blocks * 128 = 1536 FLOPs per token.
   assert swiglu - gelu == 1536
 
