@@ -1,6 +1,9 @@
 """Test setup: 4 fake CPU devices so meshes with a 'path' axis exist."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 # Must happen before jax is imported anywhere in the test process.
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
@@ -12,6 +15,15 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # test_aot.py) jax would otherwise try to start a TPU backend in every process;
 # compiling for a described TPU topology works without it.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One persistent compilation cache for the session, this process's and its children's (the CLI
+# runs): the tests compile the same tiny programs many times over (2.4x faster on
+# tests/test_workdir.py). Cold at each session start, so no entry outlives its code.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  _JAX_CACHE = tempfile.mkdtemp(prefix="dipaco_tests_jax_cache_")
+  atexit.register(shutil.rmtree, _JAX_CACHE, ignore_errors=True)
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _JAX_CACHE
+  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+  os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax
