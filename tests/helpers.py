@@ -17,6 +17,21 @@ from dipaco_jax.core import paths
 from dipaco_jax.io import checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# A seconds-long run of the tiny config (the shipped tokenizer), checkpointed every 2 steps: the
+# flags after --config=configs/tiny.py of the tests that run the CLI.
+SMALL_RUN = (
+  "--config.model.d_model=32",
+  "--config.model.num_heads=2",
+  "--config.model.head_dim=16",
+  "--config.data.seq_len=16",
+  "--config.data.batch_size=2",
+  "--config.inner.warmup_steps=2",
+  "--config.dipaco.inner_steps=2",
+  "--config.dipaco.outer_steps=3",
+  "--config.ckpt.every_steps=2",
+  "--config.eval.every_steps=2",
+  "--config.eval.batches=1",
+)
 
 
 def micro_config(**overrides):

@@ -37,20 +37,7 @@ from dipaco_jax.io import checkpoint
 import helpers
 
 TINY = "configs/tiny.py"
-# A seconds-long run of the tiny config (the shipped tokenizer), checkpointed every 2 steps.
-_SMALL = [
-  "--config.model.d_model=32",
-  "--config.model.num_heads=2",
-  "--config.model.head_dim=16",
-  "--config.data.seq_len=16",
-  "--config.data.batch_size=2",
-  "--config.inner.warmup_steps=2",
-  "--config.dipaco.inner_steps=2",
-  "--config.dipaco.outer_steps=3",
-  "--config.ckpt.every_steps=2",
-  "--config.eval.every_steps=2",
-  "--config.eval.batches=1",
-]
+_SMALL = helpers.SMALL_RUN
 _TIMEOUT_S = 240  # A stuck child (orbax's threads wait 20 minutes) fails the test here.
 
 # DIPACO_TEST_STORAGE_FAULT=EACCES:N or ENOSPC:N: checkpoint step N cannot be written.

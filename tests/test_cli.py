@@ -511,20 +511,7 @@ def test_verbose_errors_shows_the_traceback(tmp_path):
   assert "config.outer.momentum=1.5 is invalid" in r.stderr
 
 
-# A seconds-long run of the tiny config (the shipped tokenizer), checkpointed every 2 steps.
-_SMALL = [
-  "--config.model.d_model=32",
-  "--config.model.num_heads=2",
-  "--config.model.head_dim=16",
-  "--config.data.seq_len=16",
-  "--config.data.batch_size=2",
-  "--config.inner.warmup_steps=2",
-  "--config.dipaco.inner_steps=2",
-  "--config.dipaco.outer_steps=3",
-  "--config.ckpt.every_steps=2",
-  "--config.eval.every_steps=2",
-  "--config.eval.batches=1",
-]
+_SMALL = helpers.SMALL_RUN
 
 
 def _last_line(stderr: str) -> str:

@@ -18,25 +18,16 @@ import sys
 
 import pytest
 
+import helpers
 from helpers import ROOT
 
 # The README's quick start: the core install, then this command.
 _README_COMMAND = re.compile(r"python -m dipaco_jax\.main --config=configs/tiny\.py --workdir=\S+")
-# Sizes as tests/test_checkpoint_failures.py's runs, and a sixteenth of the corpus.
+# The small run's sizes, a sixteenth of the corpus, and the profiler window: step 3 traced into
+# <workdir>/plugins/profile/<time>/.
 _SMALL = [
-  "--config.model.d_model=32",
-  "--config.model.num_heads=2",
-  "--config.model.head_dim=16",
-  "--config.data.seq_len=16",
-  "--config.data.batch_size=2",
+  *helpers.SMALL_RUN,
   "--config.data.subsample=16",
-  "--config.inner.warmup_steps=2",
-  "--config.dipaco.inner_steps=2",
-  "--config.dipaco.outer_steps=3",
-  "--config.ckpt.every_steps=2",
-  "--config.eval.every_steps=2",
-  "--config.eval.batches=1",
-  # The profiler window: step 3 traced into <workdir>/plugins/profile/<time>/.
   "--config.profile.start_step=3",
   "--config.profile.num_steps=1",
 ]
