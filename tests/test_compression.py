@@ -196,6 +196,10 @@ def test_a_block_across_devices_is_one_line(over, axes):
   assert f"split over {axes}" in msg and msg.endswith("config.outer.compression_block=16."), msg
   fit = helpers.micro_config(**{"outer.compression": "fp4", "outer.compression_block": 16, **over})
   experiment.Experiment(fit)  # The block it names is accepted.
+  # An axis of one device splits nothing: block 24 pads whole rows there, as in elastic mode.
+  experiment.Experiment(
+    helpers.micro_config(**{"outer.compression": "fp4", "outer.compression_block": 24})
+  )
 
 
 BASE = {

@@ -1,14 +1,14 @@
 """Both runtimes run the recipe alike: every field of config.model, inner, outer and guard.
 
-For each field, one outer phase (H = 2 inner steps, then the outer step) of a micro
-2x2 grid runs in both runtimes, in this process and without Ray: the spmd loop as
-`train.train_and_evaluate` runs it, and the elastic pieces a Ray pool runs (the
-driver's preparation, every worker's task, the outer executor, the final state the
-driver checkpoints), from the same shards. With the field changed, both runtimes'
-states change from the base run alike (to 1e-6: one device's program against the
-4-device spmd program), and a guard that trips stops both at the same step on the
-same paths with the same rule. The list of fields is the sections' own, so a new
-field fails here until it has a case.
+For each field (fields that act apart share a run, see RUNS), one outer phase (H = 2
+inner steps, then the outer step) of a micro 2x2 grid runs in both runtimes, in this
+process and without Ray: the spmd loop as `train.train_and_evaluate` runs it, and the
+elastic pieces a Ray pool runs (the driver's preparation, every worker's task, the outer
+executor, the final state the driver checkpoints), from the same shards. With the field
+changed, both runtimes' states change from the base run alike (to 1e-6: one device's
+program against the 4-device spmd program), and a guard that trips stops both at the
+same step on the same paths with the same rule. The list of fields is the sections' own,
+so a new field fails here until it has a case.
 """
 
 import dataclasses
@@ -88,7 +88,11 @@ CASES = {
   "outer.compression": {"outer.compression": "int8"},
   # fp4 with blocks of 8: the d_model rows (32) split into 4 blocks, head_dim's (16) into 2.
   "outer.compression_block": {"outer.compression": "fp4", "outer.compression_block": 8},
-  "outer.error_feedback": {"outer.compression": "int8", "outer.error_feedback": False},
+  "outer.error_feedback": {
+    "outer.compression": "fp4",
+    "outer.compression_block": 8,
+    "outer.error_feedback": False,
+  },
   # Guards that trip: a loss driven above ln V, a norm ratio the first steps exceed.
   "guard.stuck_steps": {"guard.stuck_steps": 1, "inner.warmup_steps": 0, "inner.lr": 1.0},
   "guard.max_param_norm_ratio": {"guard.max_param_norm_ratio": 1.001, "inner.lr": 0.05},
@@ -106,6 +110,27 @@ COMBINED = {
   "guard.max_param_norm_ratio": 1.001,
 }
 SECTIONS = (sections.ModelConfig, sections.InnerConfig, sections.OuterConfig, sections.GuardConfig)
+# The cases run in these groups, one phase each (a field either runtime ignored would leave its
+# group's states apart). Alone: the fields that change the grid or the vocabulary with another
+# field of their group, that leave the numbers alone (remat: its programs are compared), that
+# stop the run (the guards) or that change the wire form (compression).
+RUNS = (
+  ("model.d_model", "model.mlp_ratio", "model.tie_embeddings", "model.loss_chunk", "model.mlp"),
+  ("model.num_heads", "model.head_dim", "model.max_len", "model.positions", "model.pad_vocab"),
+  ("model.num_layers", "model.dtype", "model.vocab_size"),
+  ("model.remat",),
+  *((k,) for k in ("model.attention", "model.attention_block_q", "model.attention_block_kv")),
+  ("inner.lr", "inner.b1", "inner.b2", "inner.eps", "inner.weight_decay", "inner.clip_norm"),
+  ("inner.warmup_steps", "inner.total_steps", "inner.final_lr_fraction", "inner.decay_norms"),
+  ("inner.microbatches",),
+  ("outer.enabled",),
+  ("outer.lr", "outer.momentum", "outer.nesterov", "outer.weighting", "outer.sqrt_paths"),
+  ("outer.sqrt_paths_cap",),
+  ("outer.compression",),
+  ("outer.compression_block", "outer.error_feedback"),
+  ("guard.stuck_steps",),
+  ("guard.max_param_norm_ratio",),
+)
 # Fields whose every value runs the same program on CPU: the attention kernel (auto is XLA here;
 # splash needs a TPU, cuDNN a GPU) and splash's blocks. Both runtimes must still build their
 # model from the recipe's config with them: checked on the recipes, without running a phase.
@@ -115,6 +140,24 @@ ACCELERATOR_ONLY = ("model.attention", "model.attention_block_q", "model.attenti
 def test_every_field_of_the_recipes_sections_has_a_case():
   fields = {s.key(f.name) for s in SECTIONS for f in dataclasses.fields(s)}
   assert set(CASES) == fields
+
+
+def test_every_case_runs_once_and_a_groups_cases_agree_on_what_they_set():
+  assert sorted(k for run in RUNS for k in run) == sorted(CASES)
+  for run in RUNS:
+    merged = {}
+    for k in run:
+      for field, value in CASES[k].items():
+        assert merged.setdefault(field, value) == value, (run, field)
+
+
+def _overrides(case: str) -> dict:
+  """The fields one parametrised run sets: a group of RUNS (its cases joined by ','), or MORE's."""
+  if case in MORE:
+    return MORE[case]
+  if case == "microbatches+remat+guard":
+    return COMBINED
+  return {f: v for k in case.split(",") for f, v in CASES[k].items()}
 
 
 def _spmd(cfg, workdir):
@@ -202,9 +245,9 @@ def base(shards, tmp_path_factory):
 
 
 @pytest.mark.slow  # ~4 s a case: the spmd loop and the elastic pieces each compile their steps.
-@pytest.mark.parametrize("case", [*CASES, *MORE, "microbatches+remat+guard"])
+@pytest.mark.parametrize("case", [*(",".join(r) for r in RUNS), *MORE, "microbatches+remat+guard"])
 def test_a_field_changes_both_runtimes_alike(case, shards, base, tmp_path):
-  over = {**CASES, **MORE}.get(case, COMBINED)
+  over = _overrides(case)
   cfg = lambda mode: helpers.micro_config(
     **{**BASE, "data.shard_dir": shards, **over, "dipaco.mode": mode}
   )

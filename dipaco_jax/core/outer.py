@@ -139,7 +139,8 @@ def check_block(params: PyTree, specs: PyTree, shape, cfg) -> None:
   for (kp, x), spec in zip(
     flat, jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, PartitionSpec))
   ):
-    axes = [a for a in _last_axes(spec, x.ndim) if a != "path"]
+    # Axes of one device split nothing: the leaf's row is whole there (padded as any row).
+    axes = [a for a in _last_axes(spec, x.ndim) if a != "path" and shape[a] > 1]
     if not axes:
       continue
     n = x.shape[-1]
