@@ -107,6 +107,7 @@ class Sizes:
   subsample: int  # Keep one document in N (data.subsample).
   paths: int = 4  # P of DiLoCo and flat MoE.
   min_share: float = 0.5  # Balanced routing: each path's share >= this x 1/P (0 = argmin).
+  interleave: int = 1  # data.interleave: documents read side by side into a batch's rows.
 
 
 MODES = {
@@ -178,9 +179,9 @@ MODES = {
   ),
 }
 
-# The long comparison (`--long`): the quick model at twice the full mode's steps, on all the
-# data and all 606 validation documents; 7 models x 2 seeds fit 2 h of this 2-core machine.
-MODES["long"] = dataclasses.replace(
+# The long comparison before the noise-scale work (batch 4 x 96 = ~0.04x the noise scale at θ̄,
+# docs/results/comparison.md's appendix): the quick model at twice the full mode's steps.
+MODES["long_b4"] = dataclasses.replace(
   MODES["quick"],
   pretrain=480,
   steps=480,
@@ -191,6 +192,25 @@ MODES["long"] = dataclasses.replace(
   eval_every=4,
   windows=(16,),
   subsample=1,
+)
+# The long comparison (`--long`), in the regime that can answer the paper's question: the
+# per-worker batch (32 x 96 tokens, every row from another document: data.interleave) near
+# the gradient noise scale measured at θ̄ (benchmarks/noise_scale.py; every run records its
+# own), H = 15, θ̄ 240 steps then 240 more, all the data. Re-routing windows are left out
+# (oracle and random-path scores are kept).
+MODES["long"] = dataclasses.replace(
+  MODES["quick"],
+  pretrain=240,
+  steps=240,
+  inner_steps=15,
+  batch=32,
+  warmup=30,
+  fork_warmup=15,
+  disc_at=3,
+  eval_every=4,
+  windows=(),
+  subsample=1,
+  interleave=32,
 )
 
 # name -> (what it is, how it relates to the paper); the order of the table.
@@ -208,33 +228,81 @@ MODELS = {
 }
 
 
-# The long comparison of docs/results.md (`--models=long`): equal workers, balanced routing.
+# The long comparison (`--models=long`): every arm 4 workers (DiLoCo P=2 asks whether DiLoCo
+# is saturated), the controls that tell routing from averaging (the same grid on i.i.d.
+# shards; oracle and random-path scores), DiLoCo at the paper's outer LR and a smaller one.
 LONG_MODELS = (
   "dense_path",
-  "dense_4x",
   "diloco_iid",
-  "diloco_iid_16",
+  "diloco_iid_olr0.35",
+  "diloco_iid_2",
   "dipaco_2x2",
-  "dipaco_4x4",
-  "dipaco_4x4_kmeans",
+  "dipaco_2x2_iid",
 )
 # The comparisons the summary reads (better model expected first, as in the paper's ordering).
 PAIRS = (
   ("diloco_iid", "dense_path"),
   ("dipaco_2x2", "diloco_iid"),
+  ("dipaco_2x2", "diloco_iid_olr0.35"),
+  ("dipaco_2x2", "diloco_iid_2"),
+  ("dipaco_2x2", "dipaco_2x2_iid"),
+  ("diloco_iid", "diloco_iid_2"),
+  ("dipaco_2x2_muon", "dipaco_2x2"),
   ("dipaco_4x4", "diloco_iid_16"),
   ("dipaco_4x4", "dipaco_4x4_kmeans"),
   ("dipaco_4x4", "dipaco_2x2"),
   ("dense_4x", "dense_path"),
   ("dense_4x", "dipaco_4x4"),
 )
+# The first line of every mode: its regime (each run measures and prints its own noise scale).
+_SMALL = (
+  "is a small fraction of the gradient noise scale at θ̄ (printed after pretraining), where "
+  "whoever averages more workers into a parameter wins: it cannot tell DiPaCo from DiLoCo as "
+  "the paper does (docs/results/comparison.md); --long runs the comparison that can."
+)
+REGIME = {
+  "full": f"full mode: the per-worker batch (8 x 128 tokens) {_SMALL}",
+  "quick": f"quick mode checks that every model trains and evaluates; its batch (4 x 96 tokens) "
+  f"{_SMALL}",
+  "smoke": "smoke mode: tiny sizes, the plumbing only (CI); no number of it is a result.",
+  "long_b4": f"long_b4 mode (the first long comparison, kept for its appendix): its batch "
+  f"(4 x 96 tokens) {_SMALL}",
+  "long": "long mode: per-worker batch 32 x 96 tokens, every row from another document, "
+  "measured against the gradient noise scale at θ̄ after pretraining (the comparison needs "
+  ">= 0.3x).",
+}
 GOAL_MIN_OVER_MEAN = 0.25  # No training shard under 25% of the mean (tokens), at any phase.
 
 # Not in the default comparison: controls for the investigations of docs/results.md.
 INVESTIGATIONS = {
   "dense_path_scratch": "dense, path size, from scratch (no fork, one LR schedule)",
   "diloco_iid_sqrtp": "DiLoCo i.i.d. with the DiPaCo grids' x sqrt(P) on the outer gradient",
+  "diloco_iid_2": "DiLoCo, 2 replicas, i.i.d. shards (is DiLoCo saturated at P=4?)",
+  "diloco_iid_olr<LR>": "DiLoCo, 4 replicas, i.i.d., outer LR <LR> (the paper's is 0.7)",
+  "dipaco_2x2_iid": "DiPaCo 2x2 on i.i.d. shards: averaging over modules, no routing",
+  "dipaco_2x2_muon": "DiPaCo 2x2 as dipaco_2x2, inner Muon for the matrices (MuLoCo)",
+  "dipaco_4x4_iid": "DiPaCo 4x4 on i.i.d. shards: averaging over modules, no routing",
 }
+OUTER_LR_PREFIX = "diloco_iid_olr"  # diloco_iid_olr0.35: DiLoCo P=4 at outer LR 0.35.
+
+
+def known(name: str) -> bool:
+  """A model this script can train (a MODELS or INVESTIGATIONS name, or an outer-LR variant)."""
+  if name in MODELS or name in INVESTIGATIONS and "<" not in name:
+    return True
+  if name.startswith(OUTER_LR_PREFIX):
+    try:
+      return float(name[len(OUTER_LR_PREFIX) :]) > 0
+    except ValueError:
+      return False
+  return False
+
+
+def ordered(names) -> list[str]:
+  """`names` in the table's order: MODELS, INVESTIGATIONS, then outer-LR variants by LR."""
+  fixed = [n for n in [*MODELS, *INVESTIGATIONS] if n in names]
+  lrs = sorted((n for n in names if n.startswith(OUTER_LR_PREFIX)), reverse=True)
+  return fixed + lrs
 
 
 def _block_levels(layers: int) -> tuple[str, str]:
@@ -301,6 +369,10 @@ def run_overrides(
     return diloco
   if name == "diloco_iid_16":  # Equal workers with dipaco_4x4.
     return {**diloco, "dipaco.replicas": 16}
+  if name == "diloco_iid_2":
+    return {**diloco, "dipaco.replicas": 2}
+  if name.startswith(OUTER_LR_PREFIX) and known(name):
+    return {**diloco, "outer.lr": float(name[len(OUTER_LR_PREFIX) :])}
   if name == "diloco_iid_sqrtp":
     return {**diloco, "outer.sqrt_paths": sqrt_paths}
   if name == "diloco_kmeans":
@@ -314,6 +386,18 @@ def run_overrides(
     }
   if name == "dipaco_2x2":  # Same phase-0 shards as its control (same θ̄, seed, grid).
     return {**grid(2), **fork, **disc, "data.shard_dir": shared_shards + "_2x2"}
+  if name == "dipaco_2x2_iid":  # No router: i.i.d. shards from the fork to the end.
+    return {**grid(2), **fork, "routing.router": "random"}
+  if name == "dipaco_2x2_muon":
+    return {
+      **grid(2),
+      **fork,
+      **disc,
+      "data.shard_dir": shared_shards + "_2x2",
+      "inner.optimizer": "muon",
+    }
+  if name == "dipaco_4x4_iid":
+    return {**grid(4), **fork, "routing.router": "random"}
   if name == "dipaco_2x2_kmeans":
     return {**grid(2), **fork, **kmeans, "data.shard_dir": shared_shards + "_2x2"}
   if name == "dipaco_4x4":  # Same phase-0 shards as its control.
@@ -339,6 +423,7 @@ def make_config(name: str, s: Sizes, out: str, sqrt_paths: str, seed: int = 0, s
     "data.seq_len": s.seq_len,
     "data.batch_size": s.batch,
     "data.subsample": s.subsample,
+    "data.interleave": s.interleave,
     # A seed varies what a real rerun varies: data order and shards, init, router fits.
     "data.seed": seed,
     "seed": seed,
@@ -554,6 +639,46 @@ def outer_norms(config, workdir: str) -> dict | None:
   return out
 
 
+NOISE_SCALE_AT = ("pretrain", "dense_path")  # Dense runs: one path, the whole corpus.
+
+
+def noise_report(config, workdir: str, s: Sizes) -> dict:
+  """benchmarks/noise_scale.py at the run's last checkpoint (cached in the workdir)."""
+  import noise_scale  # pylint: disable=import-outside-toplevel  # Beside this script.
+
+  step = _checkpoint_steps(workdir)[-1]
+  path = os.path.join(workdir, f"noise_scale_step{step}.json")
+  rep = _read_json(path)
+  if not rep:
+    smoke = s.pretrain < 20  # A handful of gradients: the plumbing only.
+    rep = noise_scale.measure(
+      config,
+      workdir,
+      step=step,
+      batch=s.batch,
+      groups=2 if smoke else 8,
+      repeats=1 if smoke else 6,
+    )
+    with open(path, "w") as f:
+      json.dump(rep, f, indent=1)
+  print("   " + noise_scale.describe(rep).replace("\n", "\n   "), flush=True)
+  return {
+    k: rep[k]
+    for k in (
+      "step",
+      "loss",
+      "noise_scale_tokens",
+      "noise_scale_sequences",
+      "per_repeat_noise_scale_tokens",
+      "run_batch_tokens",
+      "run_batch_over_noise_scale",
+      "groups",
+      "repeats",
+      "batch_sequences",
+    )
+  }
+
+
 def train_run(
   name: str, s: Sizes, out: str, sqrt_paths: str, seed: int = 0, sqrt_cap: float = 0.0
 ) -> dict:
@@ -585,9 +710,16 @@ def train_run(
   ]
   final = evals[str(max(int(k) for k in evals))]
   described = {**MODELS, **INVESTIGATIONS, "pretrain": "dense pretraining (θ̄)"}
+  if name.startswith(OUTER_LR_PREFIX):
+    described[name] = INVESTIGATIONS[OUTER_LR_PREFIX + "<LR>"].replace(
+      "<LR>", name[len(OUTER_LR_PREFIX) :]
+    )
   return {
     "name": name,
     "description": described[name],
+    # The regime: the per-worker batch against the gradient noise scale, at θ̄ and at the end
+    # of the dense run (the noise scale grows as the loss falls).
+    "noise_scale": noise_report(config, workdir, s) if name in NOISE_SCALE_AT else None,
     "shards": shard_report(config, workdir),
     "outer": outer_norms(config, workdir),
     "params": param_counts(config),
@@ -603,10 +735,10 @@ def table(results: dict, s: Sizes) -> str:
   """The results table (markdown): final routed ppl, early stopping, best re-routing."""
   lines = [
     "| model | paths | workers (replicas x paths) | params / path | params total | steps | "
-    "ppl (once) | ppl (early stop) | best re-routing | oracle (once) |",
-    "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|",
+    "ppl (once) | ppl (early stop) | best re-routing | oracle (once) | random path |",
+    "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
   ]
-  for name in [*MODELS, *INVESTIGATIONS]:
+  for name in ordered(results):
     if name not in results:
       continue
     r = results[name]
@@ -617,7 +749,8 @@ def table(results: dict, s: Sizes) -> str:
     lines.append(
       f"| {name} | {r['params']['paths']} | {r['params']['workers']} | "
       f"{r['params']['path'] / 1e6:.2f}M | {r['params']['total'] / 1e6:.2f}M | {r['steps']} | "
-      f"{fmt(store, 'once')} | {fmt(best, 'once')} | {rr_text} | {fmt(store, 'oracle/once')} |"
+      f"{fmt(store, 'once')} | {fmt(best, 'once')} | {rr_text} | {fmt(store, 'oracle/once')} | "
+      f"{fmt(store, 'random/once')} |"
     )
   pre = results.get("pretrain")
   if pre:
@@ -625,6 +758,14 @@ def table(results: dict, s: Sizes) -> str:
       f"\nθ̄ (dense pretraining, {s.pretrain} steps): routed ppl "
       f"{pre['final']['store']['ppl']['once']:.2f}."
     )
+  for name in NOISE_SCALE_AT:
+    ns = (results.get(name) or {}).get("noise_scale")
+    if ns:
+      lines.append(
+        f"\nGradient noise scale at {name}'s end (step {ns['step']}, loss {ns['loss']:.3f}): "
+        f"{ns['noise_scale_tokens']:,.0f} tokens; the per-worker batch "
+        f"({ns['run_batch_tokens']:,.0f} tokens) is {ns['run_batch_over_noise_scale']:.2f}x it."
+      )
   return "\n".join(lines) + "\n"
 
 
@@ -634,7 +775,7 @@ def shard_table(results: dict) -> str:
     "| model | phase | tokens min | median | max | min / mean | moved off argmin |",
     "|---|---:|---:|---:|---:|---:|---:|",
   ]
-  for name in [*MODELS, *INVESTIGATIONS]:
+  for name in ordered(results):
     r = results.get(name)
     if not r or r["params"]["workers"] == 1:
       continue
@@ -654,7 +795,7 @@ def outer_table(results: dict) -> str:
     "shared / module (first → last) | stable |",
     "|---|---|---:|---:|---:|---:|---:|---:|---|---|",
   ]
-  for name in [*MODELS, *INVESTIGATIONS]:
+  for name in ordered(results):
     o = (results.get(name) or {}).get("outer")
     if not o:
       continue
@@ -672,7 +813,7 @@ def outer_table(results: dict) -> str:
 def window_table(results: dict) -> str:
   """Routed ppl vs re-routing window W for the models with several paths."""
   lines = []
-  for name in [*MODELS, *INVESTIGATIONS]:
+  for name in ordered(results):
     r = results.get(name)
     if not r or r["params"]["paths"] == 1:
       continue
@@ -694,7 +835,7 @@ def plot(results: dict, s: Sizes, out: str) -> list[str]:
 
   files = []
   fig, ax = plt.subplots(figsize=(8, 5))
-  for name in ["pretrain", *MODELS, *INVESTIGATIONS]:
+  for name in ["pretrain", *ordered(results)]:
     if name not in results:
       continue
     xs, ys = zip(*results[name]["curve"])
@@ -724,9 +865,7 @@ def plot(results: dict, s: Sizes, out: str) -> list[str]:
   fig.savefig(files[-1], dpi=120, bbox_inches="tight")
   plt.close(fig)
 
-  multi = [
-    n for n in [*MODELS, *INVESTIGATIONS] if n in results and results[n]["params"]["paths"] > 1
-  ]
+  multi = [n for n in ordered(results) if results[n]["params"]["paths"] > 1]
   fig, axes = plt.subplots(
     1, max(len(multi), 1), figsize=(3.2 * max(len(multi), 1), 3.6), squeeze=False
   )
@@ -734,7 +873,7 @@ def plot(results: dict, s: Sizes, out: str) -> list[str]:
     ppl = results[name]["final"]["store"]["ppl"]
     labels = [*(str(w) for w in s.windows), "once"]
     for kind, style in (("linear", "o-"), ("transformer", "s-"), ("oracle", "^--")):
-      if f"{kind}/W={s.windows[0]}" not in ppl:
+      if not s.windows or f"{kind}/W={s.windows[0]}" not in ppl:
         continue
       once = ppl["oracle/once" if kind == "oracle" else "once"]
       ax.plot(labels, [*(ppl[f"{kind}/W={w}"] for w in s.windows), once], style, ms=4, label=kind)
@@ -771,7 +910,7 @@ def summarize(dirs: list[str]) -> dict:
   if len(sizes) > 1:
     raise SystemExit(f"--summarize: {dirs} were run at different sizes; summarize one size.")
   models = {}
-  for name in ["pretrain", *MODELS, *INVESTIGATIONS]:
+  for name in ["pretrain", *ordered({n for r in runs for n in r["models"]})]:
     have = [r for r in runs if name in r["models"]]
     if not have:
       continue
@@ -849,8 +988,15 @@ def main(argv=None):
   mode.add_argument(
     "--long",
     action="store_true",
-    help="The long comparison: the quick model, 480 + 480 steps, all data; runs the "
-    "--models=long list unless --models is given. One --seed per --out.",
+    help="The long comparison, per-worker batch near the gradient noise scale: the quick model "
+    "at batch 32 x 96, 240 + 240 steps, all data; runs the --models=long list unless --models "
+    "is given. One --seed per --out.",
+  )
+  mode.add_argument(
+    "--long_b4",
+    action="store_true",
+    help="The long comparison as first run (batch 4 x 96, ~0.04x the noise scale; 480 + 480 "
+    "steps): the results page's appendix.",
   )
   ap.add_argument(
     "--models",
@@ -904,8 +1050,9 @@ def main(argv=None):
     print(md)
     return
   name = "smoke" if args.smoke else "quick" if args.quick else "long" if args.long else "full"
+  name = "long_b4" if args.long_b4 else name
   if not args.models:
-    args.models = "long" if args.long else ",".join(MODELS)
+    args.models = "long" if name.startswith("long") else ",".join(MODELS)
   s = MODES[name]
   fields = {f.name: f.type for f in dataclasses.fields(Sizes)}
   for item in args.size:
@@ -918,12 +1065,16 @@ def main(argv=None):
     else:
       s = dataclasses.replace(s, **{key: cast(value)})
   models = list(LONG_MODELS) if args.models == "long" else [m for m in args.models.split(",") if m]
-  unknown = sorted(set(models) - set(MODELS) - set(INVESTIGATIONS))
+  unknown = sorted(m for m in models if not known(m))
   if unknown:
     ap.error(f"unknown models {unknown}; choose from {[*MODELS, *INVESTIGATIONS]}")
   from dipaco_jax.io import hugepages
 
   hugepages.maybe_reexec()  # As the CLIs: huge-page malloc for XLA:CPU (docs/performance.md).
+  print(REGIME[name], flush=True)  # First: whether this mode can answer the paper's question.
+  from dipaco_jax.io import native
+
+  native.choose_platforms()  # As the CLIs: no libtpu start-up errors on a CPU host.
   import jax
 
   jax.config.update("jax_num_cpu_devices", CPU_DEVICES)

@@ -8,7 +8,9 @@ routes it by its prefix, the chosen path scores it, and perplexity counts
 every target token except the first `prefix_len` (paper §4; dense and DiLoCo
 too, whose router is trivial, so numbers compare). Re-routing every W tokens
 uses the test-time routers of routing/rerouting.py; oracles (best path per sequence or
-per chunk in hindsight) bound what any router could reach.
+per chunk in hindsight) bound what any router could reach, and `random/once` (the loss
+averaged over all paths: a uniformly random path's, in expectation) is what routing
+without information gives.
 
 Documents come from the run's validation shards (never overlapping), so each
 one's own shard is known: `own_shard` is each worker's loss on its own shard.
@@ -272,7 +274,7 @@ def evaluate(
   P = topo.num_paths
   names = ["once"] + [f"{k}/W={w}" for k in rr for w in windows]
   if oracle:
-    names += ["oracle/once"] + [f"oracle/W={w}" for w in windows]
+    names += ["oracle/once", "random/once"] + [f"oracle/W={w}" for w in windows]
   nll = dict.fromkeys(names, 0.0)
   switches = dict.fromkeys(names, 0)
   path_nll, path_tok, shard_nll, shard_tok = (
@@ -329,6 +331,7 @@ def evaluate(
       shard_tok[w] += k
       if oracle and k:
         nll["oracle/once"] -= s_TxU.sum(0).max()  # All P paths were scored.
+        nll["random/once"] -= s_TxU.sum(0).mean()
         for w_ in windows:
           nll[f"oracle/W={w_}"] -= sum(s_TxU[c : c + w_].sum(0).max() for c in range(0, k, w_))
     bar.update(n)

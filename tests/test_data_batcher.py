@@ -162,3 +162,59 @@ def test_a_shard_too_small_to_spare_a_document_gets_padding_for_its_heldout_batc
     seed=0,
   )
   assert not held.next_batch()["weights"].any()
+
+
+def _row_docs(batch, worker):
+  """Per row: the set of documents its tokens come from (a token t names document t - 3)."""
+  return [
+    {int(x) - 3 for x in row[w > 0] if x != 1}
+    for row, w in zip(batch["targets"][worker], batch["weights"][worker])
+  ]
+
+
+def test_interleave_reads_each_row_from_its_own_lane_and_every_document_once(shard_set):
+  docs = {d.doc_id: d for d in shard_set.documents(0, "train")}
+  n = len(docs)
+  kw = dict(seq_len=4, batch_size=3, seed=2, interleave=3)
+  batcher = data.WorkerBatcher(shard_set, "train", [0], repeat=False, **kw)
+  seen = list(batcher)
+  order = sorted(docs)  # Shard order: lane j holds documents j, j + 3, ... of the shard.
+  shard_ids = [d.doc_id for d in shard_set.documents(0, "train")]
+  lane_of = {doc_id: i % 3 for i, doc_id in enumerate(shard_ids)}
+  for b in seen:
+    for r, ids in enumerate(_row_docs(b, 0)):
+      assert all(lane_of[i] == r % 3 for i in ids), (r, ids)  # Row r reads lane r mod 3.
+  # One pass reads every token of every document once, packed without crossing documents.
+  tokens = np.concatenate([b["targets"][0][b["weights"][0] > 0] for b in seen])
+  assert len(tokens) == shard_set.sizes("train")[0]
+  assert sorted({int(t) - 3 for t in tokens if t != 1}) == order
+  for b in seen:
+    seg, tgt = b["segment_ids"][0], b["targets"][0]
+    for r in range(3):
+      for s in np.unique(seg[r][seg[r] > 0]):
+        piece = tgt[r][seg[r] == s]
+        assert len(set(piece[piece != 1].tolist())) <= 1
+  # Rows of one batch come from three documents at once; without interleave the same 12 tokens
+  # span the documents that follow one another.
+  many = data.WorkerBatcher(shard_set, "train", [0], **kw)
+  first = _row_docs(many.next_batch(), 0)
+  assert len(set().union(*first)) >= 3 and n >= 3
+
+
+def test_interleave_resumes_exactly_and_is_refused_by_a_plain_batchers_state(shard_set):
+  kw = dict(seq_len=SEQ, batch_size=BATCH, seed=4, interleave=BATCH)
+  first = data.WorkerBatcher(shard_set, "train", [0, 1], **kw)
+  batches(first, 17)
+  state = json.loads(json.dumps(first.get_state()))
+  assert len(state["workers_position"][0]) == BATCH  # One position per lane.
+  expected = batches(first, 30)
+  resumed = data.WorkerBatcher(shard_set, "train", [0, 1], **kw)
+  resumed.set_state(state)
+  for want, have in zip(expected, batches(resumed, 30)):
+    for key in want:
+      np.testing.assert_array_equal(want[key], have[key])
+  plain = data.WorkerBatcher(shard_set, "train", [0, 1], seq_len=SEQ, batch_size=BATCH, seed=4)
+  with pytest.raises(ValueError, match="interleave"):
+    plain.set_state(state)
+  with pytest.raises(ValueError, match="interleave >= 1"):
+    data.WorkerBatcher(shard_set, "train", [0], seq_len=SEQ, batch_size=BATCH, seed=4, interleave=0)

@@ -54,11 +54,16 @@ def run(tmp_path_factory):
   return r, docs
 
 
-def _by_hand(r, docs):
-  """Once-per-sequence NLL over targets L.. of each doc's first T tokens, and the count."""
+def _by_hand(r, docs, path=None):
+  """Once-per-sequence NLL over targets L.. of each doc's first T tokens, and the count.
+
+  path: every doc scored by this path (default: the one its prefix routes it to).
+  """
   apply = jax.jit(model_lib.Transformer(r.exp.model_cfg).apply)
   pr = routing.PathRouter(r.exp.topo, None, seed=r.config.data.seed)
   first = pr.paths([d.doc_id for d in docs], None)[:, 0]
+  if path is not None:
+    first = np.full_like(first, path)
   nll, count = 0.0, 0
   for d, p in zip(docs, first):
     t = d.tokens[:T]
@@ -90,6 +95,10 @@ def test_routed_eval_excludes_exactly_the_prefix_and_long_windows_equal_once(run
   for k, v in rep["loss"].items():
     assert rep["loss"]["oracle/W=4"] <= v + 1e-6, k
   assert rep["loss"]["oracle/once"] <= rep["loss"]["once"] + 1e-6
+  # A random path, in expectation: every path scores every doc, the NLL averaged over paths.
+  each = [_by_hand(r, docs, path=p)[0] for p in range(r.exp.topo.num_paths)]
+  np.testing.assert_allclose(rep["loss"]["random/once"], np.mean(each) / count, rtol=1e-5)
+  assert rep["loss"]["oracle/once"] < rep["loss"]["random/once"]  # The paths differ.
   # Random router, one worker per path: routed = each path's own shard.
   assert rep["route_agreement_with_shards"] == 1.0
   np.testing.assert_allclose(rep["per_path"]["loss"], rep["own_shard"]["loss"])
@@ -149,6 +158,7 @@ def test_dense_model_has_a_trivial_router_and_the_same_report_keys(tmp_path):
     "transformer/W=4",
     "transformer/W=8",
     "oracle/once",
+    "random/once",
     "oracle/W=4",
     "oracle/W=8",
   }

@@ -102,6 +102,8 @@ MORE = {
   "outer.compression=bf16": {"outer.compression": "bf16"},
   # A block (24) that divides no row: every row padded.
   "outer.compression=fp4": {"outer.compression": "fp4", "outer.compression_block": 24},
+  # Not a recipe field, but both runtimes build their own training batchers from it.
+  "data.interleave": {"data.interleave": 2},
 }
 # Together: microbatches, remat and a guard that trips in one run.
 COMBINED = {

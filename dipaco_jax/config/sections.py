@@ -282,6 +282,13 @@ class DataConfig(f.Section):
   seq_len: int = f.field(1024, count, "Training sequence length (paper: 1024).")
   batch_size: int = f.field(512, count, "Sequences per path per inner step (paper: 512).")
   seed: int = f.field(0, count0, "Shard assignment and batch order seed.")
+  interleave: int = f.field(
+    1,
+    count,
+    "Training rows from this many of a worker's documents side by side: row r of a batch "
+    "from lane r mod N (N = batch_size: every row another document, as a shuffle buffer of "
+    "packed examples; data/batcher.py). 1 = one document after another, filling rows.",
+  )
   subsample: int = f.field(
     1, count, "Keep one document in N of every split (doc-id hash; quick runs). 1 = all."
   )

@@ -105,6 +105,8 @@ def make_feed(exp, shard_set, split: str, **kw) -> Feed:
   """This process's workers and rows of `split` for an Experiment, one batcher each."""
   workers, rows = local_block(exp.batch_sharding, exp.batch_shape)
   c = exp.config.data
+  if split == "train" and kw.get("shuffle", True):  # Training batches (not held-out ones).
+    kw.setdefault("interleave", c.interleave)
   return Feed(
     shard_set, split, workers, rows, seq_len=c.seq_len, batch_size=c.batch_size, seed=c.seed, **kw
   )

@@ -152,6 +152,7 @@ class PathWorker:
       batch_size=d.batch_size,
       seed=d.seed,
       holdout=self._rest,
+      interleave=d.interleave,
     )
 
   def _load_groups(self, worker: int, file_of, template=None):
