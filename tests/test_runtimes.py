@@ -72,6 +72,9 @@ CASES = {
   "inner.clip_norm": {"inner.clip_norm": 0.01},
   "inner.decay_norms": {"inner.decay_norms": True},
   "inner.microbatches": {"inner.microbatches": 2},
+  "inner.optimizer": {"inner.optimizer": "muon"},
+  "inner.muon_lr": {"inner.optimizer": "muon", "inner.muon_lr": 0.05},
+  "inner.muon_beta": {"inner.optimizer": "muon", "inner.muon_beta": 0.5},
   # No outer step: allowed in elastic where no two workers share a module.
   "outer.enabled": {
     "outer.enabled": False,
@@ -123,7 +126,16 @@ RUNS = (
   ("model.remat",),
   *((k,) for k in ("model.attention", "model.attention_block_q", "model.attention_block_kv")),
   ("inner.lr", "inner.b1", "inner.b2", "inner.eps", "inner.weight_decay", "inner.clip_norm"),
-  ("inner.warmup_steps", "inner.total_steps", "inner.final_lr_fraction", "inner.decay_norms"),
+  # Muon steps the blocks' matrices, AdamW (and decay_norms) the rest, both on the schedule.
+  (
+    "inner.warmup_steps",
+    "inner.total_steps",
+    "inner.final_lr_fraction",
+    "inner.decay_norms",
+    "inner.optimizer",
+    "inner.muon_lr",
+    "inner.muon_beta",
+  ),
   ("inner.microbatches",),
   ("outer.enabled",),
   ("outer.lr", "outer.momentum", "outer.nesterov", "outer.weighting", "outer.sqrt_paths"),
@@ -247,7 +259,10 @@ def base(shards, tmp_path_factory):
 
 
 @pytest.mark.slow  # ~4 s a case: the spmd loop and the elastic pieces each compile their steps.
-@pytest.mark.parametrize("case", [*(",".join(r) for r in RUNS), *MORE, "microbatches+remat+guard"])
+# ids=str: each case's id is its fields, also past pytest's 100 characters (-k by a field's name).
+@pytest.mark.parametrize(
+  "case", [*(",".join(r) for r in RUNS), *MORE, "microbatches+remat+guard"], ids=str
+)
 def test_a_field_changes_both_runtimes_alike(case, shards, base, tmp_path):
   over = _overrides(case)
   cfg = lambda mode: helpers.micro_config(

@@ -102,9 +102,10 @@ def test_short_run_loss_falls(tmp_path, shard_dir, monkeypatch):
   assert {"outer/delta_norm/level_0/module_0", "outer/delta_norm/level_2/module_1"} <= tags
 
 
-@pytest.mark.parametrize("stop_at", [3, 4])  # mid-phase, and at a phase boundary
-def test_resume_is_bit_exact(tmp_path, shard_dir, stop_at):
-  kw = {"dipaco.inner_steps": 2, "dipaco.outer_steps": 3}
+# Mid-phase, and at a phase boundary with Muon's state (inner.optimizer="muon") to restore.
+@pytest.mark.parametrize("stop_at,optimizer", [(3, "adamw"), (4, "muon")])
+def test_resume_is_bit_exact(tmp_path, shard_dir, stop_at, optimizer):
+  kw = {"dipaco.inner_steps": 2, "dipaco.outer_steps": 3, "inner.optimizer": optimizer}
   train.train_and_evaluate(_config(shard_dir, **kw), str(tmp_path / "full"))
   part = str(tmp_path / "part")
   train.train_and_evaluate(_config(shard_dir, stop_at_step=stop_at, **kw), part)

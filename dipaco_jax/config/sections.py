@@ -42,6 +42,8 @@ DISCRIMINATIVE_TARGETS = ("labels", "uniform")  # The bias matches label frequen
 REROUTERS = ("linear", "transformer")
 STOP_SOURCES = ("heldout", "validation")
 LATE_DELTAS = ("next", "drop")  # A delta that missed its quorum step: joins the next, or dropped.
+# AdamW on every leaf, or Muon on the blocks' matrices and AdamW on the rest (MuLoCo).
+INNER_OPTIMIZERS = ("adamw", "muon")
 
 count, count0 = f.integer(1), f.integer(0)
 
@@ -134,9 +136,15 @@ class ModelConfig(f.Section):
 
 @dataclasses.dataclass(frozen=True)
 class InnerConfig(f.Section):
-  """The inner optimizer: clipped AdamW with warmup and cosine, per path."""
+  """The inner optimizer: clipped AdamW (or Muon + AdamW) with warmup and cosine, per path."""
 
   SECTION = "inner"
+  optimizer: str = f.field(
+    "adamw",
+    f.choice(INNER_OPTIMIZERS),
+    '"adamw" (paper) | "muon": optax\'s Muon on the blocks\' matrices, AdamW on the embedding, '
+    "head, norm scales and vectors (MuLoCo); one clip before both.",
+  )
   lr: float = f.field(4e-4, f.number(0), "Peak AdamW LR (paper 150M: 4e-4; 1.3B: 2e-4).")
   warmup_steps: int = f.field(1000, count0, "Linear warmup (paper: 1000).")
   total_steps: int | None = f.field(
@@ -153,7 +161,10 @@ class InnerConfig(f.Section):
   )
   eps: float = f.field(1e-8, f.number(0), "Adam ε.")
   weight_decay: float = f.field(
-    0.1, f.number(0, above=False), "Decoupled weight decay (paper: 0.1), matrices only."
+    0.1,
+    f.number(0, above=False),
+    "Decoupled weight decay (paper: 0.1), matrices only; scaled by each part's LR (Muon's: "
+    "θ -= muon_lr(t)·weight_decay·θ).",
   )
   clip_norm: float = f.field(
     1.0,
@@ -165,6 +176,14 @@ class InnerConfig(f.Section):
   )
   microbatches: int = f.field(
     1, count, "Gradient accumulation steps inside one inner step (divides batch_size / mesh.data)."
+  )
+  muon_lr: float = f.field(
+    0.02,
+    f.number(0),
+    'optimizer="muon": peak LR of the Muon matrices (Muon\'s usual 0.02; the warmup-cosine of lr).',
+  )
+  muon_beta: float = f.field(
+    0.95, f.number(0, above=False, hi=1), 'optimizer="muon": Muon\'s Nesterov momentum.'
   )
 
 

@@ -1,4 +1,4 @@
-"""The inner phase: one AdamW train step for ONE path.
+"""The inner phase: one AdamW (or Muon + AdamW) train step for ONE path.
 
 `train_step` and `eval_step` see a single path's params and batch; the recipe
 (recipe.py) binds the model, the optimizer and the microbatches, and each
@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from optax import contrib
 
 from dipaco_jax.config import sections
 from dipaco_jax.core import model as model_lib
@@ -21,14 +22,15 @@ from dipaco_jax.types import PyTree
 InnerConfig = sections.InnerConfig  # config.inner, declared in config/sections.py.
 
 
-def schedule(cfg: InnerConfig) -> optax.Schedule:
-  """Linear warmup then cosine decay to `final_lr_fraction * lr`."""
+def schedule(cfg: InnerConfig, peak: float | None = None) -> optax.Schedule:
+  """Linear warmup then cosine decay to `final_lr_fraction * peak` (peak: `cfg.lr` unless given)."""
+  peak = cfg.lr if peak is None else peak
   return optax.warmup_cosine_decay_schedule(
     init_value=0.0,
-    peak_value=cfg.lr,
+    peak_value=peak,
     warmup_steps=min(cfg.warmup_steps, max(cfg.total_steps - 1, 0)),
     decay_steps=max(cfg.total_steps, 1),
-    end_value=cfg.lr * cfg.final_lr_fraction,
+    end_value=peak * cfg.final_lr_fraction,
   )
 
 
@@ -36,9 +38,46 @@ def _decay_mask(params: PyTree, decay_norms: bool) -> PyTree:
   return jax.tree.map(lambda x: decay_norms or x.ndim > 1, params)
 
 
+def _muon_dims_of(path, x) -> contrib.MuonDimensionNumbers | None:
+  """The matrix Muon sees in leaf `x` at `path`, or None: the leaf is AdamW's.
+
+  Muon's: every kernel of a block, as the matrix (inputs x outputs) it multiplies by: the
+  attention's query, key and value [D, H, K] as D x (H K), its out [H, K, D] as (H K) x D, the
+  MLP's [D, F] and [F, D] as they are. AdamW's: the embedding and the head (the final norm, an
+  untied unembedding), though 2-D: they map tokens, not hidden features; and every norm scale
+  and vector.
+  """
+  names = [getattr(k, "key", None) for k in path]
+  if not str(names[0]).startswith("block_") or x.ndim < 2:
+    return None
+  if names[-3:] == ["attn", "out", "kernel"]:
+    return contrib.MuonDimensionNumbers(tuple(range(x.ndim - 1)), x.ndim - 1)
+  return contrib.MuonDimensionNumbers(0, tuple(range(1, x.ndim)))
+
+
+def muon_dims(params: PyTree) -> PyTree:
+  """Each leaf's `MuonDimensionNumbers` where Muon steps it, None where AdamW does."""
+  return jax.tree_util.tree_map_with_path(_muon_dims_of, params)
+
+
+def _labels(params: PyTree) -> PyTree:
+  return jax.tree_util.tree_map_with_path(
+    lambda p, x: "adamw" if _muon_dims_of(p, x) is None else "muon", params
+  )
+
+
 def optimizer(cfg: InnerConfig) -> optax.GradientTransformation:
-  """Clip, then AdamW with the warmup-cosine schedule."""
-  adamw = optax.adamw(
+  """Clip, then AdamW with the warmup-cosine schedule, or Muon + AdamW (inner.optimizer="muon").
+
+  Muon (MuLoCo's inner optimizer) is optax's `contrib.muon`: Nesterov momentum `muon_beta`,
+  5 Newton-Schulz steps (optax's coefficients), the update scaled by sqrt(max(1, out / in)),
+  decoupled weight decay and the schedule's shape at peak `muon_lr` (lr-scaled: θ -= η_muon(t)
+  (u + λ θ)). optax.partition hands it only the leaves `muon_dims` names, so the AdamW part of
+  its own holds no leaf (only its counts): not that one, which is Nesterov when Muon is and
+  decays every leaf, but the same AdamW as optimizer="adamw" (lr, b1, b2, eps, weight_decay,
+  decay_norms) steps the rest.
+  """
+  tx = optax.adamw(
     schedule(cfg),
     b1=cfg.b1,
     b2=cfg.b2,
@@ -46,9 +85,17 @@ def optimizer(cfg: InnerConfig) -> optax.GradientTransformation:
     weight_decay=cfg.weight_decay,
     mask=lambda p: _decay_mask(p, cfg.decay_norms),
   )
+  if cfg.optimizer == "muon":
+    muon = contrib.muon(
+      schedule(cfg, cfg.muon_lr),
+      beta=cfg.muon_beta,
+      weight_decay=cfg.weight_decay,
+      muon_weight_dimension_numbers=muon_dims,
+    )
+    tx = optax.partition({"adamw": tx, "muon": muon}, _labels)
   if cfg.clip_norm > 0:
-    return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw)
-  return adamw
+    return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), tx)
+  return tx
 
 
 def loss_sums(params: PyTree, batch: dict, model: model_lib.Transformer):
@@ -150,7 +197,7 @@ def train_step(
   tx: optax.GradientTransformation,
   microbatches: int,
 ):
-  """One AdamW step on one path; returns (params, opt_state, metrics).
+  """One optimizer step on one path; returns (params, opt_state, metrics).
 
   microbatches > 1 accumulates the gradient over that many parts of the batch
   inside this one step: the same update up to the order of summation.

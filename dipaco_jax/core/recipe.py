@@ -4,7 +4,7 @@
     params, opt, metrics = recipe.train_step(params, opt, batch)  # ONE path, un-jitted
 
 The grid, the model (config.model: remat, the attention kernel, the chunked loss), the inner
-optimizer (config.inner: clipped AdamW on the warmup-cosine, microbatches), the
+optimizer (config.inner: clipped AdamW, or Muon + AdamW, on the warmup-cosine, microbatches), the
 outer optimizer (config.outer), the divergence guard's thresholds (config.guard),
 and the pure functions of a run: one path's train, eval and scoring steps, the
 initial state, and the outer step of a module from its workers' deltas. Both
@@ -125,7 +125,7 @@ class Recipe:
   # One path (no leading worker axis): the runtimes map or jit these.
 
   def train_step(self, params: PyTree, opt_state: PyTree, batch: dict):
-    """One AdamW step of one path: (params, opt_state, metrics)."""
+    """One inner optimizer step of one path: (params, opt_state, metrics)."""
     return inner_lib.train_step(
       params,
       opt_state,
@@ -147,7 +147,7 @@ class Recipe:
     return -optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, targets_BxT)
 
   def init_opt(self, params: PyTree) -> PyTree:
-    """One path's AdamW state (every worker keeps its own: DiLoCo never syncs them)."""
+    """One path's inner optimizer state (every worker keeps its own: DiLoCo never syncs them)."""
     return self.inner_tx.init(params)
 
   def group_norms(self, params: PyTree) -> dict:

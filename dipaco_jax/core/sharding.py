@@ -243,7 +243,11 @@ def spec_axes(spec: P) -> set[str]:
 def opt_state_specs(
   tx: optax.GradientTransformation, state: PyTree, param_specs: PyTree, *, leading: str | None
 ) -> PyTree:
-  """Optimizer state specs: param-shaped parts follow the params."""
+  """Optimizer state specs: param-shaped parts follow the params.
+
+  A part that holds only some of the params (optax.partition's, inner.optimizer="muon") keeps a
+  MaskedNode where it holds none.
+  """
 
   def other(x):
     nd = getattr(x, "ndim", 0)
@@ -251,11 +255,11 @@ def opt_state_specs(
 
   return optax.tree_utils.tree_map_params(
     tx,
-    lambda _, s: s,
+    lambda x, s: x if isinstance(x, optax.MaskedNode) else s,
     state,
     param_specs,
     transform_non_params=other,
-    is_leaf=lambda x: isinstance(x, P),
+    is_leaf=lambda x: isinstance(x, (P, optax.MaskedNode)),
   )
 
 
