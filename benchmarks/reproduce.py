@@ -238,6 +238,7 @@ LONG_MODELS = (
   "diloco_iid_2",
   "dipaco_2x2",
   "dipaco_2x2_iid",
+  "dipaco_2x2_muon",
 )
 # The comparisons the summary reads (better model expected first, as in the paper's ordering).
 PAIRS = (

@@ -139,3 +139,38 @@ def test_summary_gives_mean_and_range_and_flags_gaps_within_the_seed_range(tmp_p
   md = reproduce.summary_markdown(summary)
   assert "| dense_path | 1 | 1 | 530.00 | 520.00 – 540.00 (20.00) |" in md
   assert "within the seed range (not a result)" in md
+
+
+def test_the_long_comparisons_arms_are_built_as_named(tmp_path):
+  # Every arm of --long from its config alone (no training): 4 workers each but DiLoCo P=2,
+  # the same batch, interleaving and θ̄, and only what the arm's name says differs.
+  s = reproduce.MODES["long"]
+  cfg = {m: reproduce.make_config(m, s, str(tmp_path), "multiply") for m in reproduce.LONG_MODELS}
+  workers = lambda c: c.dipaco.replicas * math.prod(c.dipaco.modules_per_level)
+  assert {m: workers(c) for m, c in cfg.items()} == {
+    "dense_path": 1,
+    "diloco_iid": 4,
+    "diloco_iid_olr0.35": 4,
+    "diloco_iid_2": 2,
+    "dipaco_2x2": 4,
+    "dipaco_2x2_iid": 4,
+    "dipaco_2x2_muon": 4,
+  }
+  for m, c in cfg.items():
+    assert (c.data.batch_size, c.data.seq_len, c.data.interleave) == (32, 96, 32), m
+    assert c.dipaco.init_from == str(tmp_path / "runs" / "pretrain"), m
+  assert cfg["diloco_iid"].outer.lr == 0.7 and cfg["diloco_iid_olr0.35"].outer.lr == 0.35
+  assert cfg["dipaco_2x2_iid"].routing.router == "random"
+  assert cfg["dipaco_2x2_iid"].routing.discriminative_at_outer_step == -1  # Never.
+  assert cfg["dipaco_2x2"].routing.router == "kmeans"
+  assert cfg["dipaco_2x2"].routing.discriminative_at_outer_step == s.disc_at
+  assert cfg["dipaco_2x2_muon"].inner.optimizer == "muon"
+  assert cfg["dipaco_2x2"].inner.optimizer == "adamw"
+  # The Muon arm differs from dipaco_2x2 by the optimizer alone.
+  a, b = cfg["dipaco_2x2"].to_dict(), cfg["dipaco_2x2_muon"].to_dict()
+  a["inner"].pop("optimizer"), b["inner"].pop("optimizer")
+  assert a == b
+  assert reproduce.known("diloco_iid_olr0.5") and not reproduce.known("diloco_iid_olrx")
+  assert not reproduce.known("diloco_iid_olr<LR>")
+  with pytest.raises(ValueError, match="unknown model"):
+    reproduce.run_overrides("diloco_iid_olr-1", s, "p", "s", "none")
