@@ -918,6 +918,13 @@ def summarize(dirs: list[str]) -> dict:
     vals = [_final_ppl(r["models"][name]) for r in have]
     best = [_final_ppl(r["models"][name], "best") for r in have]
     m0 = have[0]["models"][name]
+    # Oracle (best path per document in hindsight) and a random path (the loss averaged over
+    # paths), for models with several paths.
+    other = {
+      k: [r["models"][name]["final"]["store"]["ppl"].get(f"{k}/once") for r in have]
+      for k in ("oracle", "random")
+    }
+    noise = [r["models"][name].get("noise_scale") for r in have]
     models[name] = {
       "seeds": [r["seed"] for r in have],
       "ppl": vals,
@@ -926,6 +933,12 @@ def summarize(dirs: list[str]) -> dict:
       "max": float(np.max(vals)),
       "range": float(np.max(vals) - np.min(vals)),
       "early_stop_mean": float(np.mean(best)) if None not in best else None,
+      **{f"{k}_mean": float(np.mean(v)) if None not in v else None for k, v in other.items()},
+      **{f"{k}_ppl": v if None not in v else None for k, v in other.items()},
+      "noise_scale_tokens": [n["noise_scale_tokens"] for n in noise] if all(noise) else None,
+      "batch_over_noise_scale": [n["run_batch_over_noise_scale"] for n in noise]
+      if all(noise)
+      else None,
       "paths": m0["params"]["paths"],
       "workers": m0["params"]["workers"],
       "shard_min_over_mean": min(r["models"][name]["shards"]["min_over_mean"] for r in have),
@@ -955,17 +968,25 @@ def summary_markdown(summary: dict) -> str:
     f"# Over {len({s for m in summary['models'].values() for s in m['seeds']})} seeds "
     f"({', '.join(summary['dirs'])})",
     "",
-    "| model | paths | workers | ppl mean | min – max (range) | early stop mean | seeds | "
-    "smallest shard / mean |",
-    "|---|---:|---:|---:|---|---:|---|---:|",
+    "| model | paths | workers | ppl mean | min – max (range) | oracle mean | random path mean | "
+    "early stop mean | seeds | smallest shard / mean |",
+    "|---|---:|---:|---:|---|---:|---:|---:|---|---:|",
   ]
+  fmt = lambda v: "–" if v is None else f"{v:.2f}"
   for name, m in summary["models"].items():
-    es = "–" if m["early_stop_mean"] is None else f"{m['early_stop_mean']:.2f}"
     lines.append(
       f"| {name} | {m['paths']} | {m['workers']} | {m['mean']:.2f} | {m['min']:.2f} – "
-      f"{m['max']:.2f} ({m['range']:.2f}) | {es} | {','.join(map(str, m['seeds']))} | "
-      f"{m['shard_min_over_mean']:.2f} |"
+      f"{m['max']:.2f} ({m['range']:.2f}) | {fmt(m.get('oracle_mean'))} | "
+      f"{fmt(m.get('random_mean'))} | {fmt(m['early_stop_mean'])} | "
+      f"{','.join(map(str, m['seeds']))} | {m['shard_min_over_mean']:.2f} |"
     )
+  for name, m in summary["models"].items():
+    if m.get("noise_scale_tokens"):
+      lines.append(
+        f"\nGradient noise scale at {name}'s end, per seed: "
+        f"{', '.join(f'{t:,.0f}' for t in m['noise_scale_tokens'])} tokens; the per-worker "
+        f"batch is {', '.join(f'{x:.2f}' for x in m['batch_over_noise_scale'])}x it."
+      )
   lines += ["", "| expected better | expected worse | gap (ppl) | seed range | reading |"]
   lines.append("|---|---|---:|---:|---|")
   for g in summary["gaps"]:
