@@ -233,8 +233,15 @@ def evaluate(
   oracle: bool = True,
   max_docs: int | None = None,
   block: int = 128,
+  per_sequence: bool = False,
 ) -> dict:
-  """Routed perplexity once per sequence and per W, per-path and own-shard losses."""
+  """Routed perplexity once per sequence and per W, per-path and own-shard losses.
+
+  per_sequence (needs oracle, which scores every path on every sequence): the report also
+  holds `per_sequence`, numpy arrays in sequence order: `nll` [N, P] (each path's summed
+  loss on the sequence's scored tokens), `tokens` [N] and `shard_paths` [N] (the path whose
+  validation shard holds the document); `specialisation` reads them.
+  """
   config, topo = run.config, run.exp.topo
   cfg = config.routing
   L = routing.check_prefix_len(cfg.prefix_len)
@@ -243,6 +250,8 @@ def evaluate(
     for w in (config.eval.rerouting_windows if windows is None else windows)
   ]
   kinds = tuple(config.eval.rerouters if rerouters is None else rerouters)
+  if per_sequence and not oracle:
+    raise ValueError("per_sequence=True needs oracle=True: every path must score every sequence.")
   T = routing.eval_seq_len(config)
   if T <= L:
     raise errors.ConfigError(
@@ -284,6 +293,7 @@ def evaluate(
     np.zeros(topo.num_workers),
   )
   first_all, tokens_total, agree = [], 0, 0
+  seq_nll, seq_tok, seq_shard = [], [], []  # per_sequence's arrays.
   transformer = rerouting.TransformerRerouter(run.exp.model_cfg, P)  # One jit for all blocks.
   bar = progress.bar(total=len(seqs["doc_ids"]), desc=f"evaluate ({params})", unit="seq")
   for s in range(0, len(seqs["doc_ids"]), block):
@@ -329,6 +339,10 @@ def evaluate(
       path_tok[p0] += k
       shard_nll[w] -= lp[i, int(shard_path[i])][m].sum()
       shard_tok[w] += k
+      if per_sequence:  # oracle: the columns of s_TxU are paths 0..P-1.
+        seq_nll.append(-s_TxU.sum(0, dtype=np.float64))
+        seq_tok.append(k)
+        seq_shard.append(int(shard_path[i]))
       if oracle and k:
         nll["oracle/once"] -= s_TxU.sum(0).max()  # All P paths were scored.
         nll["random/once"] -= s_TxU.sum(0).mean()
@@ -342,7 +356,7 @@ def evaluate(
       "config.routing.prefix_len or raise config.eval.seq_len."
     )
   seqs_n = max(len(seqs["doc_ids"]), 1)
-  return {
+  out = {
     "step": run.step,
     "params": params,
     "phase": run.phase,
@@ -368,6 +382,13 @@ def evaluate(
     "sequence_paths": np.concatenate(first_all).tolist() if first_all else [],
     "domains": seqs["domains"].tolist(),
   }
+  if per_sequence:
+    out["per_sequence"] = {
+      "nll": np.array(seq_nll, np.float64).reshape(-1, P),
+      "tokens": np.array(seq_tok, np.int64),
+      "shard_paths": np.array(seq_shard, np.int64),
+    }
+  return out
 
 
 def to_markdown(rep: dict) -> str:
@@ -397,6 +418,31 @@ def domain_report(rep: dict, num_paths: int) -> report_lib.RouterReport:
   """Paths (once per sequence) x document domains of the evaluated sequences."""
   ids, names = report_lib.domain_index(rep["domains"])
   return report_lib.report(np.asarray(rep["sequence_paths"]), num_paths, ids, names)
+
+
+def specialisation(
+  run: Run, rep: dict | None = None, *, params: str = "store", max_docs: int | None = None
+) -> report_lib.Specialisation:
+  """Every path on every path's validation shard, routed vs random vs oracle, per domain.
+
+  From `rep`, an `evaluate(run, per_sequence=True)` report of this run, when given; else
+  it scores (every path on every validation sequence, no re-routing) with `params`.
+  """
+  if rep is None:
+    rep = evaluate(
+      run, params=params, windows=(), oracle=True, max_docs=max_docs, per_sequence=True
+    )
+  if "per_sequence" not in rep:
+    raise ValueError("rep has no per-sequence losses: evaluate it with per_sequence=True.")
+  seq = rep["per_sequence"]
+  return report_lib.specialisation(
+    seq["nll"],
+    seq["tokens"],
+    rep["sequence_paths"],
+    seq["shard_paths"],
+    rep["domains"],
+    num_paths=run.exp.topo.num_paths,
+  )
 
 
 def evaluate_and_write(config, workdir: str, step: int | None = None) -> str:

@@ -1,4 +1,4 @@
-"""Smoke tests: benchmarks/throughput.py, serving.py (--quick) and shard_writing.py run."""
+"""Smoke tests: the benchmarks/ scripts run (throughput, serving, shard_writing, mfu, ...)."""
 
 import json
 import math
@@ -7,6 +7,8 @@ import subprocess
 import sys
 
 import pytest
+
+import helpers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEYS = (
@@ -107,3 +109,30 @@ def test_mfu_on_the_cpu(tmp_path):
   assert r["tokens_per_s"] == pytest.approx(2 * 128 / r["step_s"])
   assert r["mfu"] == pytest.approx(r["model_flops_per_token"] * r["tokens_per_s"] / 1e12)
   assert 0 < r["mfu"] < 1
+
+
+def test_specialisation_on_a_trained_run(tmp_path):
+  workdir = tmp_path / "run"
+  subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "dipaco_jax.main",
+      "--config=configs/tiny.py",
+      f"--workdir={workdir}",
+      *helpers.SMALL_RUN,
+      "--config.data.subsample=16",
+      "--config.routing.prefix_len=4",  # Below SMALL_RUN's 16-token sequences.
+    ],
+    cwd=ROOT,
+    check=True,
+    capture_output=True,
+  )
+  stdout, rep = run_benchmark(
+    "specialisation.py", tmp_path / "spec.json", f"--workdir={workdir}", "--max_docs=40"
+  )
+  assert rep["step"] == 6 and rep["path_labels"] == ["0-0-0", "0-0-1", "0-1-0", "0-1-1"]
+  assert len(rep["loss_matrix"]) == 4 and all(len(row) == 4 for row in rep["loss_matrix"])
+  assert 0 < sum(rep["shard_docs"]) + rep["left_out"] <= 40  # All validation docs, or 40.
+  assert rep["loss"]["oracle"] <= rep["loss"]["routed"] and 0 <= rep["routed_best_share"] <= 1
+  assert "| own - other paths |" in stdout and "wrote: " in stdout

@@ -1,5 +1,7 @@
 """Routed evaluation: prefix excluded exactly, re-routing windows, oracles, bad inputs."""
 
+import types
+
 import jax
 import numpy as np
 import optax
@@ -163,3 +165,65 @@ def test_dense_model_has_a_trivial_router_and_the_same_report_keys(tmp_path):
     "oracle/W=8",
   }
   assert len(set(rep["ppl"].values())) == 1  # One path: every routing is the same.
+
+
+def test_specialisation_is_every_path_on_every_shard_as_evaluate_scores_it(run, monkeypatch):
+  r, docs = run
+  rep = evaluate.evaluate(r, windows=(), per_sequence=True)
+  spec = evaluate.specialisation(r, rep)
+  for name, key in [("routed", "once"), ("random", "random/once"), ("oracle", "oracle/once")]:
+    assert spec.loss[name] == pytest.approx(rep["loss"][key], rel=1e-5), name
+  # One worker per path: the diagonal is each worker's own-shard loss.
+  np.testing.assert_allclose(np.diag(spec.loss_matrix), rep["own_shard"]["loss"], rtol=1e-5)
+  assert spec.shard_tokens.sum() == rep["scored_tokens"]
+  assert spec.routed_best_share == spec.shard_best_share  # The random router's path = shard's.
+  # M[p, q] by hand: path p on the documents of worker q's validation shard.
+  seqs = evaluate.validation_sequences(r)
+  worker = dict(zip(seqs["doc_ids"].tolist(), seqs["workers"].tolist()))
+  q_N = np.array([worker[d.doc_id] for d in docs])
+  n_N = np.array([min(len(d.tokens), T) for d in docs])
+  t_NxT = np.zeros((len(docs), T), np.int32)  # Causal: the padding is unseen.
+  for i, d in enumerate(docs):
+    t_NxT[i, : n_N[i]] = d.tokens[:T]
+  inputs = np.concatenate([np.zeros((len(docs), 1), np.int32), t_NxT[:, :-1]], 1)
+  scored = (np.arange(T)[None] >= L) & (np.arange(T)[None] < n_N[:, None])
+  apply = jax.jit(model_lib.Transformer(r.exp.model_cfg).apply)
+  P = r.exp.topo.num_paths
+  nll_QxP, tok_Q = np.zeros((P, P)), np.bincount(q_N, weights=scored.sum(1), minlength=P)
+  for p in range(P):
+    logits = apply({"params": helpers.path_params(r.state.store, r.exp.topo, p)}, inputs)
+    ce = np.asarray(optax.softmax_cross_entropy_with_integer_labels(logits, t_NxT))
+    nll_QxP[:, p] = np.bincount(q_N, weights=(ce * scored).sum(1), minlength=P)
+  np.testing.assert_allclose(spec.loss_matrix, (nll_QxP / tok_Q[:, None]).T, rtol=1e-5)
+  # Without a report it runs evaluate as above (every path scores, no re-routing).
+  calls = []
+  monkeypatch.setattr(evaluate, "evaluate", lambda run, **kw: calls.append(kw) or rep)
+  evaluate.specialisation(r, max_docs=7)
+  assert calls == [dict(params="store", windows=(), oracle=True, max_docs=7, per_sequence=True)]
+  with pytest.raises(ValueError, match="evaluate it with per_sequence=True"):
+    evaluate.specialisation(r, {k: v for k, v in rep.items() if k != "per_sequence"})
+  monkeypatch.undo()
+  with pytest.raises(ValueError, match="needs oracle=True"):
+    evaluate.evaluate(r, windows=(), oracle=False, per_sequence=True)
+
+
+def test_with_replicas_a_paths_shard_is_its_workers_shards(tmp_path):
+  cfg = helpers.micro_config(
+    **{
+      "dipaco.modules_per_level": (1, 2, 1),  # 2 paths x 2 replicas.
+      "dipaco.replicas": 2,
+      "routing.prefix_len": L,
+      "eval.seq_len": T,
+    }
+  )
+  exp = experiment.Experiment(cfg)
+  docs = routing_testlib.fake_documents(12, seed=7, min_len=L + 1, max_len=T)
+  data_lib.write_shards(str(tmp_path), "validation", docs, data_lib.random_assignment(4, seed=3), 4)
+  shards = data_lib.ShardSet(str(tmp_path))
+  # Zero params (no init_state to compile): only which documents each path's shard holds matters.
+  store = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), exp.abstract_state.store)
+  r = evaluate.Run(cfg, str(tmp_path), exp, types.SimpleNamespace(store=store), 0, 0, shards)
+  rep = evaluate.evaluate(r, windows=(), per_sequence=True)
+  n_W = shards.num_docs("validation")
+  spec = evaluate.specialisation(r, rep)
+  assert spec.shard_docs.tolist() == [n_W[0] + n_W[1], n_W[2] + n_W[3]]

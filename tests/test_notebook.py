@@ -52,9 +52,15 @@ def test_the_committed_notebook_is_the_tools_cells_with_the_tiny_runs_outputs():
   assert [c.execution_count for c in code] == list(range(1, len(code) + 1))
   outputs = _outputs(committed)
   assert not [o for o in outputs if o.output_type == "error" or o.get("name") == "stderr"]
-  assert len([o for o in outputs if "image/png" in o.get("data", {})]) >= 5
+  assert len([o for o in outputs if "image/png" in o.get("data", {})]) >= 6
   shown = _shown(outputs)
-  for line in ("loading the saved re-routers (linear)", "| once |", "| linear/W=16 |", "purity"):
+  for line in (
+    "loading the saved re-routers (linear)",
+    "| once |",
+    "| linear/W=16 |",
+    "purity",
+    "| own - other paths |",
+  ):
     assert line in shown, line
   assert helpers.ROOT not in json.dumps(committed)  # No path of the checkout that made it.
 
@@ -142,7 +148,8 @@ def test_evaluate_notebook_executes(tmp_path, monkeypatch):
   outputs = _outputs(nb)
   assert not [o for o in outputs if o.output_type == "error"]
   images = [o for o in outputs if "image/png" in o.get("data", {})]
-  assert len(images) >= 5  # curves, per-path, re-routing curve, shard sizes, domain table
+  # curves, per-path, re-routing curve, shard sizes, domain table, specialisation grid
+  assert len(images) >= 6
   shown = _shown(outputs)
   for line in (
     "dipaco_jax is importable",  # The install cell did not install.
@@ -152,6 +159,7 @@ def test_evaluate_notebook_executes(tmp_path, monkeypatch):
     "| linear/W=4 |",
     "| oracle/W=8 |",
     "purity",
+    "| own - other paths |",
     "per-path early stopping",
   ):
     assert line in shown, line

@@ -39,8 +39,9 @@ CELLS = [
 Loads a run's latest checkpoint with the config it was trained with (`WORKDIR/config.json`), plots
 its training curves (per-path loss, outer delta norms per module, routed validation perplexity),
 routes the validation set by each sequence's prefix, and shows routed perplexity (prefix excluded),
-per-path losses, perplexity when re-routing every W tokens, shard sizes, and how the learned shards
-line up with the document domains. Same numbers as `python -m dipaco_jax.evaluate` (see
+per-path losses, perplexity when re-routing every W tokens, shard sizes, how the learned shards
+line up with the document domains, and whether each path specialises on its own shard. Same
+numbers as `python -m dipaco_jax.evaluate` and `benchmarks/specialisation.py` (see
 `docs/routing.md`), whose saved re-routers it loads.
 
 **Colab**: run the cells in order. The first installs dipaco_jax from `REPO_URL`
@@ -174,7 +175,8 @@ if todo:
 elif config.eval.rerouters and topo.num_paths > 1:
   print(f"loading the saved re-routers ({', '.join(config.eval.rerouters)}) from {where}")
 start = time.perf_counter()
-rep = evaluate.evaluate(run, max_docs=MAX_DOCS or None)
+# per_sequence: keep every path's loss on every sequence (the specialisation report reads them).
+rep = evaluate.evaluate(run, max_docs=MAX_DOCS or None, per_sequence=True)
 print(f"evaluated {rep['num_sequences']} sequences in {time.perf_counter() - start:.0f} s")
 display(Markdown(evaluate.to_markdown(rep)))""",
   ),
@@ -237,6 +239,32 @@ plt.xticks(range(len(dom.domain_names)), dom.domain_names, rotation=45, ha="righ
 plt.yticks(range(P), [topo.path_label(p) for p in range(P)])
 plt.ylabel("path")
 plt.title(f"validation: path x domain (purity {dom.purity:.3f}, NMI {dom.nmi:.3f})")
+plt.show()""",
+  ),
+  (
+    "md",
+    """## Specialisation: every path on every path's held-out documents
+
+Row p, column q: path p's loss on the validation documents of path q's shard. A specialised grid
+has its diagonal below each row's mean. The heat map takes out each path's overall quality and
+each shard's difficulty (row and column means): specialisation is a blue diagonal; with i.i.d.
+shards no pattern beyond noise. See `docs/routing.md` (reading the specialisation report).""",
+  ),
+  (
+    "code",
+    """spec = evaluate.specialisation(run, rep)  # From the scores above: nothing is scored again.
+labels = [topo.path_label(p) for p in range(P)]
+display(Markdown(router_report.specialisation_to_markdown(spec, labels)))
+grid = spec.centred_matrix
+lim = max(float(np.nanmax(np.abs(grid))), 1e-6)
+plt.figure(figsize=(0.8 * P + 2.5, 0.6 * P + 1.5))
+plt.imshow(grid, cmap="RdBu_r", vmin=-lim, vmax=lim)
+plt.colorbar(label="loss less row and column means")
+plt.xticks(range(P), labels, rotation=45, ha="right")
+plt.yticks(range(P), labels)
+plt.xlabel("shard (held-out documents of path)")
+plt.ylabel("path")
+plt.title(f"specialisation (diagonal - off-diagonal: {spec.diagonal_gap:+.4f})")
 plt.show()""",
   ),
   ("md", "## Per-path early stopping"),
