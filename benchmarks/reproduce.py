@@ -4,12 +4,19 @@ r"""The paper's comparison at small scale on the embedded corpus: one command, t
   python benchmarks/reproduce.py --quick --out=/tmp/dipaco_repro_q  # ~10 CPU-minutes
   python benchmarks/reproduce.py --smoke --out=/tmp/dipaco_repro_s  # CI: tiny sizes, 1/40 data
 
-The long comparison (960 weight-update steps: θ̄ 480 + 480; the quick model on all the data),
-one output dir per seed, then the summary over seeds (mean and range per model, gaps within
-the seed range flagged):
+The long comparison, in the regime that can answer the paper's question (per-worker batch
+32 x 96 tokens with every row from another document, about 1x the gradient noise scale
+measured at θ̄; benchmarks/noise_scale.py runs on θ̄ and on the dense run's end): θ̄ 240
+steps, then 240 more; every arm 4 workers (DiLoCo P=4 at outer LR 0.7 and 0.35, DiPaCo 2x2
+routed, the same grid on i.i.d. shards, DiPaCo 2x2 with inner Muon) and DiLoCo P=2. One
+output dir per seed, then the summary over seeds (mean and range per model, oracle and
+random-path means, gaps within the seed range flagged):
 
   python benchmarks/reproduce.py --long --seed=0 --out=/tmp/long_s0   # then --seed=1 --out=..._s1
   python benchmarks/reproduce.py --summarize=/tmp/long_s0,/tmp/long_s1 --out=/tmp/long_sum
+
+`--long_b4` is the first long comparison (batch 4 x 96, one document after another: ~0.04x
+the noise scale), kept for the results page's appendix.
 
 A seed changes everything a real rerun changes: data.seed (batch order, i.i.d. shards,
 held-out documents), the model init (config.seed) and the k-means / router seed
