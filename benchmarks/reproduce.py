@@ -7,7 +7,7 @@ r"""The paper's comparison at small scale on the embedded corpus: one command, t
 The long comparison, in the regime that can answer the paper's question (per-worker batch
 32 x 96 tokens with every row from another document, about 1x the gradient noise scale
 measured at θ̄; benchmarks/noise_scale.py runs on θ̄ and on the dense run's end): θ̄ 240
-steps, then 240 more; every arm 4 workers (DiLoCo P=4 at outer LR 0.7 and 0.35, DiPaCo 2x2
+steps, then 240 more; every arm 4 workers (DiLoCo P=4 at outer LR 0.7, 0.35 and 1.0, DiPaCo 2x2
 routed, the same grid on i.i.d. shards, DiPaCo 2x2 with inner Muon) and DiLoCo P=2. One
 output dir per seed, then the summary over seeds (mean and range per model, oracle and
 random-path means, gaps within the seed range flagged):
@@ -242,16 +242,28 @@ LONG_MODELS = (
   "dense_path",
   "diloco_iid",
   "diloco_iid_olr0.35",
+  "diloco_iid_olr1.0",
   "diloco_iid_2",
   "dipaco_2x2",
   "dipaco_2x2_iid",
   "dipaco_2x2_muon",
+)
+# --long_b4's models (the appendix's comparison).
+LONG_B4_MODELS = (
+  "dense_path",
+  "dense_4x",
+  "diloco_iid",
+  "diloco_iid_16",
+  "dipaco_2x2",
+  "dipaco_4x4",
+  "dipaco_4x4_kmeans",
 )
 # The comparisons the summary reads (better model expected first, as in the paper's ordering).
 PAIRS = (
   ("diloco_iid", "dense_path"),
   ("dipaco_2x2", "diloco_iid"),
   ("dipaco_2x2", "diloco_iid_olr0.35"),
+  ("dipaco_2x2", "diloco_iid_olr1.0"),
   ("dipaco_2x2", "diloco_iid_2"),
   ("dipaco_2x2", "dipaco_2x2_iid"),
   ("diloco_iid", "diloco_iid_2"),
@@ -1093,7 +1105,10 @@ def main(argv=None):
       s = dataclasses.replace(s, **{key: tuple(int(v) for v in value.split(","))})
     else:
       s = dataclasses.replace(s, **{key: cast(value)})
-  models = list(LONG_MODELS) if args.models == "long" else [m for m in args.models.split(",") if m]
+  if args.models == "long":
+    models = list(LONG_B4_MODELS if name == "long_b4" else LONG_MODELS)
+  else:
+    models = [m for m in args.models.split(",") if m]
   unknown = sorted(m for m in models if not known(m))
   if unknown:
     ap.error(f"unknown models {unknown}; choose from {[*MODELS, *INVESTIGATIONS]}")

@@ -151,6 +151,7 @@ def test_the_long_comparisons_arms_are_built_as_named(tmp_path):
     "dense_path": 1,
     "diloco_iid": 4,
     "diloco_iid_olr0.35": 4,
+    "diloco_iid_olr1.0": 4,
     "diloco_iid_2": 2,
     "dipaco_2x2": 4,
     "dipaco_2x2_iid": 4,
