@@ -299,30 +299,40 @@ INVESTIGATIONS = {
   "diloco_iid_sqrtp": "DiLoCo i.i.d. with the DiPaCo grids' x sqrt(P) on the outer gradient",
   "diloco_iid_2": "DiLoCo, 2 replicas, i.i.d. shards (is DiLoCo saturated at P=4?)",
   "diloco_iid_olr<LR>": "DiLoCo, 4 replicas, i.i.d., outer LR <LR> (the paper's is 0.7)",
+  "dipaco_2x2_olr<LR>": "DiPaCo 2x2 as dipaco_2x2 at outer LR <LR> (the paper's is 0.7)",
   "dipaco_2x2_iid": "DiPaCo 2x2 on i.i.d. shards: averaging over modules, no routing",
   "dipaco_2x2_muon": "DiPaCo 2x2 as dipaco_2x2, inner Muon for the matrices (MuLoCo)",
   "dipaco_4x4_iid": "DiPaCo 4x4 on i.i.d. shards: averaging over modules, no routing",
 }
-OUTER_LR_PREFIX = "diloco_iid_olr"  # diloco_iid_olr0.35: DiLoCo P=4 at outer LR 0.35.
+# <base>_olr<LR>: the base model at outer LR <LR>, e.g. diloco_iid_olr0.35.
+OUTER_LR_BASES = ("diloco_iid", "dipaco_2x2")
+
+
+def outer_lr_variant(name: str) -> tuple[str, float] | None:
+  """(base model, outer LR) of an outer-LR variant's name; None for any other name."""
+  for base in OUTER_LR_BASES:
+    prefix = base + "_olr"
+    if name.startswith(prefix):
+      try:
+        lr = float(name[len(prefix) :])
+      except ValueError:
+        return None
+      return (base, lr) if lr > 0 else None
+  return None
 
 
 def known(name: str) -> bool:
   """A model this script can train (a MODELS or INVESTIGATIONS name, or an outer-LR variant)."""
   if name in MODELS or name in INVESTIGATIONS and "<" not in name:
     return True
-  if name.startswith(OUTER_LR_PREFIX):
-    try:
-      return float(name[len(OUTER_LR_PREFIX) :]) > 0
-    except ValueError:
-      return False
-  return False
+  return outer_lr_variant(name) is not None
 
 
 def ordered(names) -> list[str]:
   """`names` in the table's order: MODELS, INVESTIGATIONS, then outer-LR variants by LR."""
   fixed = [n for n in [*MODELS, *INVESTIGATIONS] if n in names]
-  lrs = sorted((n for n in names if n.startswith(OUTER_LR_PREFIX)), reverse=True)
-  return fixed + lrs
+  variants = [n for n in names if outer_lr_variant(n)]
+  return fixed + sorted(variants, key=lambda n: (outer_lr_variant(n)[0], -outer_lr_variant(n)[1]))
 
 
 def _block_levels(layers: int) -> tuple[str, str]:
@@ -336,6 +346,13 @@ def run_overrides(
   name: str, s: Sizes, pretrain_dir: str, shared_shards: str, sqrt_paths: str, sqrt_cap: float = 0.0
 ) -> dict:
   """Config overrides (on configs/tiny.py) of one model; shared_shards: a shard dir prefix."""
+  variant = outer_lr_variant(name)
+  if variant:
+    base, lr = variant
+    return {
+      **run_overrides(base, s, pretrain_dir, shared_shards, sqrt_paths, sqrt_cap),
+      "outer.lr": lr,
+    }
   everything = f"embed,block_0-{s.layers - 1},head"
   fork = {
     "dipaco.init_from": pretrain_dir,
@@ -391,8 +408,6 @@ def run_overrides(
     return {**diloco, "dipaco.replicas": 16}
   if name == "diloco_iid_2":
     return {**diloco, "dipaco.replicas": 2}
-  if name.startswith(OUTER_LR_PREFIX) and known(name):
-    return {**diloco, "outer.lr": float(name[len(OUTER_LR_PREFIX) :])}
   if name == "diloco_iid_sqrtp":
     return {**diloco, "outer.sqrt_paths": sqrt_paths}
   if name == "diloco_kmeans":
@@ -730,10 +745,9 @@ def train_run(
   ]
   final = evals[str(max(int(k) for k in evals))]
   described = {**MODELS, **INVESTIGATIONS, "pretrain": "dense pretraining (θ̄)"}
-  if name.startswith(OUTER_LR_PREFIX):
-    described[name] = INVESTIGATIONS[OUTER_LR_PREFIX + "<LR>"].replace(
-      "<LR>", name[len(OUTER_LR_PREFIX) :]
-    )
+  variant = outer_lr_variant(name)
+  if variant:
+    described[name] = INVESTIGATIONS[variant[0] + "_olr<LR>"].replace("<LR>", f"{variant[1]:g}")
   return {
     "name": name,
     "description": described[name],

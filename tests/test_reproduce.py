@@ -171,6 +171,12 @@ def test_the_long_comparisons_arms_are_built_as_named(tmp_path):
   a, b = cfg["dipaco_2x2"].to_dict(), cfg["dipaco_2x2_muon"].to_dict()
   a["inner"].pop("optimizer"), b["inner"].pop("optimizer")
   assert a == b
+  # An outer-LR variant is its base model at that LR, and nothing else.
+  c = reproduce.make_config("dipaco_2x2_olr1.0", s, str(tmp_path), "multiply").to_dict()
+  assert c["outer"].pop("lr") == 1.0 and cfg["dipaco_2x2"].outer.lr == 0.7
+  base = cfg["dipaco_2x2"].to_dict()
+  base["outer"].pop("lr")
+  assert c == base
   assert reproduce.known("diloco_iid_olr0.5") and not reproduce.known("diloco_iid_olrx")
   assert not reproduce.known("diloco_iid_olr<LR>")
   with pytest.raises(ValueError, match="unknown model"):
