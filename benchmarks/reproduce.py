@@ -8,9 +8,9 @@ The long comparison, in the regime that can answer the paper's question (per-wor
 32 x 96 tokens with every row from another document, about 1x the gradient noise scale
 measured at θ̄; benchmarks/noise_scale.py runs on θ̄ and on the dense run's end): θ̄ 240
 steps, then 240 more; every arm 4 workers (DiLoCo P=4 at outer LR 0.7, 0.35 and 1.0, DiPaCo 2x2
-routed, the same grid on i.i.d. shards, DiPaCo 2x2 with inner Muon) and DiLoCo P=2. One
-output dir per seed, then the summary over seeds (mean and range per model, oracle and
-random-path means, gaps within the seed range flagged):
+routed at outer LR 0.7 and 1.0, the same grid on i.i.d. shards, DiPaCo 2x2 with inner Muon)
+and DiLoCo P=2. One output dir per seed, then the summary over seeds (mean and range per
+model, oracle and random-path means, gaps within the seed range flagged):
 
   python benchmarks/reproduce.py --long --seed=0 --out=/tmp/long_s0   # then --seed=1 --out=..._s1
   python benchmarks/reproduce.py --summarize=/tmp/long_s0,/tmp/long_s1 --out=/tmp/long_sum
@@ -245,6 +245,7 @@ LONG_MODELS = (
   "diloco_iid_olr1.0",
   "diloco_iid_2",
   "dipaco_2x2",
+  "dipaco_2x2_olr1.0",
   "dipaco_2x2_iid",
   "dipaco_2x2_muon",
 )
@@ -264,6 +265,7 @@ PAIRS = (
   ("dipaco_2x2", "diloco_iid"),
   ("dipaco_2x2", "diloco_iid_olr0.35"),
   ("dipaco_2x2", "diloco_iid_olr1.0"),
+  ("dipaco_2x2_olr1.0", "diloco_iid_olr1.0"),
   ("dipaco_2x2", "diloco_iid_2"),
   ("dipaco_2x2", "dipaco_2x2_iid"),
   ("diloco_iid", "diloco_iid_2"),

@@ -154,6 +154,7 @@ def test_the_long_comparisons_arms_are_built_as_named(tmp_path):
     "diloco_iid_olr1.0": 4,
     "diloco_iid_2": 2,
     "dipaco_2x2": 4,
+    "dipaco_2x2_olr1.0": 4,
     "dipaco_2x2_iid": 4,
     "dipaco_2x2_muon": 4,
   }
