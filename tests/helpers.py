@@ -2,6 +2,8 @@
 
 import contextlib
 import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -32,6 +34,25 @@ SMALL_RUN = (
   "--config.eval.every_steps=2",
   "--config.eval.batches=1",
 )
+
+
+def train_small_run(workdir, *flags) -> None:
+  """configs/tiny.py at SMALL_RUN's sizes on a sixteenth of the corpus, as a user runs it."""
+  subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "dipaco_jax.main",
+      "--config=configs/tiny.py",
+      f"--workdir={workdir}",
+      *SMALL_RUN,
+      "--config.data.subsample=16",
+      *flags,
+    ],
+    cwd=ROOT,
+    check=True,
+    capture_output=True,
+  )
 
 
 def micro_config(**overrides):

@@ -113,21 +113,8 @@ def test_mfu_on_the_cpu(tmp_path):
 
 def test_specialisation_on_a_trained_run(tmp_path):
   workdir = tmp_path / "run"
-  subprocess.run(
-    [
-      sys.executable,
-      "-m",
-      "dipaco_jax.main",
-      "--config=configs/tiny.py",
-      f"--workdir={workdir}",
-      *helpers.SMALL_RUN,
-      "--config.data.subsample=16",
-      "--config.routing.prefix_len=4",  # Below SMALL_RUN's 16-token sequences.
-    ],
-    cwd=ROOT,
-    check=True,
-    capture_output=True,
-  )
+  # Prefix below SMALL_RUN's 16-token sequences.
+  helpers.train_small_run(workdir, "--config.routing.prefix_len=4")
   stdout, rep = run_benchmark(
     "specialisation.py", tmp_path / "spec.json", f"--workdir={workdir}", "--max_docs=40"
   )

@@ -53,20 +53,7 @@ def test_bad_inputs():
 @pytest.mark.slow  # a 2-step run, then the tool as a user runs it: ~40 s
 def test_the_command_on_a_trained_run_writes_its_report(tmp_path):
   workdir = tmp_path / "run"
-  subprocess.run(
-    [
-      sys.executable,
-      "-m",
-      "dipaco_jax.main",
-      "--config=configs/tiny.py",
-      f"--workdir={workdir}",
-      *helpers.SMALL_RUN,
-      "--config.data.subsample=16",
-    ],
-    cwd=ROOT,
-    check=True,
-    capture_output=True,
-  )
+  helpers.train_small_run(workdir)
   out = tmp_path / "ns.json"
   proc = subprocess.run(
     [
