@@ -270,6 +270,10 @@ PAIRS = (
   ("dipaco_2x2", "dipaco_2x2_iid"),
   ("diloco_iid", "diloco_iid_2"),
   ("dipaco_2x2_muon", "dipaco_2x2"),
+  ("dipaco_2x2_pse", "dipaco_2x2_pse_iid"),
+  ("dipaco_2x2_pse", "dipaco_2x2"),
+  ("dipaco_2x2_emb", "dipaco_2x2_emb_iid"),
+  ("dipaco_2x2_emb", "dipaco_2x2"),
   ("dipaco_4x4", "diloco_iid_16"),
   ("dipaco_4x4", "dipaco_4x4_kmeans"),
   ("dipaco_4x4", "dipaco_2x2"),
@@ -305,6 +309,10 @@ INVESTIGATIONS = {
   "dipaco_2x2_iid": "DiPaCo 2x2 on i.i.d. shards: averaging over modules, no routing",
   "dipaco_2x2_muon": "DiPaCo 2x2 as dipaco_2x2, inner Muon for the matrices (MuLoCo)",
   "dipaco_4x4_iid": "DiPaCo 4x4 on i.i.d. shards: averaging over modules, no routing",
+  "dipaco_2x2_pse": "DiPaCo 2x2 as dipaco_2x2, each path its own (tied) embedding",
+  "dipaco_2x2_pse_iid": "dipaco_2x2_pse on i.i.d. shards (its control)",
+  "dipaco_2x2_emb": "DiPaCo 2x2 as dipaco_2x2, the (tied) embedding in the first routed level",
+  "dipaco_2x2_emb_iid": "dipaco_2x2_emb on i.i.d. shards (its control)",
 }
 # <base>_olr<LR>: the base model at outer LR <LR>, e.g. diloco_iid_olr0.35.
 OUTER_LR_BASES = ("diloco_iid", "dipaco_2x2")
@@ -435,6 +443,16 @@ def run_overrides(
     }
   if name == "dipaco_4x4_iid":
     return {**grid(4), **fork, "routing.router": "random"}
+  # Where the capacity sits: the quick model's tied embedding holds ~70% of a path's
+  # parameters; these put it in the routed part (same phase-0 shards as dipaco_2x2).
+  first, second = _block_levels(s.layers)
+  pse = {**grid(2), "dipaco.path_specific": "embed", "dipaco.level_groups": ("head", first, second)}
+  emb = {**grid(2), "dipaco.level_groups": ("head", f"embed,{first}", second)}
+  capacity = {"dipaco_2x2_pse": pse, "dipaco_2x2_emb": emb}
+  if name in capacity:
+    return {**capacity[name], **fork, **disc, "data.shard_dir": shared_shards + "_2x2"}
+  if name.endswith("_iid") and name[: -len("_iid")] in capacity:
+    return {**capacity[name[: -len("_iid")]], **fork, "routing.router": "random"}
   if name == "dipaco_2x2_kmeans":
     return {**grid(2), **fork, **kmeans, "data.shard_dir": shared_shards + "_2x2"}
   if name == "dipaco_4x4":  # Same phase-0 shards as its control.
@@ -549,7 +567,9 @@ def evaluate_run(config, workdir: str, s: Sizes, *, final_full: bool) -> tuple[d
     # Re-routing and oracles at the last step of a run with several paths; else once only.
     full = step == last and final_full and run.exp.topo.num_paths > 1
     kw = dict(windows=None if full else [], rerouters=None if full else (), oracle=full)
-    rep = {"store": evaluate.evaluate(run, **kw)}
+    rep = {"store": evaluate.evaluate(run, per_sequence=full, **kw)}
+    if full:  # The specialisation report from the same scores (benchmarks/specialisation.py's).
+      write_specialisation(run, evaluate.specialisation(run, rep["store"]))
     if step == last and early_stopping.read_meta(workdir) is not None:
       rep["best"] = evaluate.evaluate(run, params="best", **kw)
     cache[key] = {
@@ -573,6 +593,30 @@ def evaluate_run(config, workdir: str, s: Sizes, *, final_full: bool) -> tuple[d
     os.replace(cache_path + ".tmp", cache_path)
     computed += 1
   return cache, computed
+
+
+def write_specialisation(run, spec) -> None:
+  """<workdir>/specialisation_step<S>.json, as benchmarks/specialisation.py writes it."""
+  import specialisation  # pylint: disable=import-outside-toplevel  # Beside this script.
+
+  with open(specialisation.default_path(run.workdir, run.step), "w") as f:
+    json.dump(specialisation.record(run, spec, "store"), f, indent=1, allow_nan=False)
+
+
+def read_specialisation(workdir: str) -> dict | None:
+  """The specialisation report of the run's last checkpoint, when written."""
+  import specialisation  # pylint: disable=import-outside-toplevel
+
+  steps = _checkpoint_steps(workdir) if os.path.isdir(workdir) else []
+  return _read_json(specialisation.default_path(workdir, steps[-1])) or None if steps else None
+
+
+# The specialisation report's numbers a summary carries (the matrices stay in the run's JSON).
+SPEC_KEYS = ("loss", "routed_best_share", "diagonal_gap", "routed_gain_share", "loss_matrix")
+
+
+def specialisation_summary(spec: dict | None) -> dict | None:
+  return {k: spec[k] for k in SPEC_KEYS} if spec else None
 
 
 def phase_report(config, workdir: str, phase: int) -> dict:
@@ -758,6 +802,7 @@ def train_run(
     "noise_scale": noise_report(config, workdir, s) if name in NOISE_SCALE_AT else None,
     "shards": shard_report(config, workdir),
     "outer": outer_norms(config, workdir),
+    "specialisation": specialisation_summary(read_specialisation(workdir)),
     "params": param_counts(config),
     "curve": curve,
     "forked": forked,
@@ -960,6 +1005,7 @@ def summarize(dirs: list[str]) -> dict:
       for k in ("oracle", "random")
     }
     noise = [r["models"][name].get("noise_scale") for r in have]
+    specs = [r["models"][name].get("specialisation") for r in have]
     models[name] = {
       "seeds": [r["seed"] for r in have],
       "ppl": vals,
@@ -974,6 +1020,9 @@ def summarize(dirs: list[str]) -> dict:
       "batch_over_noise_scale": [n["run_batch_over_noise_scale"] for n in noise]
       if all(noise)
       else None,
+      # The specialisation report per seed (models with several paths, when written).
+      **{k: [sp[k] for sp in specs] if all(specs) else None for k in SPEC_KEYS[1:4]},
+      "description": m0.get("description"),
       "paths": m0["params"]["paths"],
       "workers": m0["params"]["workers"],
       "shard_min_over_mean": min(r["models"][name]["shards"]["min_over_mean"] for r in have),
@@ -994,7 +1043,66 @@ def summarize(dirs: list[str]) -> dict:
           "paper_order_holds": gap > 0,
         }
       )
-  return {"dirs": dirs, "sizes": runs[0]["sizes"], "models": models, "gaps": gaps}
+  return {
+    "dirs": dirs,
+    "sizes": runs[0]["sizes"],
+    "mode": runs[0].get("mode"),
+    "commands": [r.get("command") for r in runs],
+    "models": models,
+    "gaps": gaps,
+  }
+
+
+# The routing question's arms (the `grid` values of the arms JSON); the others are references.
+ARM_GRIDS = ("2x2", "4x4", "P=4", "P=16")
+
+
+def arm_kind(name: str, s: Sizes) -> tuple[str, str]:
+  """(grid, shards) of a model: "2x2" / "4x4" / "P=<replicas>", "routed" / "iid"."""
+  o = run_overrides(name, s, "THETA", "SHARDS", "none")
+  ks = tuple(o.get("dipaco.modules_per_level", (1,)))
+  routed_ks = [k for k in ks if k > 1]
+  grid = "x".join(map(str, routed_ks)) if routed_ks else f"P={o.get('dipaco.replicas', 1)}"
+  return grid, "iid" if o.get("routing.router", "random") == "random" else "routed"
+
+
+def arms_json(summary: dict, command: str) -> dict:
+  """The routing question's machine-readable result: one record per arm, ppl per seed.
+
+  `arms` holds the grids and DiLoCo at the grids' worker counts (ARM_GRIDS); `references`
+  the rest (dense, DiLoCo P=2) in the same form. Gaps are the summary's (mean difference
+  against the larger seed range of the two).
+  """
+  s = Sizes(**summary["sizes"])
+  out = {"arms": {}, "references": {}}
+  for name, m in summary["models"].items():
+    if name == "pretrain":
+      continue
+    grid, shards = arm_kind(name, s)
+    record = {
+      "ppl": m["ppl"],
+      "grid": grid,
+      "shards": shards,
+      "seeds": m["seeds"],
+      "mean": m["mean"],
+      "range": m["range"],
+      "oracle_ppl": m["oracle_ppl"],
+      "random_path_ppl": m["random_ppl"],
+      **{k: m.get(k) for k in SPEC_KEYS[1:4]},
+      "workers": m["workers"],
+      "description": m.get("description"),
+    }
+    out["arms" if grid in ARM_GRIDS else "references"][name] = record
+  pre = summary["models"].get("pretrain", {})
+  out["regime"] = {
+    "mode": summary.get("mode"),
+    "sizes": summary["sizes"],
+    "noise_scale_tokens_at_theta": pre.get("noise_scale_tokens"),
+    "batch_over_noise_scale_at_theta": pre.get("batch_over_noise_scale"),
+  }
+  out["gaps"] = summary["gaps"]
+  out["commands"] = [*summary["commands"], command]
+  return out
 
 
 def summary_markdown(summary: dict) -> str:
@@ -1069,6 +1177,12 @@ def main(argv=None):
     "seed), written to --out as summary.json and summary.md.",
   )
   ap.add_argument(
+    "--arms_json",
+    default="",
+    help='With --summarize: where to write the arms per seed ({"arms": {name: {ppl, grid, '
+    "shards, ...}}}; docs/results/specialisation.json); default <out>/specialisation.json.",
+  )
+  ap.add_argument(
     "--size",
     action="append",
     default=[],
@@ -1104,7 +1218,12 @@ def main(argv=None):
     md = summary_markdown(summary)
     with open(os.path.join(args.out, "summary.md"), "w") as f:
       f.write(md)
+    arms_path = args.arms_json or os.path.join(args.out, "specialisation.json")
+    command = " ".join(["python", "benchmarks/reproduce.py", *(argv or sys.argv[1:])])
+    with open(arms_path, "w") as f:
+      json.dump(arms_json(summary, command), f, indent=1)
     print(md)
+    print(f"\nwrote: {args.out}/summary.{{json,md}} and {arms_path} (the arms per seed)")
     return
   name = "smoke" if args.smoke else "quick" if args.quick else "long" if args.long else "full"
   name = "long_b4" if args.long_b4 else name

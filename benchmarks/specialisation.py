@@ -49,36 +49,58 @@ def main(argv=None):
   args = ap.parse_args(argv)
   if args.max_docs is not None and args.max_docs < 0:
     ap.error("--max_docs must be >= 0")
+  from dipaco_jax import errors
+
+  try:
+    report(args)
+  except Exception as e:  # pylint: disable=broad-except
+    if not errors.is_user_error(e):
+      raise
+    errors.fail(e, verbose=False)  # One line: a one-path run, no held-out shards, no checkpoint.
+
+
+def report(args) -> None:
+  """Scores the run, prints the report and writes its JSON."""
   from dipaco_jax import evaluate
+  from dipaco_jax.core import topology
   from dipaco_jax.io import native
-  from dipaco_jax.routing import report
+  from dipaco_jax.routing import report as report_lib
 
   native.choose_platforms()  # As the CLIs: no libtpu start-up errors on a CPU host.
   config = evaluate.config_from_workdir(args.workdir)
+  evaluate.check_specialisable(topology.from_config(config), args.workdir)  # Before restoring.
   import jax
 
   if config.mesh.cpu_devices:
     jax.config.update("jax_num_cpu_devices", config.mesh.cpu_devices)
   run = evaluate.load_run(config, args.workdir, args.step)
   spec = evaluate.specialisation(run, params=args.params, max_docs=args.max_docs)
-  topo = run.exp.topo
-  labels = [topo.path_label(p) for p in range(topo.num_paths)]
-  out = {
-    "workdir": args.workdir,
-    "step": run.step,
-    "params": args.params,
-    "phase": run.phase,
-    "grid": topo.describe(),
-    "path_labels": labels,
-    "prefix_len": config.routing.prefix_len,
-    **spec.as_dict(),
-  }
-  path = args.out or os.path.join(args.workdir, f"specialisation_step{run.step}.json")
+  out = record(run, spec, args.params)
+  path = args.out or default_path(args.workdir, run.step)
   with open(path, "w") as f:
     json.dump(out, f, indent=1, allow_nan=False)
-  print(f"{args.workdir}: step {run.step}, params {args.params}, {topo.describe()}\n")
-  print(report.specialisation_to_markdown(spec, labels))
+  print(f"{args.workdir}: step {run.step}, params {args.params}, {out['grid']}\n")
+  print(report_lib.specialisation_to_markdown(spec, out["path_labels"]))
   print(f"wrote: {path}")
+
+
+def default_path(workdir: str, step: int) -> str:
+  return os.path.join(workdir, f"specialisation_step{step}.json")
+
+
+def record(run, spec, params: str) -> dict:
+  """The report's JSON: the run, the step, the grid and every number of `spec`."""
+  topo = run.exp.topo
+  return {
+    "workdir": run.workdir,
+    "step": run.step,
+    "params": params,
+    "phase": run.phase,
+    "grid": topo.describe(),
+    "path_labels": [topo.path_label(p) for p in range(topo.num_paths)],
+    "prefix_len": run.config.routing.prefix_len,
+    **spec.as_dict(),
+  }
 
 
 if __name__ == "__main__":

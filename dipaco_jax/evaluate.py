@@ -28,6 +28,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 from absl import flags
+from etils import epath
 
 from dipaco_jax import cli
 from dipaco_jax import data as data_lib
@@ -88,6 +89,13 @@ def load_run(config, workdir: str, step: int | None = None) -> Run:
   state, data_state = restored
   phase = ckpt_lib.routing_phase(data_state)
   shard_dir = routing.shard_dir(config, workdir, phase)
+  if not epath.Path(shard_dir).exists():  # Before ShardSet's message, which is for writers.
+    where = "config.data.shard_dir, or <workdir>/shards" if phase == 0 else "the re-shard's folder"
+    raise FileNotFoundError(
+      f"{workdir}: step {int(jax.device_get(state.step))} reads the held-out (validation) shards "
+      f"of routing phase {phase} from {shard_dir} ({where}), which does not exist: restore that "
+      "folder from where the run wrote it (evaluation scores their validation split)."
+    )
   return Run(
     config,
     str(workdir),
@@ -420,6 +428,16 @@ def domain_report(rep: dict, num_paths: int) -> report_lib.RouterReport:
   return report_lib.report(np.asarray(rep["sequence_paths"]), num_paths, ids, names)
 
 
+def check_specialisable(topo, workdir: str) -> None:
+  """A specialisation report compares paths: a run with one path is refused in one line."""
+  if topo.num_paths < 2:
+    raise errors.ArgumentError(
+      f"{workdir} has one path ({topo.describe()}): the specialisation report scores every "
+      "path on every path's held-out shard, so it needs a DiPaCo run with >= 2 paths (a "
+      "dense or DiLoCo run has one; evaluate it with python -m dipaco_jax.evaluate)."
+    )
+
+
 def specialisation(
   run: Run, rep: dict | None = None, *, params: str = "store", max_docs: int | None = None
 ) -> report_lib.Specialisation:
@@ -427,7 +445,16 @@ def specialisation(
 
   From `rep`, an `evaluate(run, per_sequence=True)` report of this run, when given; else
   it scores (every path on every validation sequence, no re-routing) with `params`.
+  A run with one path, or whose shards hold no held-out documents, is refused in one line.
   """
+  check_specialisable(run.exp.topo, run.workdir)
+  held_out = run.shard_set.num_docs("validation") if "validation" in run.shard_set.splits else []
+  if not np.sum(held_out):
+    raise errors.ArgumentError(
+      f"{run.workdir}: its shards ({run.shard_set.shard_dir}) hold no held-out (validation) "
+      "documents, and the specialisation report scores every path on each path's held-out "
+      "shard: write the run's shards from a corpus with a validation split."
+    )
   if rep is None:
     rep = evaluate(
       run, params=params, windows=(), oracle=True, max_docs=max_docs, per_sequence=True

@@ -41,6 +41,20 @@ def run_benchmark(script: str, out, *args: str, timeout: int = 240) -> tuple[str
   return proc.stdout, json.loads(out.read_text())
 
 
+def run_failing(script: str, *args: str) -> subprocess.CompletedProcess:
+  """benchmarks/SCRIPT ARGS expected to exit 1 with a one-line error (no traceback)."""
+  proc = subprocess.run(
+    [sys.executable, os.path.join(ROOT, "benchmarks", script), *args],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=240,
+    check=False,
+  )
+  assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+  return proc
+
+
 def test_throughput_quick(tmp_path):
   stdout, report = run_benchmark(
     "throughput.py", tmp_path / "throughput.json", "--quick", "--paths", "4"
@@ -123,3 +137,17 @@ def test_specialisation_on_a_trained_run(tmp_path):
   assert 0 < sum(rep["shard_docs"]) + rep["left_out"] <= 40  # All validation docs, or 40.
   assert rep["loss"]["oracle"] <= rep["loss"]["routed"] and 0 <= rep["routed_best_share"] <= 1
   assert "| own - other paths |" in stdout and "wrote: " in stdout
+  # Bad input, one line each, nothing of the run touched: its held-out shards gone...
+  (workdir / "shards").rename(tmp_path / "moved")
+  proc = run_failing("specialisation.py", f"--workdir={workdir}")
+  assert proc.stderr.startswith("FileNotFoundError: ") and proc.stderr.count("\n") == 1
+  assert "held-out (validation) shards of routing phase 0 from " in proc.stderr
+  # ... and a run with one path (refused from its config, before any checkpoint is read).
+  one_path = tmp_path / "one_path"
+  one_path.mkdir()
+  config = json.loads((workdir / "config.json").read_text())
+  config["dipaco"]["modules_per_level"] = [1, 1, 1]
+  (one_path / "config.json").write_text(json.dumps(config))
+  proc = run_failing("specialisation.py", f"--workdir={one_path}")
+  assert proc.stderr.startswith("ArgumentError: ") and proc.stderr.count("\n") == 1
+  assert "has one path (grid 1x1x1: 1 paths" in proc.stderr

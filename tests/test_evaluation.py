@@ -8,6 +8,7 @@ import optax
 import pytest
 
 from dipaco_jax import data as data_lib
+from dipaco_jax import errors
 from dipaco_jax import evaluate
 from dipaco_jax import routing
 from dipaco_jax.core import experiment
@@ -205,6 +206,26 @@ def test_specialisation_is_every_path_on_every_shard_as_evaluate_scores_it(run, 
   monkeypatch.undo()
   with pytest.raises(ValueError, match="needs oracle=True"):
     evaluate.evaluate(r, windows=(), oracle=False, per_sequence=True)
+
+
+def test_specialisation_refuses_one_path_or_no_held_out_documents(tmp_path):
+  def run_of(cfg, split):
+    exp = experiment.Experiment(cfg)
+    W = exp.topo.num_workers
+    docs = routing_testlib.fake_documents(16, seed=1, min_len=L + 1, max_len=T)
+    data_lib.write_shards(
+      str(tmp_path / split), split, docs, data_lib.random_assignment(W, seed=0), W
+    )
+    store = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), exp.abstract_state.store)
+    shards = data_lib.ShardSet(str(tmp_path / split))
+    return evaluate.Run(cfg, "RUN", exp, types.SimpleNamespace(store=store), 0, 0, shards)
+
+  one_path = helpers.micro_config(**{"dipaco.modules_per_level": (1, 1, 1), "data.batch_size": 4})
+  with pytest.raises(errors.ArgumentError, match=r"RUN has one path .* needs a DiPaCo run"):
+    evaluate.specialisation(run_of(one_path, "validation"))
+  no_held_out = run_of(helpers.micro_config(), "train")  # Shards with a train split only.
+  with pytest.raises(errors.ArgumentError, match="hold no held-out .* with a validation split"):
+    evaluate.specialisation(no_held_out)
 
 
 def test_with_replicas_a_paths_shard_is_its_workers_shards(tmp_path):

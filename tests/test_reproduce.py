@@ -1,5 +1,6 @@
 """Smoke run of benchmarks/reproduce.py: every model trained, evaluated, tabled and plotted."""
 
+import dataclasses
 import json
 import math
 import os
@@ -13,6 +14,12 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import reproduce  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
+# The smoke run's models: every kind of run the script makes once (two whose runs repeat
+# another's code path at more cost, DiLoCo P=16 and the 2x2 k-means control, are checked from
+# their configs below, untrained).
+SMOKE_MODELS = tuple(m for m in reproduce.MODELS if m not in ("diloco_iid_16", "dipaco_2x2_kmeans"))
+
+
 # A child process trains and evaluates every model of the smoke run: minutes, outside the fast
 # suite (-m "not slow").
 @pytest.mark.slow
@@ -20,7 +27,13 @@ def test_smoke_run_tables_every_model_with_finite_numbers(tmp_path):
   out = tmp_path / "repro"
   # A child process: the script sets its fake CPU device count before jax starts.
   proc = subprocess.run(
-    [sys.executable, os.path.join(ROOT, "benchmarks", "reproduce.py"), "--smoke", f"--out={out}"],
+    [
+      sys.executable,
+      os.path.join(ROOT, "benchmarks", "reproduce.py"),
+      "--smoke",
+      f"--out={out}",
+      f"--models={','.join(SMOKE_MODELS)}",
+    ],
     cwd=ROOT,
     capture_output=True,
     text=True,
@@ -35,7 +48,7 @@ def check_smoke_output(out):
   """The smoke run's results (also runnable on a finished --smoke --out dir)."""
   report = json.loads((out / "results.json").read_text())
   models = report["models"]
-  assert set(models) == {"pretrain", *reproduce.MODELS}
+  assert set(models) == {"pretrain", *SMOKE_MODELS}
   table = (out / "results.md").read_text()
   s = reproduce.MODES["smoke"]
   for name, r in models.items():
@@ -54,13 +67,30 @@ def check_smoke_output(out):
       # The once-per-sequence oracle picks the best path in hindsight: never worse than routing.
       assert store["ppl"]["oracle/once"] <= store["ppl"]["once"] + 1e-6
       assert "best" in r["final"]
+      # The specialisation report, from the final evaluation's scores.
+      spec = r["specialisation"]
+      assert len(spec["loss_matrix"]) == r["params"]["paths"], name
+      assert spec["loss"]["oracle"] <= spec["loss"]["routed"] + 1e-6, name
+    elif name != "pretrain":
+      assert r["specialisation"] is None, name
   # Shapes of the comparison: grids, replicas and parameter counts.
   p = {k: v["params"] for k, v in models.items()}
   assert (p["dipaco_4x4"]["paths"], p["dipaco_2x2"]["paths"], p["flat_moe"]["paths"]) == (16, 4, 4)
   assert p["diloco_iid"]["workers"] == 4 and p["diloco_iid"]["paths"] == 1
-  # The fair baseline: as many DiLoCo replicas as the 4x4 grid has paths.
-  assert p["diloco_iid_16"]["workers"] == p["dipaco_4x4"]["paths"] == 16
-  assert p["diloco_iid_16"]["paths"] == 1
+  # The fair baseline: as many DiLoCo replicas as the 4x4 grid has paths (from its config).
+  c16 = reproduce.make_config("diloco_iid_16", s, str(out), "multiply")
+  assert c16.dipaco.replicas == p["dipaco_4x4"]["paths"] == 16
+  assert tuple(c16.dipaco.modules_per_level) == (1,) and c16.outer.enabled
+  # The 2x2 k-means control: dipaco_2x2 without the re-shard, on the same phase-0 shards.
+  k2, d2 = (
+    reproduce.make_config(m, s, str(out), "multiply").to_dict()
+    for m in ("dipaco_2x2_kmeans", "dipaco_2x2")
+  )
+  assert d2["routing"].pop("discriminative_at_outer_step") == s.disc_at
+  assert k2["routing"].pop("discriminative_at_outer_step") == -1
+  for c in (k2, d2):  # The re-shard's own fields.
+    c["routing"].pop("discriminative_min_share"), c["routing"].pop("restart_schedule")
+  assert k2 == d2
   assert p["dipaco_4x4_kmeans"]["paths"] == 16
   assert p["flat_moe"]["total"] == 4 * p["flat_moe"]["path"]
   assert p["dense_path"]["path"] < p["dipaco_2x2"]["total"] < p["flat_moe"]["total"]
@@ -182,3 +212,77 @@ def test_the_long_comparisons_arms_are_built_as_named(tmp_path):
   assert not reproduce.known("diloco_iid_olr<LR>")
   with pytest.raises(ValueError, match="unknown model"):
     reproduce.run_overrides("diloco_iid_olr-1", s, "p", "s", "none")
+
+
+def test_the_capacity_arms_route_the_embedding_and_differ_from_the_grid_by_that_alone(tmp_path):
+  s = reproduce.MODES["long"]
+  cfg = lambda m: reproduce.make_config(m, s, str(tmp_path), "multiply").to_dict()
+  base, pse, emb = cfg("dipaco_2x2"), cfg("dipaco_2x2_pse"), cfg("dipaco_2x2_emb")
+  # Path-specific: each of the 4 paths its own embedding; the first level keeps the head.
+  assert pse["dipaco"].pop("path_specific") == "embed" and base["dipaco"].pop("path_specific") == ""
+  assert pse["dipaco"].pop("level_groups") == ("head", "block_0-1", "block_2-3")
+  # In the first routed level: 2 embeddings, each shared by the 2 paths through its module.
+  assert emb["dipaco"].pop("level_groups") == ("head", "embed,block_0-1", "block_2-3")
+  assert base["dipaco"].pop("level_groups") == ("embed,head", "block_0-1", "block_2-3")
+  emb["dipaco"].pop("path_specific")
+  assert pse == base and emb == base  # Same θ̄, phase-0 shards, router, LR: only the placement.
+  # The i.i.d. controls: the same placement, random shards, no re-shard.
+  iid = cfg("dipaco_2x2_pse_iid")
+  assert iid["dipaco"]["path_specific"] == "embed" and iid["routing"]["router"] == "random"
+  assert iid["routing"]["discriminative_at_outer_step"] == -1
+  assert cfg("dipaco_2x2_emb_iid")["dipaco"]["level_groups"][1] == "embed,block_0-1"
+
+
+def test_the_arms_json_names_each_arms_grid_and_shards_with_its_ppl_per_seed():
+  s = reproduce.MODES["long"]
+  kinds = {m: reproduce.arm_kind(m, s) for m in reproduce.LONG_MODELS + ("dipaco_2x2_pse_iid",)}
+  assert kinds == {
+    "dense_path": ("P=1", "iid"),
+    "diloco_iid": ("P=4", "iid"),
+    "diloco_iid_olr0.35": ("P=4", "iid"),
+    "diloco_iid_olr1.0": ("P=4", "iid"),
+    "diloco_iid_2": ("P=2", "iid"),
+    "dipaco_2x2": ("2x2", "routed"),
+    "dipaco_2x2_olr1.0": ("2x2", "routed"),
+    "dipaco_2x2_iid": ("2x2", "iid"),
+    "dipaco_2x2_muon": ("2x2", "routed"),
+    "dipaco_2x2_pse_iid": ("2x2", "iid"),
+  }
+  assert reproduce.arm_kind("dipaco_4x4", s) == ("4x4", "routed")
+  assert reproduce.arm_kind("diloco_iid_16", s) == ("P=16", "iid")
+  model = lambda ppl, seeds=(0, 1), spec=None: {
+    "ppl": ppl,
+    "seeds": list(seeds),
+    "mean": sum(ppl) / len(ppl),
+    "range": max(ppl) - min(ppl),
+    "oracle_ppl": None,
+    "random_ppl": None,
+    "diagonal_gap": spec,
+    "routed_best_share": None,
+    "routed_gain_share": None,
+    "workers": 4,
+  }
+  summary = {
+    "sizes": dataclasses.asdict(s),
+    "mode": "long",
+    "commands": ["python benchmarks/reproduce.py --long --seed=0 --out=A"],
+    "models": {
+      "pretrain": {**model([900.0]), "noise_scale_tokens": [3000.0]},
+      "dense_path": model([410.0, 420.0]),
+      "diloco_iid": model([260.0, 262.0]),
+      "dipaco_2x2": model([250.0, 246.0], spec=[-0.05, -0.04]),
+    },
+    "gaps": [],
+  }
+  out = reproduce.arms_json(summary, "python benchmarks/reproduce.py --summarize=A")
+  assert out["arms"]["dipaco_2x2"]["ppl"] == [250.0, 246.0]
+  assert (out["arms"]["dipaco_2x2"]["grid"], out["arms"]["dipaco_2x2"]["shards"]) == (
+    "2x2",
+    "routed",
+  )
+  assert out["arms"]["dipaco_2x2"]["diagonal_gap"] == [-0.05, -0.04]
+  assert (out["arms"]["diloco_iid"]["grid"], out["arms"]["diloco_iid"]["shards"]) == ("P=4", "iid")
+  assert set(out["arms"]) == {"diloco_iid", "dipaco_2x2"}  # The grids' question ...
+  assert set(out["references"]) == {"dense_path"}  # ... and the rest beside it.
+  assert out["regime"]["noise_scale_tokens_at_theta"] == [3000.0]
+  assert out["commands"][-1] == "python benchmarks/reproduce.py --summarize=A"
