@@ -13,7 +13,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import reproduce  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-
 # The smoke run's models: every kind of run the script makes once (two whose runs repeat
 # another's code path at more cost, DiLoCo P=16 and the 2x2 k-means control, are checked from
 # their configs below, untrained).
