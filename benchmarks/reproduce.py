@@ -15,6 +15,15 @@ model, oracle and random-path means, gaps within the seed range flagged):
   python benchmarks/reproduce.py --long --seed=0 --out=/tmp/long_s0   # then --seed=1 --out=..._s1
   python benchmarks/reproduce.py --summarize=/tmp/long_s0,/tmp/long_s1 --out=/tmp/long_sum
 
+The summary also writes the arms per seed as JSON (`--arms_json`, default
+<out>/specialisation.json: {"arms": {name: {"ppl": [per seed], "grid", "shards", ...}}}, with
+each multi-path run's specialisation report: diagonal gap, routed-is-best share), the form
+docs/results/specialisation.md reads. The routing levers beside --long's arms (add them with
+--models=...): the embedding routed (dipaco_2x2_pse: each path its own; dipaco_2x2_emb: in the
+first routed level; each with its _iid control), the 4x4 grid (dipaco_4x4, dipaco_4x4_iid,
+diloco_iid_16), `--size min_share=0`; and the outer deltas compressed (dipaco_2x2_int8,
+dipaco_2x2_fp4, dipaco_2x2_fp4_noef).
+
 `--long_b4` is the first long comparison (batch 4 x 96, one document after another: ~0.04x
 the noise scale), kept for the results page's appendix.
 
@@ -274,6 +283,9 @@ PAIRS = (
   ("dipaco_2x2_pse", "dipaco_2x2"),
   ("dipaco_2x2_emb", "dipaco_2x2_emb_iid"),
   ("dipaco_2x2_emb", "dipaco_2x2"),
+  ("dipaco_2x2", "dipaco_2x2_int8"),
+  ("dipaco_2x2", "dipaco_2x2_fp4"),
+  ("dipaco_2x2_fp4", "dipaco_2x2_fp4_noef"),
   ("dipaco_4x4", "diloco_iid_16"),
   ("dipaco_4x4", "dipaco_4x4_kmeans"),
   ("dipaco_4x4", "dipaco_2x2"),
@@ -313,6 +325,9 @@ INVESTIGATIONS = {
   "dipaco_2x2_pse_iid": "dipaco_2x2_pse on i.i.d. shards (its control)",
   "dipaco_2x2_emb": "DiPaCo 2x2 as dipaco_2x2, the (tied) embedding in the first routed level",
   "dipaco_2x2_emb_iid": "dipaco_2x2_emb on i.i.d. shards (its control)",
+  "dipaco_2x2_int8": "DiPaCo 2x2 as dipaco_2x2, outer deltas sent as int8 with error feedback",
+  "dipaco_2x2_fp4": "DiPaCo 2x2 as dipaco_2x2, outer deltas sent as fp4 with error feedback",
+  "dipaco_2x2_fp4_noef": "DiPaCo 2x2 as dipaco_2x2, outer deltas sent as fp4, no error feedback",
 }
 # <base>_olr<LR>: the base model at outer LR <LR>, e.g. diloco_iid_olr0.35.
 OUTER_LR_BASES = ("diloco_iid", "dipaco_2x2")
@@ -443,6 +458,16 @@ def run_overrides(
     }
   if name == "dipaco_4x4_iid":
     return {**grid(4), **fork, "routing.router": "random"}
+  compressed = {
+    "dipaco_2x2_int8": {"outer.compression": "int8"},
+    "dipaco_2x2_fp4": {"outer.compression": "fp4"},
+    "dipaco_2x2_fp4_noef": {"outer.compression": "fp4", "outer.error_feedback": False},
+  }
+  if name in compressed:  # The same run as dipaco_2x2 but for the wire format of its deltas.
+    return {
+      **run_overrides("dipaco_2x2", s, pretrain_dir, shared_shards, sqrt_paths, sqrt_cap),
+      **compressed[name],
+    }
   # Where the capacity sits: the quick model's tied embedding holds ~70% of a path's
   # parameters; these put it in the routed part (same phase-0 shards as dipaco_2x2).
   first, second = _block_levels(s.layers)
@@ -1047,10 +1072,18 @@ def summarize(dirs: list[str]) -> dict:
     "dirs": dirs,
     "sizes": runs[0]["sizes"],
     "mode": runs[0].get("mode"),
-    "commands": [r.get("command") for r in runs],
+    "commands": [_command_for(r.get("command"), d) for r, d in zip(runs, dirs)],
     "models": models,
     "gaps": gaps,
   }
+
+
+def _command_for(command: str | None, out: str) -> str | None:
+  """A run's recorded command, its --out spelled as the summary was given the directory."""
+  if not command:
+    return command
+  words = ["python", *command.split()[1:]]
+  return " ".join(f"--out={out}" if w.startswith("--out=") else w for w in words)
 
 
 # The routing question's arms (the `grid` values of the arms JSON); the others are references.

@@ -285,3 +285,25 @@ def test_the_arms_json_names_each_arms_grid_and_shards_with_its_ppl_per_seed():
   assert set(out["references"]) == {"dense_path"}  # ... and the rest beside it.
   assert out["regime"]["noise_scale_tokens_at_theta"] == [3000.0]
   assert out["commands"][-1] == "python benchmarks/reproduce.py --summarize=A"
+  # Each seed's command names its directory as the summary was given it.
+  recorded = "python3.11 benchmarks/reproduce.py --long --seed=1 --out=/abs/s1 --models=a,b"
+  assert reproduce._command_for(recorded, "runs/s1") == (
+    "python benchmarks/reproduce.py --long --seed=1 --out=runs/s1 --models=a,b"
+  )
+
+
+def test_the_compression_arms_are_dipaco_2x2_but_for_the_deltas_wire_format(tmp_path):
+  s = reproduce.MODES["long"]
+  cfg = lambda m: reproduce.make_config(m, s, str(tmp_path), "multiply").to_dict()
+  base = cfg("dipaco_2x2")
+  for name, codec, ef in [
+    ("dipaco_2x2_int8", "int8", True),
+    ("dipaco_2x2_fp4", "fp4", True),
+    ("dipaco_2x2_fp4_noef", "fp4", False),
+  ]:
+    c = cfg(name)
+    assert (c["outer"].pop("compression"), c["outer"].pop("error_feedback")) == (codec, ef), name
+    b = cfg("dipaco_2x2")
+    assert (b["outer"].pop("compression"), b["outer"].pop("error_feedback")) == ("none", True)
+    assert c == b, name
+  assert base["data"]["shard_dir"] == cfg("dipaco_2x2_fp4")["data"]["shard_dir"]  # Same shards.
