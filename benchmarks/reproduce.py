@@ -287,6 +287,7 @@ PAIRS = (
   ("dipaco_2x2", "dipaco_2x2_fp4"),
   ("dipaco_2x2_fp4", "dipaco_2x2_fp4_noef"),
   ("dipaco_4x4", "diloco_iid_16"),
+  ("dipaco_4x4", "dipaco_4x4_iid"),
   ("dipaco_4x4", "dipaco_4x4_kmeans"),
   ("dipaco_4x4", "dipaco_2x2"),
   ("dense_4x", "dense_path"),
@@ -1065,6 +1066,7 @@ def summarize(dirs: list[str]) -> dict:
           "gap": gap,
           "seed_range": noise,
           "resolved": abs(gap) > noise and min(len(models[a]["ppl"]), len(models[b]["ppl"])) > 1,
+          "one_seed": min(len(models[a]["ppl"]), len(models[b]["ppl"])) < 2,
           "paper_order_holds": gap > 0,
         }
       )
@@ -1167,7 +1169,13 @@ def summary_markdown(summary: dict) -> str:
   lines.append("|---|---|---:|---:|---|")
   for g in summary["gaps"]:
     order = "paper's order" if g["paper_order_holds"] else "reversed"
-    noise = "exceeds the seed range" if g["resolved"] else "within the seed range (not a result)"
+    noise = (
+      "exceeds the seed range"
+      if g["resolved"]
+      else "one seed: no range (not a result)"
+      if g.get("one_seed")
+      else "within the seed range (not a result)"
+    )
     lines.append(
       f"| {g['better_expected']} | {g['worse_expected']} | {g['gap']:+.2f} | "
       f"{g['seed_range']:.2f} | {order}, {noise} |"
