@@ -469,7 +469,7 @@ def run_overrides(
       **run_overrides("dipaco_2x2", s, pretrain_dir, shared_shards, sqrt_paths, sqrt_cap),
       **compressed[name],
     }
-  # Where the capacity sits: the quick model's tied embedding holds ~70% of a path's
+  # Where the capacity sits: the quick model's tied embedding holds ~73% of a path's
   # parameters; these put it in the routed part (same phase-0 shards as dipaco_2x2).
   first, second = _block_levels(s.layers)
   pse = {**grid(2), "dipaco.path_specific": "embed", "dipaco.level_groups": ("head", first, second)}
