@@ -625,8 +625,9 @@ def write_specialisation(run, spec) -> None:
   """<workdir>/specialisation_step<S>.json, as benchmarks/specialisation.py writes it."""
   import specialisation  # pylint: disable=import-outside-toplevel  # Beside this script.
 
-  with open(specialisation.default_path(run.workdir, run.step), "w") as f:
-    json.dump(specialisation.record(run, spec, "store"), f, indent=1, allow_nan=False)
+  specialisation.write(
+    specialisation.record(run, spec, "store"), specialisation.default_path(run.workdir, run.step)
+  )
 
 
 def read_specialisation(workdir: str) -> dict | None:
@@ -634,7 +635,9 @@ def read_specialisation(workdir: str) -> dict | None:
   import specialisation  # pylint: disable=import-outside-toplevel
 
   steps = _checkpoint_steps(workdir) if os.path.isdir(workdir) else []
-  return _read_json(specialisation.default_path(workdir, steps[-1])) or None if steps else None
+  if not steps:
+    return None
+  return _read_json(specialisation.default_path(workdir, steps[-1])) or None
 
 
 # The specialisation report's numbers a summary carries (the matrices stay in the run's JSON).
@@ -1059,14 +1062,15 @@ def summarize(dirs: list[str]) -> dict:
     if a in models and b in models:
       gap = models[b]["mean"] - models[a]["mean"]  # > 0: a is better, as the paper orders.
       noise = max(models[a]["range"], models[b]["range"])
+      seeds = min(len(models[a]["ppl"]), len(models[b]["ppl"]))  # A range needs two.
       gaps.append(
         {
           "better_expected": a,
           "worse_expected": b,
           "gap": gap,
           "seed_range": noise,
-          "resolved": abs(gap) > noise and min(len(models[a]["ppl"]), len(models[b]["ppl"])) > 1,
-          "one_seed": min(len(models[a]["ppl"]), len(models[b]["ppl"])) < 2,
+          "resolved": abs(gap) > noise and seeds > 1,
+          "one_seed": seeds < 2,
           "paper_order_holds": gap > 0,
         }
       )

@@ -76,9 +76,7 @@ def report(args) -> None:
   run = evaluate.load_run(config, args.workdir, args.step)
   spec = evaluate.specialisation(run, params=args.params, max_docs=args.max_docs)
   out = record(run, spec, args.params)
-  path = args.out or default_path(args.workdir, run.step)
-  with open(path, "w") as f:
-    json.dump(out, f, indent=1, allow_nan=False)
+  path = write(out, args.out or default_path(args.workdir, run.step))
   print(f"{args.workdir}: step {run.step}, params {args.params}, {out['grid']}\n")
   print(report_lib.specialisation_to_markdown(spec, out["path_labels"]))
   print(f"wrote: {path}")
@@ -86,6 +84,13 @@ def report(args) -> None:
 
 def default_path(workdir: str, step: int) -> str:
   return os.path.join(workdir, f"specialisation_step{step}.json")
+
+
+def write(out: dict, path: str) -> str:
+  """The report's JSON at `path` (strict JSON: a NaN is an error, not a token); returns it."""
+  with open(path, "w") as f:
+    json.dump(out, f, indent=1, allow_nan=False)
+  return path
 
 
 def record(run, spec, params: str) -> dict:
