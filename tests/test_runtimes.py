@@ -18,12 +18,14 @@ import jax
 import numpy as np
 import pytest
 
+from dipaco_jax import config_check
 from dipaco_jax import train
 from dipaco_jax.config import sections
 from dipaco_jax.core import experiment
 from dipaco_jax.core import guard as guard_lib
 from dipaco_jax.io import checkpoint
 from dipaco_jax.runtime.elastic import driver
+from dipaco_jax.runtime.elastic import errors as elastic_errors
 from dipaco_jax.runtime.elastic import executor as exec_lib
 from dipaco_jax.runtime.elastic import grid as grid_lib
 from dipaco_jax.runtime.elastic import worker as worker_lib
@@ -96,6 +98,11 @@ CASES = {
     "outer.compression_block": 8,
     "outer.error_feedback": False,
   },
+  # Streamed outer sync: the spmd mode's; the elastic mode refuses it in one line (ELASTIC_REFUSES).
+  # Two phases (step 1 runs at LR 0 in the warmup; embed syncs after steps 1 and 3).
+  "outer.fragments": {"outer.fragments": 2, "dipaco.outer_steps": 2},
+  # Two phases: the first phase's update lands after step 3 (the last step's at once).
+  "outer.overlap": {"outer.overlap": 1, "dipaco.outer_steps": 2},
   # Guards that trip: a loss driven above ln V, a norm ratio the first steps exceed.
   "guard.stuck_steps": {"guard.stuck_steps": 1, "inner.warmup_steps": 0, "inner.lr": 1.0},
   "guard.max_param_norm_ratio": {"guard.max_param_norm_ratio": 1.001, "inner.lr": 0.05},
@@ -142,6 +149,8 @@ RUNS = (
   ("outer.sqrt_paths_cap",),
   ("outer.compression",),
   ("outer.compression_block", "outer.error_feedback"),
+  ("outer.fragments",),
+  ("outer.overlap",),
   ("guard.stuck_steps",),
   ("guard.max_param_norm_ratio",),
 )
@@ -149,6 +158,9 @@ RUNS = (
 # splash needs a TPU, cuDNN a GPU) and splash's blocks. Both runtimes must still build their
 # model from the recipe's config with them: checked on the recipes, without running a phase.
 ACCELERATOR_ONLY = ("model.attention", "model.attention_block_q", "model.attention_block_kv")
+# Fields the elastic mode refuses (one line, before anything runs) where they would act; the
+# spmd loop honours them: its state must differ from the same run's without the field.
+ELASTIC_REFUSES = ("outer.fragments", "outer.overlap")
 
 
 def test_every_field_of_the_recipes_sections_has_a_case():
@@ -272,6 +284,17 @@ def test_a_field_changes_both_runtimes_alike(case, shards, base, tmp_path):
     _same_model_in_both_recipes(cfg("spmd"), cfg("elastic"), case)
     return
   spmd = _spmd(cfg("spmd"), str(tmp_path / "spmd"))
+  if case in ELASTIC_REFUSES:
+    with pytest.raises(elastic_errors.ElasticConfigError) as e:
+      config_check.validate(cfg("elastic"))
+    assert case in str(e.value) and "\n" not in str(e.value), e.value
+    # Against the same run without the field (its case's other fields set alike).
+    ref = helpers.micro_config(
+      **{**BASE, "data.shard_dir": shards, **{k: v for k, v in over.items() if k != case}}
+    )
+    a, b = _leaves(spmd), _leaves(_spmd(ref, str(tmp_path / "ref")))
+    assert any(not np.array_equal(x, y) for x, y in zip(a["params"], b["params"])), case
+    return
   elastic = _elastic(cfg("elastic"), str(tmp_path / "elastic"))
   if isinstance(spmd, guard_lib.DivergenceError) or isinstance(elastic, dict):
     assert isinstance(elastic, dict), (spmd, elastic)

@@ -229,6 +229,16 @@ class OuterConfig(f.Section):
   error_feedback: bool = f.field(
     True, f.boolean(), "With compression: each worker adds what its codes dropped to its next Δ."
   )
+  fragments: int = f.field(
+    1,
+    f.integer(1),
+    "F: the store's groups in F fragments synced H/F steps apart (streamed; 1: all at once).",
+  )
+  overlap: int = f.field(
+    0,
+    f.integer(0),
+    "τ: inner steps a fragment's exchange is in flight: its update lands τ late (0: at once).",
+  )
 
 
 @dataclasses.dataclass(frozen=True)

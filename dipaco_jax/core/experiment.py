@@ -18,6 +18,7 @@ from dipaco_jax.core import outer as outer_lib
 from dipaco_jax.core import paths as paths_lib
 from dipaco_jax.core import recipe as recipe_lib
 from dipaco_jax.core import sharding
+from dipaco_jax.core import streaming
 from dipaco_jax.core import topology
 from dipaco_jax.data import feed
 from dipaco_jax.errors import ConfigError
@@ -70,11 +71,32 @@ class Experiment:
     if r.compressed:  # (..., ef, start) -> (..., ef): outer.sharded_outer_step.
       ef = self.state_sharding.ef if r.feedback else {}
       outer_in, outer_out = (*outer_in, ef, ps), (*outer_out, ef)
-    self.outer_step = jax.jit(
-      r.outer_program(self.mesh, (specs.store, specs.outer_opt, specs.params)),
+    outer_specs = (specs.store, specs.outer_opt, specs.params)
+    self._outer_program = lambda groups: jax.jit(
+      r.outer_program(self.mesh, outer_specs, groups),
       in_shardings=outer_in,
       out_shardings=outer_out,
       donate_argnums=(0, 1, 2, 4) if r.compressed else (0, 1, 2),
+    )
+    self._outer_programs = {}
+    self.outer_step = self.outer_fragment(None)
+    # outer.fragments: each fragment's store groups; outer.overlap: the update in flight.
+    self.fragments = streaming.split(abstract.store, r.fragments)
+    # θ_new − θ_t and θ + jump, where a fragment's update is in flight (core/streaming.py).
+    self.jump = jax.jit(
+      lambda new, old: jax.tree.map(lambda n, o: n - o, new, old),
+      in_shardings=(ps, ps),
+      out_shardings=ps,
+      donate_argnums=(0,),
+    )
+    self.land = jax.jit(  # (θ + jump, 0): the update lands, nothing is in flight after.
+      lambda params, jump: (
+        jax.tree.map(lambda p, j: p + j, params, jump),
+        jax.tree.map(jnp.zeros_like, jump),
+      ),
+      in_shardings=(ps, ps),
+      out_shardings=(ps, ps),
+      donate_argnums=(0, 1),
     )
     # With compression: each worker's params at its phase's start (its modules), kept by the
     # spmd loop beside the state (not checkpointed: the store holds them at any step).
@@ -103,6 +125,13 @@ class Experiment:
     )
     self.all_finite = jax.jit(guard_lib.all_finite)
 
+  def outer_fragment(self, groups):
+    """The jitted outer step that syncs the store groups `groups` (None: all), built once."""
+    key = None if groups is None else tuple(sorted(groups))
+    if key not in self._outer_programs:
+      self._outer_programs[key] = self._outer_program(None if key is None else frozenset(key))
+    return self._outer_programs[key]
+
   def _state_specs(self, abstract: TrainState) -> TrainState:
     r = self.recipe
     ps = sharding.worker_specs(abstract.params, self.mesh, self.fsdp)
@@ -115,7 +144,8 @@ class Experiment:
       outer_opt=sharding.opt_state_specs(r.outer_tx, abstract.outer_opt, ss, leading=None),
       inner_opt=sharding.opt_state_specs(r.inner_tx, abstract.inner_opt, ps, leading="path"),
     )
-    return r.with_ef(specs, ps) if r.feedback else specs
+    specs = r.with_ef(specs, ps) if r.feedback else specs
+    return r.with_jump(specs, ps) if r.overlap else specs
 
   def init_state(self, seed: int, theta: PyTree | None = None) -> TrainState:
     """A fresh, sharded state (θ̄ given, e.g. from a dense pretraining)."""

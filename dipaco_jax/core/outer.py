@@ -344,7 +344,9 @@ def _leaf_on_mesh(
   return d, trained_K, 0, to_workers, None
 
 
-def sharded_outer_step(topo: topo_lib.Topology, cfg: sections.OuterConfig, tx, mesh, specs):
+def sharded_outer_step(
+  topo: topo_lib.Topology, cfg: sections.OuterConfig, tx, mesh, specs, groups=None
+):
   """The outer step over `mesh` (a shard_map), its collectives across 'path' written out.
 
   specs: the PartitionSpecs of (store, outer_opt, params). A device holds
@@ -360,6 +362,11 @@ def sharded_outer_step(topo: topo_lib.Topology, cfg: sections.OuterConfig, tx, m
   the ‖Δ‖ metric (ΣK float32). The same `weights`, `average` and `apply` as
   `module_outer_step` and the one-device formula; only the order of the sums
   may differ. `tx`: the outer optimizer (`optimizer(cfg)`, the recipe's).
+
+  groups: the store groups this step syncs (a fragment of outer.fragments,
+  core/streaming.py), None for all. Another group crosses nothing: its modules and
+  momentum stay (masked out of the optimizer's step), its workers keep their own params
+  (and residuals), and its ‖Δ‖ is not in the metrics.
 
   With `cfg.compression` other than "none" the program takes two more inputs
   and returns one more output: (store, opt, params, α, ef, start) -> (store,
@@ -385,6 +392,12 @@ def sharded_outer_step(topo: topo_lib.Topology, cfg: sections.OuterConfig, tx, m
     ef_L = ef_L if feedback else None
     pseudo_grads, masks, back, sq, new_ef = {}, {}, {}, {}, {}
     for s in topo.store_groups():
+      if groups is not None and s.name not in groups:  # Not this fragment's: it stays.
+        pseudo_grads[s.name] = jax.tree.map(jnp.zeros_like, store[s.name])
+        masks[s.name] = jax.tree.map(lambda x: jnp.zeros(x.shape[:1], bool), store[s.name])
+        if ef_L is not None:
+          new_ef[s.name] = ef_L[s.name]
+        continue
       w_KxW, norm_K, _ = weights(s, alpha_W, cfg)
       x_K, treedef = jax.tree.flatten(store[s.name])
       x_L = treedef.flatten_up_to(params_L[s.name])
@@ -435,6 +448,7 @@ def sharded_outer_step(topo: topo_lib.Topology, cfg: sections.OuterConfig, tx, m
       )
       for g, (t, fs) in back.items()
     }
+    new_params = {g: new_params.get(g, params_L[g]) for g in params_L}  # Unsynced groups stay.
     # The ‖Δ‖ metric in one psum of ΣK floats.
     levels = list(sq)
     total_sq = jax.lax.psum(jnp.concatenate([sq[lvl] for lvl in levels]), mesh.axis_names)

@@ -33,6 +33,7 @@ from dipaco_jax.core import inner as inner_lib
 from dipaco_jax.core import model as model_lib
 from dipaco_jax.core import outer as outer_lib
 from dipaco_jax.core import paths as paths_lib
+from dipaco_jax.core import streaming
 from dipaco_jax.core import topology
 from dipaco_jax.types import PyTree
 
@@ -59,9 +60,28 @@ class TrainStateEF(TrainState):
   ef: PyTree  # Each worker's error-feedback residual, params-shaped float32 [W, ...].
 
 
+@flax.struct.dataclass
+class TrainStateStream(TrainState):
+  """The state of a run whose outer updates land late (outer.overlap > 0, core/streaming.py)."""
+
+  jump: PyTree  # θ_new − θ_t of the fragment in flight (0 elsewhere), params-shaped [W, ...].
+
+
+@flax.struct.dataclass
+class TrainStateStreamEF(TrainStateEF):
+  """outer.overlap > 0 with error feedback."""
+
+  jump: PyTree
+
+
 def error_feedback(state: TrainState) -> PyTree | None:
   """The state's error-feedback residuals, or None (a run without them)."""
   return getattr(state, "ef", None)
+
+
+def in_flight(state: TrainState) -> PyTree | None:
+  """The update in flight (outer.overlap), or None (a run without overlap)."""
+  return getattr(state, "jump", None)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -90,12 +110,20 @@ class Recipe:
       config, total_steps=d.inner_steps * d.outer_steps if total is None else total
     )
     outer_cfg = sections.OuterConfig.of(config)
+    topo = topology.from_config(config)
+    streaming.check(
+      outer_cfg.fragments,
+      outer_cfg.overlap,
+      d.inner_steps,
+      len(topo.store_groups()),
+      outer_cfg.enabled,
+    )
     # What the backend cannot run (splash off TPU, cuDNN off GPU) fails here, in both runtimes.
     attention_lib.check(
       model_cfg, (config.data.seq_len, config.eval.seq_len), attention_lib.platform_of(mesh)
     )
     return cls(
-      topo=topology.from_config(config),
+      topo=topo,
       model_cfg=model_cfg,
       inner_cfg=inner_cfg,
       outer_cfg=outer_cfg,
@@ -116,6 +144,16 @@ class Recipe:
   def compressed(self) -> bool:
     """Whether the workers' deltas cross in a compressed form (outer.compression)."""
     return self.outer_cfg.enabled and self.outer_cfg.compression != "none"
+
+  @property
+  def fragments(self) -> int:
+    """F, the fragments synced at staggered steps (outer.fragments; 1: all groups at once)."""
+    return self.outer_cfg.fragments if self.outer_cfg.enabled else 1
+
+  @property
+  def overlap(self) -> int:
+    """τ, the inner steps an outer update is in flight (outer.overlap; 0: applied at once)."""
+    return self.outer_cfg.overlap if self.outer_cfg.enabled else 0
 
   @property
   def feedback(self) -> bool:
@@ -188,13 +226,28 @@ class Recipe:
       params=params,
       inner_opt=jax.vmap(self.init_opt)(params),
     )
-    return self.with_ef(state, self.init_ef(params)) if self.feedback else state
+    state = self.with_ef(state, self.init_ef(params)) if self.feedback else state
+    return self.with_jump(state, self.init_jump(params)) if self.overlap else state
 
   @staticmethod
   def with_ef(state: TrainState, ef: PyTree) -> TrainStateEF:
     """`state` with error-feedback residuals `ef`."""
     fields = {f: getattr(state, f) for f in TrainState.__dataclass_fields__}
     return TrainStateEF(**fields, ef=ef)
+
+  @staticmethod
+  def with_jump(state: TrainState, jump: PyTree) -> TrainStateStream:
+    """`state` (with or without residuals) with the update in flight `jump`."""
+    if isinstance(state, TrainStateEF):
+      fields = {f: getattr(state, f) for f in TrainStateEF.__dataclass_fields__}
+      return TrainStateStreamEF(**fields, jump=jump)
+    fields = {f: getattr(state, f) for f in TrainState.__dataclass_fields__}
+    return TrainStateStream(**fields, jump=jump)
+
+  @staticmethod
+  def init_jump(params: PyTree) -> PyTree:
+    """No update in flight: zeros shaped and typed as the params."""
+    return jax.tree.map(jnp.zeros_like, params)
 
   @staticmethod
   def init_ef(params: PyTree) -> PyTree:
@@ -209,9 +262,14 @@ class Recipe:
       return jnp.ones(self.topo.num_workers, jnp.float32)
     return jnp.asarray(np.asarray(sizes_W, np.float64) / max(np.max(sizes_W), 1), jnp.float32)
 
-  def outer_program(self, mesh, specs):
-    """The spmd outer step over `mesh` (specs of store, outer state, params): to be jitted."""
-    return outer_lib.sharded_outer_step(self.topo, self.outer_cfg, self.outer_tx, mesh, specs)
+  def outer_program(self, mesh, specs, groups=None):
+    """The spmd outer step over `mesh` (specs of store, outer state, params): to be jitted.
+
+    groups: the store groups it syncs (a fragment's, or a flush's), None for all.
+    """
+    return outer_lib.sharded_outer_step(
+      self.topo, self.outer_cfg, self.outer_tx, mesh, specs, groups
+    )
 
   def module_outer_step(self, theta: PyTree, opt_state: PyTree, deltas_N: PyTree, alpha_N):
     """One module's outer step from its N workers' deltas (an elastic executor's)."""

@@ -20,6 +20,7 @@ from dipaco_jax.core import flops as flops_lib
 from dipaco_jax.core import inner as inner_lib
 from dipaco_jax.core import recipe as recipe_lib
 from dipaco_jax.core import sharding
+from dipaco_jax.core import streaming
 from dipaco_jax.data import feed as feed_lib
 from dipaco_jax.io import checkpoint as ckpt_lib
 from dipaco_jax.io import metrics as metrics_lib
@@ -98,6 +99,43 @@ def run(config, workdir: str) -> dict[str, Any]:
     r["tflops_per_device"] = flops_per_token * r["tokens_per_s"] / jax.device_count() / 1e12
     return r
 
+  F, tau = exp.recipe.fragments, exp.recipe.overlap
+  streamed = F > 1 or tau > 0
+  if streamed:
+    logging.info(
+      "outer sync streamed: %d fragments %s, each lands %d inner steps after its dispatch",
+      F,
+      [",".join(g) for g in exp.fragments],
+      tau,
+    )
+
+  def stream(state, start, at: int):
+    """After inner step `at`: land the update in flight, then sync the fragments due."""
+    end = at == total  # Everything lands, and every fragment syncs (the due one and a flush).
+    if tau and (end or streaming.lands(at, F, H, tau)):
+      params, jump = exp.land(state.params, state.jump)
+      state = state.replace(params=params, jump=jump)
+    due = streaming.due(at, F, H)
+    if not due and not end:
+      return state, start, None
+    groups = None if end else frozenset(g for f in due for g in exp.fragments[f])
+    program = exp.outer_fragment(groups)
+    old = exp.copy_params(state.params) if tau and not end else None  # θ_t, trained on.
+    args = (state.store, state.outer_opt, state.params, plan.alpha_W)
+    if exp.recipe.compressed:
+      ef = recipe_lib.error_feedback(state) if exp.recipe.feedback else {}
+      store, outer_opt, params, om, ef = program(*args, ef, start)
+      if exp.recipe.feedback:
+        state = state.replace(ef=ef)
+    else:
+      store, outer_opt, params, om = program(*args)
+    state = state.replace(store=store, outer_opt=outer_opt, params=params)
+    if exp.recipe.compressed:  # Each worker's modules as they now are in the store.
+      start = exp.start_params(state.store)
+    if old is not None:  # In flight: the workers train on θ_t; θ_new − θ_t lands τ steps on.
+      state = state.replace(params=old, jump=exp.jump(params, old))
+    return state, start, om["delta_norm"]
+
   # The inner LR each step runs with (train/learning_rate): the schedule at its count, which
   # a re-shard's restart sets back to 0. Counted here, so no step reads the device for it.
   lr_schedule = inner_lib.schedule(exp.recipe.inner_cfg)
@@ -161,7 +199,9 @@ def run(config, workdir: str) -> dict[str, Any]:
         state = state.replace(params=params, inner_opt=inner_opt, step=state.step + 1)
         step += 1
         outer_norm = None
-        if step % H == 0 and exp.recipe.compressed:
+        if streamed:  # outer.fragments / outer.overlap (core/streaming.py).
+          state, start, outer_norm = stream(state, start, step)
+        elif step % H == 0 and exp.recipe.compressed:
           ef = recipe_lib.error_feedback(state) if exp.recipe.feedback else {}
           store, outer_opt, params, om, ef = exp.outer_step(
             state.store, state.outer_opt, state.params, plan.alpha_W, ef, start

@@ -66,6 +66,13 @@ def check_config(config) -> None:
       "stores every phase's state as it goes: stop the command and rerun it to resume); set "
       "stop_at_step=-1."
     )
+  o = config.outer
+  if o.enabled and (o.fragments > 1 or o.overlap > 0):
+    raise ElasticConfigError(
+      f"config.outer.fragments={o.fragments}, outer.overlap={o.overlap}: an elastic task trains "
+      "a whole phase and sends every module at its end, so streamed outer sync is the spmd "
+      "mode's for now; set fragments=1 and overlap=0, or dipaco.mode='spmd'."
+    )
   if not config.outer.enabled:
     shared = [
       s.name
