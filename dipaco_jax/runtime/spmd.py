@@ -31,11 +31,15 @@ from dipaco_jax.runtime import early_stopping
 from dipaco_jax.runtime import shard_plan
 
 
-def run(config, workdir: str) -> dict[str, Any]:
+def run(config, workdir: str, link=None) -> dict[str, Any]:
   """Trains (or resumes) the run in `workdir` (a config train.py checked); the final metrics.
 
   The run is built before the workdir is touched; a first attempt that fails
-  before its shards are ready leaves no config.json.
+  before its shards are ready leaves no config.json. link: a simulated slow network
+  (benchmarks/stream_link.py), told when each outer exchange is dispatched
+  (`sent(step, groups)`) and asked to finish it where its update must land
+  (`landed(step, params)`, once the device is done with `params`); None (a run) costs
+  nothing.
   """
   exp = exp_lib.Experiment(config)
   # θ̄ read and checked before anything is written (a first run; a resume reads its checkpoint).
@@ -100,7 +104,7 @@ def run(config, workdir: str) -> dict[str, Any]:
     return r
 
   F, tau = exp.recipe.fragments, exp.recipe.overlap
-  streamed = F > 1 or tau > 0
+  streamed = F > 1 or tau > 0 or link is not None
   if streamed:
     logging.info(
       "outer sync streamed: %d fragments %s, each lands %d inner steps after its dispatch",
@@ -113,6 +117,8 @@ def run(config, workdir: str) -> dict[str, Any]:
     """After inner step `at`: land the update in flight, then sync the fragments due."""
     end = at == total  # Everything lands, and every fragment syncs (the due one and a flush).
     if tau and (end or streaming.lands(at, F, H, tau)):
+      if link is not None:
+        link.landed(at, state.params)
       params, jump = exp.land(state.params, state.jump)
       state = state.replace(params=params, jump=jump)
     due = streaming.due(at, F, H)
@@ -129,6 +135,12 @@ def run(config, workdir: str) -> dict[str, Any]:
         state = state.replace(ef=ef)
     else:
       store, outer_opt, params, om = program(*args)
+    if link is not None:
+      link.sent(
+        at, tuple(g for f in range(F) for g in exp.fragments[f] if not groups or g in groups)
+      )
+      if not tau or end:  # Applied at once: the next step waits for the exchange.
+        link.landed(at, params)
     state = state.replace(store=store, outer_opt=outer_opt, params=params)
     if exp.recipe.compressed:  # Each worker's modules as they now are in the store.
       start = exp.start_params(state.store)
