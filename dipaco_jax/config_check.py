@@ -229,6 +229,13 @@ def _check_relations(c) -> None:
         "config.profile.num_steps > 0 traces the spmd loop; the elastic pool does not trace "
         "its tasks yet: set dipaco.mode='spmd' or profile.num_steps=0."
       )
+  o = c.outer
+  if o.compression == "topk2" and not o.compression_keep <= o.compression_block <= 65536:
+    raise ConfigError(
+      f"config.outer.compression_keep={o.compression_keep} with compression_block="
+      f"{o.compression_block}: topk2 keeps at most a block's values, and a block's positions "
+      "are 16-bit; give compression_keep <= compression_block <= 65536."
+    )
   routing.discriminative_steps(c)  # The re-shards fit in 1..T-1.
   routing.phase0_grid(c, topo)  # The phase-0 router suits the grid and the replicas.
   if c.dipaco.mode == "elastic":  # What the Ray pool cannot run (ElasticConfigError).

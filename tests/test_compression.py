@@ -65,6 +65,47 @@ def test_bf16_and_none():
   np.testing.assert_array_equal(comp.roundtrip(x, "none", 64), x)
 
 
+def test_topk2_by_hand():
+  """Two blocks of 4, k = 2: positions, 2-bit codes (sign, |x| >= 3/4 absmax), absmax."""
+  x = jnp.array([[0.5, -4.0, 2.0, -3.5, 0, 0, 0.0, 1.0]], jnp.float32)
+  enc = comp.encode(x, "topk2", 4, keep=2)
+  assert enc["i"].dtype == jnp.uint8 and enc["q"].dtype == jnp.uint8
+  # Block 1: the two largest |x| are -4 (position 1) and -3.5 (3); absmax 4; both >= 3: code
+  # 0b11 (negative, big). Block 2: 1.0 (3) then a tie of zeros (the lower position, 0: code
+  # 0b00 with absmax 1, 0 < 0.75); 1.0 is big, positive: 0b01.
+  np.testing.assert_array_equal(enc["i"], [[1, 3, 3, 0]])
+  np.testing.assert_array_equal(enc["s"], [[4.0, 1.0]])
+  # Four 2-bit codes a byte, the first lowest, padded: [3, 3, 0, 0] -> 0x0F; [1, 0, 0, 0] -> 1.
+  np.testing.assert_array_equal(enc["q"], [[0x0F, 0x01]])
+  got = comp.decode(enc, "topk2", 4, 8, keep=2)
+  # Decoded: a big code is ±absmax, a small one ±absmax / 2 (the zero kept at position 0 of
+  # block 2 decodes to +0.5: what feedback takes back next phase).
+  np.testing.assert_array_equal(got, [[0, -4.0, 0, -4.0, 0.5, 0, 0, 1.0]])
+  assert sum(v.nbytes for v in enc.values()) == comp.wire_bytes(x.shape, "topk2", 4, 2) == 2 * 7
+  # k = 1 of 64 (SparseLoCo's 1.56%): the block's absmax alone, exact; 6 bytes a block.
+  y = jnp.zeros((2, 64)).at[0, 5].set(-0.3).at[0, 9].set(0.1).at[1, 63].set(2.0)
+  np.testing.assert_array_equal(
+    comp.roundtrip(y, "topk2", 64), jnp.zeros((2, 64)).at[0, 5].set(-0.3).at[1, 63].set(2.0)
+  )
+  assert comp.wire_bytes((2, 64), "topk2", 64) == 2 * 6
+  # Blocks above 256 values index with uint16.
+  big = comp.encode(jnp.ones((1, 300)), "topk2", 300, keep=3)
+  assert big["i"].dtype == jnp.uint16
+  assert sum(v.nbytes for v in big.values()) == comp.wire_bytes((1, 300), "topk2", 300, 3)
+
+
+def test_topk2_with_error_feedback_sends_everything_eventually():
+  """One Δ, then zeros: each phase sends the largest of what is left; Σ sent + e = Δ always."""
+  d = jnp.array([[0.1, -0.7, 0.3, 0.05]], jnp.float32)
+  e, total = jnp.zeros((1, 4)), jnp.zeros((1, 4))
+  for t in range(12):
+    _, sent, e = comp.with_feedback(d if t == 0 else jnp.zeros_like(d), e, "topk2", 4, 1)
+    total = total + sent
+    np.testing.assert_allclose(total + e, d, rtol=0, atol=1e-7)
+  # The first phase sends −0.7 exactly (k = 1: the absmax is a code); the rest follow.
+  assert float(jnp.max(jnp.abs(e))) < 0.05
+
+
 @pytest.mark.parametrize("kind", ["bf16", "int8", "fp4"])
 def test_round_trip_error_bound_and_wire_bytes(kind):
   x = jax.random.normal(jax.random.key(0), (3, 5, 100), jnp.float32)
@@ -174,6 +215,11 @@ def test_bad_values_are_one_line_errors():
     sections.OuterConfig(compression="int4")
   with pytest.raises(ConfigError, match=r"config\.outer\.compression_block=0 is invalid"):
     sections.OuterConfig(compression_block=0)
+  with pytest.raises(ConfigError) as e:
+    helpers.micro_config(
+      **{"outer.compression": "topk2", "outer.compression_keep": 65, "outer.compression_block": 64}
+    )
+  assert "compression_keep <= compression_block" in str(e.value) and "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize(

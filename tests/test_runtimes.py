@@ -93,6 +93,12 @@ CASES = {
   "outer.compression": {"outer.compression": "int8"},
   # fp4 with blocks of 8: the d_model rows (32) split into 4 blocks, head_dim's (16) into 2.
   "outer.compression_block": {"outer.compression": "fp4", "outer.compression_block": 8},
+  # topk2 keeping 2 of each block of 8.
+  "outer.compression_keep": {
+    "outer.compression": "topk2",
+    "outer.compression_block": 8,
+    "outer.compression_keep": 2,
+  },
   "outer.error_feedback": {
     "outer.compression": "fp4",
     "outer.compression_block": 8,
@@ -112,6 +118,7 @@ MORE = {
   "outer.compression=bf16": {"outer.compression": "bf16"},
   # A block (24) that divides no row: every row padded.
   "outer.compression=fp4": {"outer.compression": "fp4", "outer.compression_block": 24},
+  "outer.compression=topk2": {"outer.compression": "topk2"},  # 1 of 64 (of 32 a short row).
   # Not a recipe field, but both runtimes build their own training batchers from it.
   "data.interleave": {"data.interleave": 2},
 }
@@ -149,6 +156,7 @@ RUNS = (
   ("outer.sqrt_paths_cap",),
   ("outer.compression",),
   ("outer.compression_block", "outer.error_feedback"),
+  ("outer.compression_keep",),
   ("outer.fragments",),
   ("outer.overlap",),
   ("guard.stuck_steps",),
@@ -303,7 +311,7 @@ def test_a_field_changes_both_runtimes_alike(case, shards, base, tmp_path):
     return
   a, b = _leaves(spmd), _leaves(elastic)
   assert set(a) == set(b), case
-  coded = cfg("spmd").outer.compression in ("int8", "fp4")
+  coded = cfg("spmd").outer.compression in ("int8", "fp4", "topk2")
   for k in a:
     for x, y in zip(a[k], b[k], strict=True):
       if coded:  # The runtimes' inner steps differ by float32 ulps (1e-9 here), which can round

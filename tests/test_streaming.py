@@ -1,6 +1,8 @@
 """Streamed outer sync (outer.fragments, outer.overlap): the schedule, the split, the runs."""
 
+import os
 import shutil
+import sys
 
 import jax
 import numpy as np
@@ -15,6 +17,9 @@ from dipaco_jax.runtime import shard_plan
 from dipaco_jax.runtime.elastic import errors as elastic_errors
 
 import helpers
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+import stream_link  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 
 # Store groups embed [1, 8192, 32] (1 MiB), block_0 [2, ...] (76 KiB), head [1, 32]: the split
 # for F = 2 is (embed,) and (block_0, head). H = 2, T = 2: fragment 0 syncs after the odd
@@ -183,3 +188,23 @@ def test_an_update_in_flight_lands_tau_steps_late_and_resumes_bit_exactly(tmp_pa
   # The last step: nothing left in flight, every worker on the store's modules.
   for g in ("embed", "block_0", "head"):
     assert _equal(a["params"][g], _assembled(a, exp, g)), g
+
+
+def test_the_link_queues_transfers_and_counts_only_the_wait(monkeypatch):
+  """benchmarks/stream_link.py's link by hand: 1 byte a second (8 bits), a fake clock."""
+  clock = {"t": 0.0}
+  monkeypatch.setattr(stream_link.time, "perf_counter", lambda: clock["t"])
+  monkeypatch.setattr(stream_link.time, "sleep", lambda s: clock.update(t=clock["t"] + s))
+  link = stream_link.Link(8.0, {"a": 3, "b": 1}, scale=1.0)
+  link.sent(2, ("a",))  # 2 x 3 bytes (up and down): busy until 6.
+  clock["t"] = 4.0
+  link.sent(4, ("b",))  # Queued behind a: busy until 6 + 2 = 8.
+  link.landed(4, [])  # Waits 8 - 4 = 4.
+  clock["t"] = 9.0
+  link.sent(8, ("a", "b"))  # The link is free: 9 + 8 = 17.
+  clock["t"] = 20.0
+  link.landed(8, [])  # Done already: no wait.
+  assert link.exposed_s == 4.0 and link.busy_until == 17.0
+  # Steady phases (H = 4, T = 3: phase 1 only) from the dispatches after steps 4 and 8.
+  (p,) = stream_link.steady_phases(link.events, 4, 3)
+  assert p == {"phase": 1, "seconds": 5.0, "exposed_s": 0.0, "share": 0.0}

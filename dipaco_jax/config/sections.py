@@ -25,7 +25,7 @@ ATTENTION = ("auto", "xla", "splash", "cudnn")
 MLPS = ("gelu", "swiglu")
 WEIGHTINGS = ("shard_size", "uniform")  # α_p ∝ |D_p|, or equal.
 SQRT_MODES = ("multiply", "divide", "none")  # √P_{l,e} rescale of Δ (paper §2.7).
-COMPRESSIONS = ("none", "bf16", "int8", "fp4")  # Δ_w on the wire (core/compression.py).
+COMPRESSIONS = ("none", "bf16", "int8", "fp4", "topk2")  # Δ_w on the wire (core/compression.py).
 INITS = ("shared", "independent")  # Every module from one θ̄, or each its own.
 MODES = ("spmd", "elastic")
 TASKS = ("dipaco_embedded", "c4_en")  # The seqio tasks data/tasks.py registers.
@@ -221,10 +221,13 @@ class OuterConfig(f.Section):
   compression: str = f.field(
     "none",
     f.choice(COMPRESSIONS),
-    'Δ_w on the wire: "none" (float32) | "bf16" | "int8" | "fp4" (e2m1; docs/communication.md).',
+    'Δ_w on the wire: "none" (float32) | "bf16" | "int8" | "fp4" | "topk2" (communication.md).',
   )
   compression_block: int = f.field(
     64, f.integer(1), "Values per scale (int8, fp4) along a leaf's last axis; short rows padded."
+  )
+  compression_keep: int = f.field(
+    1, f.integer(1), "topk2: values kept a block, the largest |x| (1 of 64: 1.56%), 2 bits each."
   )
   error_feedback: bool = f.field(
     True, f.boolean(), "With compression: each worker adds what its codes dropped to its next Δ."

@@ -9,6 +9,13 @@
   fp4    per block, scale = absmax / 6 and codes x · 6 / absmax rounded (to nearest even) to
          float4 e2m1 {0, ±0.5, ±1, ±1.5, ±2, ±3, ±4, ±6}, packed two to a byte: 4 bits a
          value + 32 per block.
+  topk2  per block, the k = `outer.compression_keep` values of largest |x| (top-k
+         sparsification; 1 of 64 keeps 1.56%, as SparseLoCo), each as 2 bits: its sign and
+         whether |x| >= 3/4 of the block's absmax (decoded as absmax or absmax / 2), with
+         their positions in the block (uint8 up to 256 values a block, else uint16) and
+         the absmax (float32); the other values decode to 0. With error feedback what a
+         phase leaves out is sent later. k · (8 + 2) + 32 bits per block of 64: 0.66 bits
+         a value (k = 1; the codes padded to whole bytes per block: 0.75).
 
 Blocks run along a leaf's last axis: b = min(outer.compression_block, that axis' length),
 and a row whose length b does not divide is padded with zeros to a multiple of b (the
@@ -65,11 +72,51 @@ def _scaled_codes(x_R: jax.Array, kind: str, b: int):
   return c.reshape(*lead, n), absmax / qmax
 
 
-def encode(x: jax.Array, kind: str, block: int) -> dict[str, jax.Array]:
+def kept(n: int, block: int, keep: int) -> int:
+  """topk2: the values a block of a row of n values keeps (at most the block)."""
+  return max(1, min(int(keep), block_size(n, block)))
+
+
+def _index_dtype(b: int):
+  return jnp.uint8 if b <= 256 else jnp.uint16
+
+
+def _encode_topk(x: jax.Array, b: int, k: int) -> dict[str, jax.Array]:
+  """topk2's wire form of padded rows [..., m]: positions "i", 2-bit codes "q", absmax "s"."""
+  *lead, m = x.shape
+  x_NxB = x.reshape(*lead, m // b, b)
+  _, i_NxK = jax.lax.top_k(jnp.abs(x_NxB), k)  # Ties: the lower position first.
+  v_NxK = jnp.take_along_axis(x_NxB, i_NxK, axis=-1)
+  s_N = jnp.max(jnp.abs(v_NxK), axis=-1)
+  big = jnp.abs(v_NxK) >= 0.75 * s_N[..., None]
+  code = big.astype(jnp.uint8) | jnp.where(jnp.signbit(v_NxK), jnp.uint8(2), jnp.uint8(0))
+  code = jnp.pad(code, [(0, 0)] * len(lead) + [(0, 0), (0, -k % 4)])
+  c = code.reshape(*code.shape[:-1], -1, 4)
+  q = c[..., 0] | (c[..., 1] << 2) | (c[..., 2] << 4) | (c[..., 3] << 6)
+  flat = lambda a: a.reshape(*lead, -1)
+  return {"i": flat(i_NxK.astype(_index_dtype(b))), "q": flat(q), "s": s_N}
+
+
+def _decode_topk(enc: dict, b: int, k: int, m: int) -> jax.Array:
+  """Padded rows [..., m] from `_encode_topk`'s wire form."""
+  s_N = enc["s"]
+  i_NxK = enc["i"].reshape(*s_N.shape, k).astype(jnp.int32)
+  q = enc["q"].reshape(*s_N.shape, -1)
+  code = jnp.stack([(q >> sh) & 3 for sh in (0, 2, 4, 6)], axis=-1).reshape(*s_N.shape, -1)
+  code = code[..., :k]
+  mag = jnp.where((code & 1) > 0, 1.0, 0.5) * s_N[..., None]
+  v_NxK = jnp.where((code & 2) > 0, -mag, mag)
+  x_NxB = jnp.sum(jax.nn.one_hot(i_NxK, b, dtype=jnp.float32) * v_NxK[..., None], axis=-2)
+  return x_NxB.reshape(*s_N.shape[:-1], m)
+
+
+def encode(x: jax.Array, kind: str, block: int, keep: int = 1) -> dict[str, jax.Array]:
   """The wire form of float32 `x` [..., n]: {"q": codes} (+ {"s": scales [..., blocks]}).
 
   q: bf16 bit patterns (uint16) [..., n]; int8 codes [..., n padded]; fp4 codes packed
-  two to a uint8, the lower 4 bits first [..., n padded / 2, rounded up]. kind "none": x.
+  two to a uint8, the lower 4 bits first [..., n padded / 2, rounded up]; topk2 (`keep`
+  values a block) codes packed four to a uint8 [..., blocks * ceil(k / 4)] and their
+  positions "i" [..., blocks * k]. kind "none": x.
   """
   x = jnp.asarray(x, jnp.float32)
   if kind == "none":
@@ -79,6 +126,8 @@ def encode(x: jax.Array, kind: str, block: int) -> dict[str, jax.Array]:
   n = x.shape[-1]
   b, m = block_size(n, block), padded(n, block)
   x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, m - n)])
+  if kind == "topk2":
+    return _encode_topk(x, b, kept(n, block, keep))
   c, s = _scaled_codes(x, kind, b)
   if kind == "int8":
     return {"q": c.astype(jnp.int8), "s": s}
@@ -91,7 +140,7 @@ def encode(x: jax.Array, kind: str, block: int) -> dict[str, jax.Array]:
   return {"q": u[..., 0] | (u[..., 1] << 4), "s": s}
 
 
-def decode(enc: dict, kind: str, block: int, n: int) -> jax.Array:
+def decode(enc: dict, kind: str, block: int, n: int, keep: int = 1) -> jax.Array:
   """float32 [..., n] from `encode`'s wire form of a row of n values."""
   q = enc["q"]
   if kind == "none":
@@ -99,6 +148,8 @@ def decode(enc: dict, kind: str, block: int, n: int) -> jax.Array:
   if kind == "bf16":
     return jax.lax.bitcast_convert_type(q, jnp.bfloat16).astype(jnp.float32)
   b, m = block_size(n, block), padded(n, block)
+  if kind == "topk2":
+    return _decode_topk(enc, b, kept(n, block, keep), m)[..., :n]
   if kind == "int8":
     c = q.astype(jnp.float32)
   else:
@@ -110,15 +161,15 @@ def decode(enc: dict, kind: str, block: int, n: int) -> jax.Array:
   return y.reshape(*y.shape[:-2], m)[..., :n]
 
 
-def roundtrip(x: jax.Array, kind: str, block: int) -> jax.Array:
+def roundtrip(x: jax.Array, kind: str, block: int, keep: int = 1) -> jax.Array:
   """decode(encode(x)): what the owner of a module reads of a worker's `x`."""
   x = jnp.asarray(x, jnp.float32)
   if kind == "none":
     return x
-  return decode(encode(x, kind, block), kind, block, x.shape[-1])
+  return decode(encode(x, kind, block, keep), kind, block, x.shape[-1], keep)
 
 
-def with_feedback(delta: jax.Array, residual, kind: str, block: int):
+def with_feedback(delta: jax.Array, residual, kind: str, block: int, keep: int = 1):
   """(the sent value C(Δ + e), the next residual Δ + e − C(Δ + e)); residual None: no feedback.
 
   Returns the wire form too: (encoded, sent, next residual or None).
@@ -126,8 +177,8 @@ def with_feedback(delta: jax.Array, residual, kind: str, block: int):
   c = jnp.asarray(delta, jnp.float32)
   if residual is not None:
     c = c + residual
-  enc = encode(c, kind, block)
-  sent = decode(enc, kind, block, c.shape[-1]) if kind != "none" else c
+  enc = encode(c, kind, block, keep)
+  sent = decode(enc, kind, block, c.shape[-1], keep) if kind != "none" else c
   return enc, sent, (None if residual is None else c - sent)
 
 
@@ -136,7 +187,7 @@ def as_rows(x: jax.Array) -> jax.Array:
   return x[:, None] if x.ndim == 1 else x
 
 
-def wire_bytes(shape, kind: str, block: int) -> int:
+def wire_bytes(shape, kind: str, block: int, keep: int = 1) -> int:
   """Bytes of the wire form of an array [..., n] (the arithmetic of docs/communication.md)."""
   shape = tuple(shape) or (1,)
   rows, n = int(np.prod(shape[:-1])), shape[-1]
@@ -145,5 +196,9 @@ def wire_bytes(shape, kind: str, block: int) -> int:
   if kind == "bf16":
     return rows * n * 2
   m, b = padded(n, block), block_size(n, block)
+  if kind == "topk2":
+    k = kept(n, block, keep)
+    per_block = k * np.dtype(_index_dtype(b)).itemsize + -(-k // 4) + 4
+    return rows * (m // b) * per_block
   q = m if kind == "int8" else -(-m // 2)
   return rows * (q + 4 * (m // b))

@@ -100,13 +100,14 @@ def apply(tx, store: PyTree, opt_state: PyTree, pseudo_grads: PyTree, masks: PyT
 def encode_update(old: jax.Array, new: jax.Array, cfg) -> dict:
   """The downlink's wire form of one leaf's update new − old (float32 rows, no feedback)."""
   u = comp.as_rows(new.astype(jnp.float32) - old.astype(jnp.float32))
-  return comp.encode(u, cfg.compression, cfg.compression_block)
+  return comp.encode(u, cfg.compression, cfg.compression_block, cfg.compression_keep)
 
 
 def apply_update(old: jax.Array, enc: dict, cfg) -> jax.Array:
   """old + decode(update): a module as every holder of `old` rebuilds it from the downlink."""
   n = comp.as_rows(old).shape[-1]
-  dec = comp.decode(enc, cfg.compression, cfg.compression_block, n).reshape(old.shape)
+  dec = comp.decode(enc, cfg.compression, cfg.compression_block, n, cfg.compression_keep)
+  dec = dec.reshape(old.shape)
   return (old.astype(jnp.float32) + dec).astype(old.dtype)
 
 
@@ -187,7 +188,7 @@ def _downlink_here(old, new, spec, cfg, shape):
     return apply_update(old, enc, cfg), (enc if packs else None)
   u = comp.as_rows(new.astype(jnp.float32) - old.astype(jnp.float32))
   whole = jax.lax.all_gather(u, axes, axis=u.ndim - 1, tiled=True)
-  dec = comp.roundtrip(whole, kind, block)
+  dec = comp.roundtrip(whole, kind, block, cfg.compression_keep)
   mine = jax.lax.dynamic_slice_in_dim(dec, jax.lax.axis_index(axes) * n, n, axis=u.ndim - 1)
   return (old.astype(jnp.float32) + mine.reshape(old.shape)).astype(old.dtype), None
 
@@ -228,7 +229,9 @@ def _rows_to_owners(enc_L, n: int, cfg, w_KxL, ndata: int, split_data: bool):
     enc = {k: _data_part(v, 1, ndata) for k, v in enc.items()}
   got = {k: jax.lax.all_to_all(v, "path", 1, 0, tiled=True) for k, v in enc.items()}
   w_KxW = jax.lax.all_gather(w_KxL, "path", axis=1, tiled=True)
-  d = average(w_KxW, comp.decode(got, cfg.compression, cfg.compression_block, n))
+  d = average(
+    w_KxW, comp.decode(got, cfg.compression, cfg.compression_block, n, cfg.compression_keep)
+  )
   d = jax.lax.all_gather(d, "path", axis=1, tiled=True)
   if split_data:
     d = jax.lax.all_gather(d, "data", axis=1, tiled=True)
@@ -239,7 +242,9 @@ def _sent(cfg, d_L, e_L):
   """Each worker's sent value of one leaf [L, ...]: (wire form of rows, its decoded value, e')."""
   rows = comp.as_rows(d_L)
   e = None if e_L is None else comp.as_rows(e_L)
-  enc, sent, e_new = comp.with_feedback(rows, e, cfg.compression, cfg.compression_block)
+  enc, sent, e_new = comp.with_feedback(
+    rows, e, cfg.compression, cfg.compression_block, cfg.compression_keep
+  )
   back = lambda y: None if y is None else y.reshape(d_L.shape)
   return enc, back(sent), back(e_new)
 
@@ -337,7 +342,8 @@ def _leaf_on_mesh(
     cut = lambda v: _data_part(v, j, ndata) if split else v
     got = {k: jax.lax.all_to_all(cut(v), "path", j, 0, tiled=True) for k, v in enc.items()}
     n_here = part if last else n
-    d = average(w_KxW, comp.decode(got, kind_here, cfg.compression_block, n_here))
+    dec = comp.decode(got, kind_here, cfg.compression_block, n_here, cfg.compression_keep)
+    d = average(w_KxW, dec)
     return d, trained_K, 0, to_workers, e_new
   x_W = jax.lax.all_to_all(_data_part(x_L, j, ndata) if split else x_L, "path", j, 0, tiled=True)
   d = _delta(x_K, x_W, w_KxW, idx_W)

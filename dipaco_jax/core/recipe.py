@@ -292,8 +292,9 @@ class Recipe:
 
     def one(d, e):
       rows = comp.as_rows(d)
+      e_rows = None if e is None else comp.as_rows(e)
       enc, _, e_new = comp.with_feedback(
-        rows, None if e is None else comp.as_rows(e), c.compression, c.compression_block
+        rows, e_rows, c.compression, c.compression_block, c.compression_keep
       )
       return enc, None if e_new is None else e_new.reshape(d.shape)
 
@@ -310,7 +311,8 @@ class Recipe:
 
     def one(t, enc):
       n = comp.as_rows(jnp.zeros(t.shape, jnp.float32)).shape[-1]
-      return comp.decode(enc, c.compression, c.compression_block, n).reshape(t.shape)
+      dec = comp.decode(enc, c.compression, c.compression_block, n, c.compression_keep)
+      return dec.reshape(t.shape)
 
     return jax.tree.map(one, template, wire, is_leaf=lambda x: isinstance(x, dict) and "q" in x)
 
