@@ -22,7 +22,7 @@ docs/results/specialisation.md reads. The routing levers beside --long's arms (a
 --models=...): the embedding routed (dipaco_2x2_pse: each path its own; dipaco_2x2_emb: in the
 first routed level; each with its _iid control), the 4x4 grid (dipaco_4x4, dipaco_4x4_iid,
 diloco_iid_16), `--size min_share=0`; and the outer deltas compressed (dipaco_2x2_int8,
-dipaco_2x2_fp4, dipaco_2x2_fp4_noef).
+dipaco_2x2_fp4, dipaco_2x2_fp4_noef, dipaco_2x2_topk2) or streamed (dipaco_2x2_stream).
 
 `--long_b4` is the first long comparison (batch 4 x 96, one document after another: ~0.04x
 the noise scale), kept for the results page's appendix.
@@ -286,6 +286,8 @@ PAIRS = (
   ("dipaco_2x2", "dipaco_2x2_int8"),
   ("dipaco_2x2", "dipaco_2x2_fp4"),
   ("dipaco_2x2_fp4", "dipaco_2x2_fp4_noef"),
+  ("dipaco_2x2", "dipaco_2x2_topk2"),
+  ("dipaco_2x2_fp4", "dipaco_2x2_stream"),
   ("dipaco_4x4", "diloco_iid_16"),
   ("dipaco_4x4", "dipaco_4x4_iid"),
   ("dipaco_4x4", "dipaco_4x4_kmeans"),
@@ -329,6 +331,8 @@ INVESTIGATIONS = {
   "dipaco_2x2_int8": "DiPaCo 2x2 as dipaco_2x2, outer deltas sent as int8 with error feedback",
   "dipaco_2x2_fp4": "DiPaCo 2x2 as dipaco_2x2, outer deltas sent as fp4 with error feedback",
   "dipaco_2x2_fp4_noef": "DiPaCo 2x2 as dipaco_2x2, outer deltas sent as fp4, no error feedback",
+  "dipaco_2x2_topk2": "DiPaCo 2x2 as dipaco_2x2, outer deltas sent as top-1 of 64, 2 bits, with EF",
+  "dipaco_2x2_stream": "DiPaCo 2x2 as dipaco_2x2_fp4, synced in 3 fragments landing 4 steps late",
 }
 # <base>_olr<LR>: the base model at outer LR <LR>, e.g. diloco_iid_olr0.35.
 OUTER_LR_BASES = ("diloco_iid", "dipaco_2x2")
@@ -463,6 +467,9 @@ def run_overrides(
     "dipaco_2x2_int8": {"outer.compression": "int8"},
     "dipaco_2x2_fp4": {"outer.compression": "fp4"},
     "dipaco_2x2_fp4_noef": {"outer.compression": "fp4", "outer.error_feedback": False},
+    "dipaco_2x2_topk2": {"outer.compression": "topk2"},
+    # Streamed: fp4 in 3 fragments synced H/3 apart, each update landing 4 steps late.
+    "dipaco_2x2_stream": {"outer.compression": "fp4", "outer.fragments": 3, "outer.overlap": 4},
   }
   if name in compressed:  # The same run as dipaco_2x2 but for the wire format of its deltas.
     return {

@@ -292,18 +292,21 @@ def test_the_arms_json_names_each_arms_grid_and_shards_with_its_ppl_per_seed():
   )
 
 
-def test_the_compression_arms_are_dipaco_2x2_but_for_the_deltas_wire_format(tmp_path):
+def test_the_compression_and_streaming_arms_are_dipaco_2x2_but_for_the_outer_exchange(tmp_path):
   s = reproduce.MODES["long"]
   cfg = lambda m: reproduce.make_config(m, s, str(tmp_path), "multiply").to_dict()
   base = cfg("dipaco_2x2")
-  for name, codec, ef in [
-    ("dipaco_2x2_int8", "int8", True),
-    ("dipaco_2x2_fp4", "fp4", True),
-    ("dipaco_2x2_fp4_noef", "fp4", False),
+  for name, codec, ef, stream in [
+    ("dipaco_2x2_int8", "int8", True, (1, 0)),
+    ("dipaco_2x2_fp4", "fp4", True, (1, 0)),
+    ("dipaco_2x2_fp4_noef", "fp4", False, (1, 0)),
+    ("dipaco_2x2_topk2", "topk2", True, (1, 0)),
+    ("dipaco_2x2_stream", "fp4", True, (3, 4)),
   ]:
-    c = cfg(name)
-    assert (c["outer"].pop("compression"), c["outer"].pop("error_feedback")) == (codec, ef), name
-    b = cfg("dipaco_2x2")
-    assert (b["outer"].pop("compression"), b["outer"].pop("error_feedback")) == ("none", True)
+    c, b = cfg(name), cfg("dipaco_2x2")
+    wire = lambda o: (o.pop("compression"), o.pop("error_feedback"))
+    streamed = lambda o: (o.pop("fragments"), o.pop("overlap"))
+    assert (wire(c["outer"]), streamed(c["outer"])) == ((codec, ef), stream), name
+    assert (wire(b["outer"]), streamed(b["outer"])) == (("none", True), (1, 0))
     assert c == b, name
   assert base["data"]["shard_dir"] == cfg("dipaco_2x2_fp4")["data"]["shard_dir"]  # Same shards.
