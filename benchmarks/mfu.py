@@ -6,7 +6,7 @@ r"""Model FLOPs utilisation of a config's inner step on this machine's accelerat
 Times `Experiment.inner_step` (the trainer's jitted step: forward, backward,
 AdamW) on synthetic tokens for one worker on one device, and reports tokens/s,
 model FLOP/s by `flops.model_flops_per_token` and their fraction of the device's dense peak
-(--peak_tflops, or the table below by device kind) under both conventions (docs/tpu.md):
+(--peak_tflops, or `flops.PEAK_TFLOPS` by device kind) under both conventions (docs/tpu.md):
 `mfu` causal (6 N + 6 L T H K per token), `mfu_full` (6 N + 12 L T H K, PaLM). The config's
 other switches (dtype, remat, loss_chunk, microbatches) apply as set; --set overrides any field
 (repeatable).
@@ -27,15 +27,6 @@ from dipaco_jax import data as data_lib
 from dipaco_jax.core import experiment
 from dipaco_jax.core import flops
 from dipaco_jax.core import sharding
-
-# Dense peak TFLOP/s per chip by device kind, in the config's compute dtype (vendor sheets).
-PEAK_TFLOPS = {
-  ("NVIDIA H100 80GB HBM3", "bfloat16"): 989.0,
-  ("NVIDIA H100 80GB HBM3", "float32"): 67.0,  # Without TF32.
-  ("NVIDIA H200", "bfloat16"): 989.0,
-  ("TPU v5 lite", "bfloat16"): 197.0,
-  ("TPU v5", "bfloat16"): 459.0,
-}
 
 
 def parse_args(argv):
@@ -96,7 +87,7 @@ def main(argv) -> dict:
   fpt = flops.model_flops_per_token(exp.model_cfg, T, "causal")
   fpt_full = flops.model_flops_per_token(exp.model_cfg, T, "full")
   tok_s = args.batch * T / step_s
-  peak = args.peak_tflops or PEAK_TFLOPS.get((device.device_kind, c.model.dtype), 0.0)
+  peak = args.peak_tflops or flops.peak_tflops(device.device_kind, c.model.dtype) or 0.0
   report = {
     "command": "python benchmarks/mfu.py " + " ".join(argv),
     "jax": jax.__version__,

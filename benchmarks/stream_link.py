@@ -168,10 +168,11 @@ def main() -> None:
   )
   a = ap.parse_args()
   H, T, F = a.inner_steps, a.outer_steps, a.fragments
-  if F < 2 or H % F or H // F < 2 or T < 3:
+  if F < 2 or H // F < 2 or T < 3:
     sys.exit(
       f"stream_link.py: --fragments={F}, --inner_steps={H}, --outer_steps={T}: give F >= 2 "
-      "dividing H (H / F >= 2) and T >= 3 (the steady phases are 1..T-2)."
+      "with H // F >= 2 (an overlap of H // F - 1 >= 1 steps) and T >= 3 (the steady phases "
+      "are 1..T-2)."
     )
   started = time.time()
   arms = [(1, 0), (F, H // F - 1)]

@@ -73,7 +73,7 @@ class Chip:
 # divides a chip's peak and bandwidth among its devices).
 CHIPS = {
   "v4": Chip(
-    275e12,
+    flops_lib.TPU_BF16_TFLOPS["v4"] * 1e12,
     32 * GiB,
     1200e9,
     15.25 * GiB,
@@ -81,7 +81,7 @@ CHIPS = {
     "no per-chip DCN figure published for v4: assumed as v5e's",
   ),
   "v5e": Chip(
-    197e12,
+    flops_lib.TPU_BF16_TFLOPS["v5e"] * 1e12,
     16 * GiB,
     819e9,
     15.75 * GiB,
@@ -90,7 +90,7 @@ CHIPS = {
     "(6.4 Tb/s per 256-chip pod)",
   ),
   "v5p": Chip(
-    459e12,
+    flops_lib.TPU_BF16_TFLOPS["v5p"] * 1e12,
     95 * GiB,
     2765e9,
     95.74 * GiB,
@@ -98,7 +98,7 @@ CHIPS = {
     "cloud.google.com/tpu/docs/v5p: DCN bandwidth per chip 50 Gb/s",
   ),
   "v6e": Chip(
-    918e12,
+    flops_lib.TPU_BF16_TFLOPS["v6e"] * 1e12,
     32 * GiB,
     1640e9,
     31.25 * GiB,

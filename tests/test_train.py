@@ -16,6 +16,7 @@ from etils import epath
 from dipaco_jax import saved_config
 from dipaco_jax import train
 from dipaco_jax.core import experiment
+from dipaco_jax.core import flops
 from dipaco_jax.core import guard as guard_lib
 from dipaco_jax.io import checkpoint
 from dipaco_jax.io import metrics
@@ -55,6 +56,9 @@ def test_short_run_loss_falls(tmp_path, shard_dir, monkeypatch):
     write(self, step, record)
 
   monkeypatch.setattr(metrics.MetricsLogger, "write", slow_write)
+  # A CPU has no entry in the peak table (no perf/mfu); a pretend one of 2 TFLOP/s gives it.
+  assert flops.peak_tflops(jax.devices()[0].device_kind, "float32") is None
+  monkeypatch.setattr(spmd.flops_lib, "peak_tflops", lambda kind, dtype: 2.0)
   cfg = _config(
     shard_dir,
     **{
@@ -91,12 +95,14 @@ def test_short_run_loss_falls(tmp_path, shard_dir, monkeypatch):
     steps = l["step"] - prev["step"]
     wall = 4 * 2 * 16 * steps / l["tokens_per_s"]  # W x batch x seq_len tokens per step.
     assert wall - l["step_s"] * steps >= 0.2, (prev, l)
+  assert all(l["mfu"] == pytest.approx(l["tflops_per_device"] / 2.0) for l in timed)
   # TensorBoard: a scalar per path and per module.
   tags = {v.tag for e in helpers.events(tmp_path) for v in e.summary.value}
   assert {"train/loss/path_0-1-0", "val/loss/path_0-1-1", "val/perplexity_routed"} <= tags
   assert {
     "train/learning_rate",
     "perf/per_device_tflops_per_sec",
+    "perf/mfu",
     "train/param_norm/embed/mean",
   } <= tags
   assert {"outer/delta_norm/level_0/module_0", "outer/delta_norm/level_2/module_1"} <= tags
@@ -175,7 +181,7 @@ def _trace(monkeypatch, events: list, bad_step: int | None = None) -> None:
 
 
 # Wall-clock numbers: they differ between two runs of the same steps.
-_TIMED = ("tokens_per_s", "step_s", "tflops_per_device")
+_TIMED = ("tokens_per_s", "step_s", "tflops_per_device", "mfu")
 
 
 def _untimed(records):

@@ -12,6 +12,25 @@ from dipaco_jax.core import model as model_lib
 # one; both are printed.
 CONVENTIONS = ("causal", "full")
 
+# Dense peak bf16 TFLOP/s per TPU chip (cloud.google.com/tpu/docs/v4, /v5e, /v5p, /v6e, read
+# 2026-11): the AOT report's chips (aot.CHIPS) and the trainer's perf/mfu read these.
+TPU_BF16_TFLOPS = {"v4": 275.0, "v5e": 197.0, "v5p": 459.0, "v6e": 918.0}
+# jax's device_kind of each TPU chip.
+TPU_KINDS = {"TPU v4": "v4", "TPU v5 lite": "v5e", "TPU v5": "v5p", "TPU v6 lite": "v6e"}
+# Dense peak TFLOP/s per device by (device_kind, compute dtype): the TPUs', and NVIDIA's data
+# sheets (H100 SXM / H200: 989 bf16 dense, 67 float32 without TF32).
+PEAK_TFLOPS = {
+  **{(kind, "bfloat16"): TPU_BF16_TFLOPS[chip] for kind, chip in TPU_KINDS.items()},
+  ("NVIDIA H100 80GB HBM3", "bfloat16"): 989.0,
+  ("NVIDIA H100 80GB HBM3", "float32"): 67.0,
+  ("NVIDIA H200", "bfloat16"): 989.0,
+}
+
+
+def peak_tflops(device_kind: str, dtype: str) -> float | None:
+  """A device's dense peak TFLOP/s in `dtype` (PEAK_TFLOPS), None where the table has none."""
+  return PEAK_TFLOPS.get((device_kind, dtype))
+
 
 def model_flops_per_token(
   cfg: model_lib.ModelConfig, seq_len: int, convention: str = "causal"

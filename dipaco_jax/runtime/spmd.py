@@ -98,9 +98,15 @@ def run(config, workdir: str, link=None) -> dict[str, Any]:
   # perf/per_device_tflops_per_sec: model FLOPs of the tokens trained over all the wall time.
   flops_per_token = flops_lib.model_flops_per_token(exp.recipe.model_cfg, config.data.seq_len)
 
+  # perf/mfu: that over the device's dense peak in the model's dtype (flops.PEAK_TFLOPS, the
+  # AOT report's), where the table has one (not on a CPU).
+  peak = flops_lib.peak_tflops(jax.devices()[0].device_kind, exp.recipe.model_cfg.dtype)
+
   def rates(at: int) -> dict[str, float]:
     r = meter.rates(at)
     r["tflops_per_device"] = flops_per_token * r["tokens_per_s"] / jax.device_count() / 1e12
+    if peak:
+      r["mfu"] = r["tflops_per_device"] / peak
     return r
 
   F, tau = exp.recipe.fragments, exp.recipe.overlap
