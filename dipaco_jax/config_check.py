@@ -224,11 +224,6 @@ def _check_relations(c) -> None:
         f"{c.profile.num_steps} traces up to step {last}, past the run's last step {end}: "
         "start earlier or trace fewer steps."
       )
-    if c.dipaco.mode != "spmd":
-      raise ConfigError(
-        "config.profile.num_steps > 0 traces the spmd loop; the elastic pool does not trace "
-        "its tasks yet: set dipaco.mode='spmd' or profile.num_steps=0."
-      )
   o = c.outer
   if o.compression == "topk2" and not o.compression_keep <= o.compression_block <= 65536:
     raise ConfigError(

@@ -617,7 +617,7 @@ class ProfileConfig(f.Section):
   num_steps: int = f.field(
     0,
     f.integer(0, what=" (0 = off)"),
-    "Inner steps traced from start_step, into <workdir>/plugins/profile; 0 = off (spmd).",
+    "Inner steps traced from start_step into <workdir> (elastic: <workdir>/profile/w<w>); 0 = off.",
   )
 
 

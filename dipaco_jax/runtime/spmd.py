@@ -24,6 +24,7 @@ from dipaco_jax.core import streaming
 from dipaco_jax.data import feed as feed_lib
 from dipaco_jax.io import checkpoint as ckpt_lib
 from dipaco_jax.io import metrics as metrics_lib
+from dipaco_jax.io import profiling
 from dipaco_jax.io import progress
 from dipaco_jax.io import theta as theta_lib
 from dipaco_jax.runtime import dispatch
@@ -158,7 +159,7 @@ def run(config, workdir: str, link=None) -> dict[str, Any]:
   # a re-shard's restart sets back to 0. Counted here, so no step reads the device for it.
   lr_schedule = inner_lib.schedule(exp.recipe.inner_cfg)
   lr_count = inner_lib.schedule_step(state.inner_opt)
-  profile = _Profile(config, workdir)
+  profile = profiling.Window(config, workdir)
   log_every = config.log_every_steps
   eval_every = config.eval.every_steps
   ckpt_every = config.ckpt.every_steps
@@ -297,36 +298,3 @@ def run(config, workdir: str, link=None) -> dict[str, Any]:
     ckpt.close()
     log.close()
   return result
-
-
-class _Profile:
-  """config.profile's window: a jax.profiler trace of inner steps [start, start + n).
-
-  Written under the workdir (plugins/profile/<time>/), where TensorBoard's profile tab finds
-  it. Off (num_steps = 0), each call is one comparison.
-  """
-
-  def __init__(self, config, workdir: str):
-    self.first = config.profile.start_step
-    self.last = self.first + config.profile.num_steps - 1 if config.profile.num_steps else -1
-    self.workdir = workdir
-    self.active = False
-
-  def before(self, step: int) -> None:
-    if self.last < 0 or self.active or not self.first <= step <= self.last:
-      return
-    jax.profiler.start_trace(self.workdir)
-    self.active = True
-    logging.info(
-      "profiling inner steps %d-%d into %s/plugins/profile", step, self.last, self.workdir
-    )
-
-  def after(self, step: int, params) -> None:
-    if self.active and step >= self.last:
-      jax.block_until_ready(params)  # The window's device work inside the trace.
-      self.close()
-
-  def close(self) -> None:
-    if self.active:
-      self.active = False
-      jax.profiler.stop_trace()

@@ -34,6 +34,7 @@ import numpy as np
 from dipaco_jax import data as data_lib
 from dipaco_jax import routing
 from dipaco_jax.core import guard as guard_lib
+from dipaco_jax.io import profiling
 from dipaco_jax.routing import scoring
 from dipaco_jax.runtime import dispatch
 from dipaco_jax.runtime import early_stopping
@@ -406,6 +407,8 @@ class PathWorker:
     pending, m = None, None  # pending: a dispatched step's metrics, unread.
 
     resumed = len(losses)
+    # config.profile: the window's steps this task runs, traced into profile/w<worker>.
+    window = profiling.Window(self.config, os.path.join(wd, "profile", f"w{worker}"))
 
     def read(m):  # Blocks on a step's metrics and passes them through the guard.
       m = jax.device_get(m)
@@ -414,25 +417,30 @@ class PathWorker:
       self._progress.update(steps=len(losses) - resumed, last=time.time())
       return m
 
-    for i in range(len(losses), H):
-      # config.dispatch_ahead (docs/performance.md): step i+1 is dispatched before step i's
-      # metrics are read, so the host's batch and bookkeeping overlap step i+1 on the device.
-      params, opt, m_next = self._step(params, opt, batcher.next_batch())
-      if pending is not None:
-        m = read(pending)
-      pending = m_next
-      save = every and (i + 1) % every == 0 and i + 1 < H
-      if save or not self._ahead:
-        m, pending = read(pending), None
-      if save:
-        s0 = time.time()
-        if not bool(self._finite(params)):
-          guard.not_finite(phase * H + i + 1)
-        rec = {"H": H, "step": i + 1, "loss": losses, "grad_norm": float(m["grad_norm"][0])}
-        rec.update({key: result[key] for key in ("val_loss", "stop_loss") if key in result})
-        self._save_progress(phase, worker, rec, params, opt, batcher, plan)
-        clock["progress_save"] += time.time() - s0
-      plan.at("step")
+    try:
+      for i in range(len(losses), H):
+        # config.dispatch_ahead (docs/performance.md): step i+1 is dispatched before step i's
+        # metrics are read, so the host's batch and bookkeeping overlap step i+1 on the device.
+        window.before(phase * H + i + 1)
+        params, opt, m_next = self._step(params, opt, batcher.next_batch())
+        if pending is not None:
+          m = read(pending)
+        pending = m_next
+        save = every and (i + 1) % every == 0 and i + 1 < H
+        if save or not self._ahead:
+          m, pending = read(pending), None
+        if save:
+          s0 = time.time()
+          if not bool(self._finite(params)):
+            guard.not_finite(phase * H + i + 1)
+          rec = {"H": H, "step": i + 1, "loss": losses, "grad_norm": float(m["grad_norm"][0])}
+          rec.update({key: result[key] for key in ("val_loss", "stop_loss") if key in result})
+          self._save_progress(phase, worker, rec, params, opt, batcher, plan)
+          clock["progress_save"] += time.time() - s0
+        window.after(phase * H + i + 1, params)
+        plan.at("step")
+    finally:  # A task stopped inside the window (a guard, a fault) ends its trace.
+      window.close()
     if pending is not None:
       m = read(pending)
     if not bool(self._finite(params)):  # Nothing non-finite leaves the task (as spmd's saves).
