@@ -12,6 +12,7 @@ import argparse
 import os
 import sys
 import time
+import tomllib
 
 import nbformat
 from nbformat import v4
@@ -19,8 +20,10 @@ from nbformat import v4
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOK = os.path.join(ROOT, "notebooks", "evaluate.ipynb")
 
-# The project's repository: the notebook's Colab badge and its install cell. A fork sets its own.
-REPO_URL = "https://github.com/ORG/dipaco_jax"
+# The project's repository (pyproject.toml, [project.urls]): the notebook's Colab badge and its
+# install cell. A fork sets its own there.
+with open(os.path.join(ROOT, "pyproject.toml"), "rb") as _f:
+  REPO_URL = tomllib.load(_f)["project"]["urls"]["Repository"]
 _GITHUB = "https://github.com/"
 COLAB_URL = (
   "https://colab.research.google.com/github/"
