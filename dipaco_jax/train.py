@@ -27,7 +27,13 @@ def _final_metrics(workdir: str, step: int) -> dict[str, Any]:
   for r in reversed(metrics_lib.read_records(workdir)):
     if "val_loss" in r and r["step"] <= step:
       out = {"step": step, "val_loss": r["val_loss"], "val_loss_mean": r.get("val_loss_mean")}
-      out.update({k: r[k] for k in ("val_loss_routed", "val_perplexity_routed") if k in r})
+      out.update(
+        {
+          k: r[k]
+          for k in ("val_loss_routed_all_tokens", "val_perplexity_routed_all_tokens")
+          if k in r
+        }
+      )
       return out
   return {"step": step}
 

@@ -51,7 +51,7 @@ def _install(tmp_path) -> str:
   src, dist, site = tmp_path / "src", tmp_path / "dist", tmp_path / "site"
   src.mkdir()
   # Built from a copy: an in-tree build leaves build/ and *.egg-info in the clone.
-  for name in ("setup.py", "pyproject.toml", "README.md", "LICENSE"):
+  for name in ("pyproject.toml", "README.md", "LICENSE"):
     shutil.copy(os.path.join(ROOT, name), src)
   ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
   shutil.copytree(os.path.join(ROOT, "dipaco_jax"), src / "dipaco_jax", ignore=ignore)

@@ -14,6 +14,7 @@ from etils import epath
 from dipaco_jax import errors
 from dipaco_jax.io import metrics
 from dipaco_jax.io import summaries
+from dipaco_jax.runtime import console
 
 import helpers
 
@@ -101,8 +102,8 @@ def test_every_number_of_metrics_jsonl_reaches_tensorboard_with_its_value(tmp_pa
     "tflops_per_device": 0.01,
     "val_loss": [2.0, 2.5, 3.0, 1.0],
     "val_loss_mean": 2.125,
-    "val_loss_routed": 2.1,
-    "val_perplexity_routed": math.exp(2.1),
+    "val_loss_routed_all_tokens": 2.1,
+    "val_perplexity_routed_all_tokens": math.exp(2.1),
     "heldout_loss": [2.0, 2.0, 2.0, 2.0],
     "heldout_loss_mean": 2.0,
     "shards/tokens_min": 5.0,
@@ -120,7 +121,7 @@ def test_every_number_of_metrics_jsonl_reaches_tensorboard_with_its_value(tmp_pa
   assert tb["train/learning_rate"] == pytest.approx(0.002)
   assert tb["train/param_norm/block_0/path_0-1-1"] == 4.5
   assert tb["perf/per_device_tflops_per_sec"] == pytest.approx(0.01)
-  assert tb["val/perplexity_routed"] == pytest.approx(math.exp(2.1))
+  assert tb["val/perplexity_routed_all_tokens"] == pytest.approx(math.exp(2.1))
   # The recorded means are the charts' means.
   assert tb["val/loss/mean"] == saved["val_loss_mean"] and tb["train/loss/mean"] == 3.0
   assert tb["heldout/loss/mean"] == saved["heldout_loss_mean"]
@@ -138,7 +139,9 @@ def test_logger_appends_jsonl_and_writes_events_tensorboard_reads(tmp_path, monk
     monkeypatch.setattr(epath.Path, method, lambda *a, **k: pytest.fail("rewrote a file"))
   log.write(5, RECORD)
   after_one = (tmp_path / "metrics.jsonl").read_text()
-  log.write(10, {"val_loss": [2.0, 2.0, 3.0, 1.0], "val_perplexity_routed": math.exp(2.0)})
+  log.write(
+    10, {"val_loss": [2.0, 2.0, 3.0, 1.0], "val_perplexity_routed_all_tokens": math.exp(2.0)}
+  )
   log.close()
   text = (tmp_path / "metrics.jsonl").read_text()
   assert text.startswith(after_one) and text.count("\n") == 2
@@ -150,7 +153,7 @@ def test_logger_appends_jsonl_and_writes_events_tensorboard_reads(tmp_path, monk
   assert scalars["train/loss/path_0-1-1"] == [(5, 6.0)]
   assert scalars["val/loss/path_0-0-0"] == [(10, 2.0)]
   assert scalars["val/loss/mean"] == [(10, 2.0)]
-  assert scalars["val/perplexity_routed"] == [(10, pytest.approx(math.exp(2.0)))]
+  assert scalars["val/perplexity_routed_all_tokens"] == [(10, pytest.approx(math.exp(2.0)))]
   assert scalars["outer/delta_norm/level_1/module_1"] == [(5, 0.75)]
   plugins = {v.tag: v.metadata.plugin_data.plugin_name for e in events for v in e.summary.value}
   assert plugins["train/loss"] == plugins["val/loss"] == "histograms"
@@ -160,21 +163,49 @@ def test_logger_appends_jsonl_and_writes_events_tensorboard_reads(tmp_path, monk
 def test_curves_gather_each_key_by_step_from_the_records_on_disk(tmp_path):
   log = metrics.MetricsLogger(tmp_path, worker_labels=LABELS)
   log.write(5, {"train_loss": [1.0, 3.0, 2.0, 6.0]})  # A log step: no outer step, no eval.
-  log.write(10, {**RECORD, "val_loss": [2.0, np.nan, 3.0, 1.0], "val_perplexity_routed": 7.5})
+  log.write(
+    10, {**RECORD, "val_loss": [2.0, np.nan, 3.0, 1.0], "val_perplexity_routed_all_tokens": 7.5}
+  )
   log.write(20, {"train_loss": [0.5, 1.0, 1.5, 2.0], "outer_delta_norm": {"level_1": [1.0, 2.0]}})
   log.close()
   c = metrics.curves(metrics.read_records(tmp_path))
-  assert sorted(c) == ["outer_delta_norm", "train_loss", "val_loss", "val_perplexity_routed"]
+  assert sorted(c) == [
+    "outer_delta_norm",
+    "train_loss",
+    "val_loss",
+    "val_perplexity_routed_all_tokens",
+  ]
   np.testing.assert_array_equal(c["train_loss"][0], [5, 10, 20])
   np.testing.assert_array_equal(c["train_loss"][1][:, 3], [6.0, 6.0, 2.0])  # Path 0-1-1.
   np.testing.assert_array_equal(c["val_loss"][0], [10])
   np.testing.assert_array_equal(c["val_loss"][1], [[2.0, np.nan, 3.0, 1.0]])  # NaN kept.
-  np.testing.assert_array_equal(c["val_perplexity_routed"][1], [7.5])
+  np.testing.assert_array_equal(c["val_perplexity_routed_all_tokens"][1], [7.5])
   steps, norms = c["outer_delta_norm"]["level_1"]
   np.testing.assert_array_equal(steps, [10, 20])
   np.testing.assert_array_equal(norms, [[0.25, 0.75], [1.0, 2.0]])
   np.testing.assert_array_equal(c["outer_delta_norm"]["level_0"][0], [10])
   assert metrics.curves([{"step": 1, "tokens_per_s": 3.0}]) == {}
+
+
+def test_a_log_written_before_the_rename_reads_the_trainers_routed_metric_by_its_new_name(tmp_path):
+  # The trainer's routed validation counts every token (the routing prefix included); it was
+  # logged as val_loss_routed / val_perplexity_routed, a name evaluate's prefix-excluded
+  # routed perplexity could claim. The same numbers read under the names that say so.
+  old = {"step": 10, "val_loss_routed": 2.0, "val_perplexity_routed": math.exp(2.0)}
+  (tmp_path / "metrics.jsonl").write_text(json.dumps(old) + "\n")
+  (record,) = metrics.read_records(tmp_path)
+  assert record == {
+    "step": 10,
+    "val_loss_routed_all_tokens": 2.0,
+    "val_perplexity_routed_all_tokens": math.exp(2.0),
+  }
+  assert sorted(metrics.curves([record])) == ["val_perplexity_routed_all_tokens"]
+  assert metrics.TB_NAMES["val_perplexity_routed_all_tokens"] == "val/perplexity_routed_all_tokens"
+  assert not metrics.RENAMED_KEYS.keys() & metrics.TB_NAMES.keys()
+  # The run's closing summary names it so, and says where the prefix-excluded number is.
+  said = console._quality(record)  # pylint: disable=protected-access
+  assert said.startswith(f"routed validation perplexity, all tokens {math.exp(2.0):.1f} ("), said
+  assert "`evaluate` reports routed perplexity without the prefix" in said, said
 
 
 def _jsonl(steps) -> str:

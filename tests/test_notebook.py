@@ -153,7 +153,7 @@ def test_evaluate_notebook_executes(tmp_path, monkeypatch):
   shown = _shown(outputs)
   for line in (
     "dipaco_jax is importable",  # The install cell did not install.
-    "curves of: train_loss, val_loss, val_perplexity_routed, outer_delta_norm",
+    "curves of: train_loss, val_loss, val_perplexity_routed_all_tokens, outer_delta_norm",
     "loading the saved re-routers (linear)",  # Not refitted.
     "| once |",
     "| linear/W=4 |",

@@ -83,11 +83,16 @@ def test_short_run_loss_falls(tmp_path, shard_dir, monkeypatch):
   # The first record gives the shards' sizes; early stopping reads its held-out slices.
   assert lines[0]["shards/phase"] == 0 and lines[0]["shards/tokens_min"] > 0
   assert all(len(l["heldout_loss"]) == 4 for l in lines if "val_loss" in l)
-  # Routed: each path's tokens scored by that path; equal token counts per path here.
+  # Routed, all tokens: each path's tokens scored by that path; equal token counts per path here.
+  # Named apart from evaluate's routed perplexity (prefix excluded): no record has the bare name.
   for l in lines:
+    assert "val_perplexity_routed" not in l and "val_loss_routed" not in l
     if "val_loss" in l:
-      assert l["val_loss_routed"] == pytest.approx(np.mean(l["val_loss"]), rel=1e-5)
-      assert l["val_perplexity_routed"] == pytest.approx(math.exp(l["val_loss_routed"]))
+      assert l["val_loss_routed_all_tokens"] == pytest.approx(np.mean(l["val_loss"]), rel=1e-5)
+      assert l["val_perplexity_routed_all_tokens"] == pytest.approx(
+        math.exp(l["val_loss_routed_all_tokens"])
+      )
+  assert out["val_perplexity_routed_all_tokens"] == lines[-1]["val_perplexity_routed_all_tokens"]
   # tokens_per_s counts the previous record's write (>= 0.2 s); step_s leaves it out.
   timed = [l for l in lines if "tokens_per_s" in l]
   assert [l["step"] for l in timed] == [5, 10, 15, 20, 25, 30]
@@ -98,7 +103,11 @@ def test_short_run_loss_falls(tmp_path, shard_dir, monkeypatch):
   assert all(l["mfu"] == pytest.approx(l["tflops_per_device"] / 2.0) for l in timed)
   # TensorBoard: a scalar per path and per module.
   tags = {v.tag for e in helpers.events(tmp_path) for v in e.summary.value}
-  assert {"train/loss/path_0-1-0", "val/loss/path_0-1-1", "val/perplexity_routed"} <= tags
+  assert {
+    "train/loss/path_0-1-0",
+    "val/loss/path_0-1-1",
+    "val/perplexity_routed_all_tokens",
+  } <= tags
   assert {
     "train/learning_rate",
     "perf/per_device_tflops_per_sec",

@@ -12,6 +12,7 @@ import argparse
 import os
 import sys
 import time
+import tomllib
 
 import nbformat
 from nbformat import v4
@@ -19,8 +20,10 @@ from nbformat import v4
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOK = os.path.join(ROOT, "notebooks", "evaluate.ipynb")
 
-# The project's repository: the notebook's Colab badge and its install cell. A fork sets its own.
-REPO_URL = "https://github.com/ORG/dipaco_jax"
+# The project's repository (pyproject.toml, [project.urls]): the notebook's Colab badge and its
+# install cell. A fork sets its own there.
+with open(os.path.join(ROOT, "pyproject.toml"), "rb") as _f:
+  REPO_URL = tomllib.load(_f)["project"]["urls"]["Repository"]
 _GITHUB = "https://github.com/"
 COLAB_URL = (
   "https://colab.research.google.com/github/"
@@ -37,8 +40,9 @@ CELLS = [
 {BADGE}
 
 Loads a run's latest checkpoint with the config it was trained with (`WORKDIR/config.json`), plots
-its training curves (per-path loss, outer delta norms per module, routed validation perplexity),
-routes the validation set by each sequence's prefix, and shows routed perplexity (prefix excluded),
+its training curves (per-path loss, outer delta norms per module, the trainer's routed validation
+perplexity over all tokens, the prefix included), routes the validation set by each sequence's
+prefix, and shows routed perplexity (prefix excluded),
 per-path losses, perplexity when re-routing every W tokens, shard sizes, how the learned shards
 line up with the document domains, and whether each path specialises on its own shard. Same
 numbers as `python -m dipaco_jax.evaluate` and `benchmarks/specialisation.py` (see
@@ -60,8 +64,8 @@ The outputs below are the tiny run's (`configs/tiny.py`, 500 inner steps on a 2-
     "code",
     f"""# Installs dipaco_jax when it is not importable: a fresh Colab runtime. CI and a local
 # Jupyter with the package installed skip it (nothing is downloaded).
-# dipaco_jax needs Python >= 3.11 (setup.py's python_requires; Colab's runtime has 3.12 in 2025):
-# on an older runtime pip stops with "requires a different Python" - pick a newer runtime.
+# dipaco_jax needs Python >= 3.11 (pyproject.toml's requires-python; Colab's runtime has 3.12 in
+# 2025): on an older runtime pip stops with "requires a different Python" - pick a newer runtime.
 import subprocess
 import sys
 
@@ -153,11 +157,11 @@ if "outer_delta_norm" in curves:
   ax[1].set_yscale("log")
   ax[1].legend(fontsize=7)
 ax[1].set(xlabel="inner step", ylabel="norm", title="outer delta norm per module")
-if "val_perplexity_routed" in curves:
-  steps, ppl = curves["val_perplexity_routed"]
+if "val_perplexity_routed_all_tokens" in curves:
+  steps, ppl = curves["val_perplexity_routed_all_tokens"]
   ax[2].plot(steps, ppl, "o-", ms=3, c="k")
   ax[2].set_yscale("log")
-ax[2].set(xlabel="inner step", ylabel="perplexity", title="routed validation perplexity")
+ax[2].set(xlabel="inner step", ylabel="perplexity", title="routed val. perplexity, all tokens")
 plt.tight_layout()
 plt.show()
 print(f"{len(records)} records in metrics.jsonl; curves of:", ", ".join(curves))""",

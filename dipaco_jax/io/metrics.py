@@ -62,22 +62,40 @@ def _records(path: epath.Path, last_part: bool) -> tuple[list[dict], bool]:
   return out, False
 
 
+# Record keys renamed since: a log written before reads with today's names (the same numbers).
+# The trainer's routed validation counts every token, the routing prefix included; its names
+# say so, apart from `evaluate`'s routed perplexity, which excludes the prefix.
+RENAMED_KEYS = {
+  "val_loss_routed": "val_loss_routed_all_tokens",
+  "val_perplexity_routed": "val_perplexity_routed_all_tokens",
+}
+
+
+def _renamed(record: dict) -> dict:
+  if not RENAMED_KEYS.keys() & record.keys():
+    return record
+  return {RENAMED_KEYS.get(k, k): v for k, v in record.items()}
+
+
 def read_records(workdir: str | os.PathLike) -> list[dict]:
-  """Every record of a run's metrics log, in step order, over all its parts."""
+  """Every record of a run's metrics log, in step order, over all its parts.
+
+  Keys of RENAMED_KEYS read with their new names.
+  """
   parts = summaries.existing_parts(lambda i: jsonl_part(workdir, i))
-  return [r for i, p in enumerate(parts) for r in _records(p, i == len(parts) - 1)[0]]
+  return [_renamed(r) for i, p in enumerate(parts) for r in _records(p, i == len(parts) - 1)[0]]
 
 
 def curves(records: list[Mapping[str, Any]]) -> dict[str, Any]:
   """A run's training curves from its records (read_records), as arrays by step.
 
   `train_loss`, `val_loss`: (steps [N], values [N, W]), one column per worker;
-  `val_perplexity_routed`: (steps [N], values [N]); `outer_delta_norm`:
+  `val_perplexity_routed_all_tokens`: (steps [N], values [N]); `outer_delta_norm`:
   {level: (steps [N], norms [N, K])}. Each holds the records that have the key;
   a key no record has is absent.
   """
   out: dict[str, Any] = {}
-  for key in ("train_loss", "val_loss", "val_perplexity_routed"):
+  for key in ("train_loss", "val_loss", "val_perplexity_routed_all_tokens"):
     rows = [(r["step"], r[key]) for r in records if key in r]
     if rows:
       out[key] = (np.array([s for s, _ in rows], np.int64), np.array([v for _, v in rows], float))
@@ -125,8 +143,8 @@ TB_NAMES = {
   "param_norm": "train/param_norm",
   "val_loss": "val/loss",
   "val_loss_mean": "val/loss/mean",
-  "val_loss_routed": "val/loss_routed",
-  "val_perplexity_routed": "val/perplexity_routed",
+  "val_loss_routed_all_tokens": "val/loss_routed_all_tokens",
+  "val_perplexity_routed_all_tokens": "val/perplexity_routed_all_tokens",
   "heldout_loss": "heldout/loss",
   "heldout_loss_mean": "heldout/loss/mean",
   "tokens_per_s": "perf/tokens_per_s",
@@ -208,7 +226,7 @@ def layout(worker_labels: list[str] | None) -> dict[str, list[tuple[str, str]]]:
       ("train/grad_norm per path", r"train/grad_norm/(path_.*|mean)"),
     ],
     "run": [
-      ("val/perplexity_routed", r"val/perplexity_routed"),
+      ("val/perplexity_routed_all_tokens", r"val/perplexity_routed_all_tokens"),
       ("train/learning_rate", r"train/learning_rate"),
       ("perf/per_device_tflops_per_sec", r"perf/per_device_tflops_per_sec"),
       ("outer/delta_norm per module", r"outer/delta_norm/.*"),

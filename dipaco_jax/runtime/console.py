@@ -66,20 +66,22 @@ def _last_eval(workdir: str) -> dict[str, Any]:
   except Exception:  # pylint: disable=broad-except  # A summary never stops a finished run.
     return {}
   for r in reversed(records):
-    if "val_perplexity_routed" in r or "val_loss_mean" in r:
+    if "val_perplexity_routed_all_tokens" in r or "val_loss_mean" in r:
       return r
   return {}
 
 
 def _quality(record: dict[str, Any], *, short: bool = False) -> str:
-  if "val_perplexity_routed" in record:
-    ppl = f"routed validation perplexity {record['val_perplexity_routed']:.1f}"
+  if "val_perplexity_routed_all_tokens" in record:
+    ppl = (
+      f"routed validation perplexity, all tokens {record['val_perplexity_routed_all_tokens']:.1f}"
+    )
     return (
       ppl
       if short
       else (
-        f"{ppl} (every token, each scored by its document's path; `evaluate` reports it without "
-        "the routing prefix)"
+        f"{ppl} (every token, the routing prefix included, each scored by its document's path; "
+        "`evaluate` reports routed perplexity without the prefix)"
       )
     )
   if "val_loss_mean" in record:

@@ -273,15 +273,19 @@ def run(config, workdir: str, link=None) -> dict[str, Any]:
           best.update(step, stop_W, state.params, plan.phase)
         # Workers whose validation shard is empty read NaN (allow_validation): skipped.
         record.update(val_loss=val, val_loss_mean=metrics_lib.nan_mean(val))
-        # Routed: every validation token scored by the path its document was routed to.
+        # Routed, all tokens: every token of the packed validation batches (the routing prefix
+        # included) scored by the path its document was routed to; `evaluate` excludes the prefix.
         routed = float(np.sum(loss_sum_W) / np.sum(tokens_W)) if np.sum(tokens_W) else math.nan
-        record.update(val_loss_routed=routed, val_perplexity_routed=float(np.exp(routed)))
+        routed_ppl = float(np.exp(routed))
+        record.update(
+          val_loss_routed_all_tokens=routed, val_perplexity_routed_all_tokens=routed_ppl
+        )
         result = {
           "step": step,
           "val_loss": val.tolist(),
           "val_loss_mean": metrics_lib.nan_mean(val),
-          "val_loss_routed": routed,
-          "val_perplexity_routed": float(np.exp(routed)),
+          "val_loss_routed_all_tokens": routed,
+          "val_perplexity_routed_all_tokens": routed_ppl,
           "train_loss_mean": float(np.mean(m["loss"])),
         }
       if record:
