@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import types
@@ -11,13 +12,7 @@ import nbclient
 import nbformat
 import pytest
 
-from dipaco_jax import evaluate
-from dipaco_jax import train
-from dipaco_jax.routing import features
-from dipaco_jax.routing import scoring
-
 import helpers
-import routing_testlib
 
 NOTEBOOK = os.path.join(helpers.ROOT, "notebooks", "evaluate.ipynb")
 _spec = importlib.util.spec_from_file_location(
@@ -55,6 +50,7 @@ def test_the_committed_notebook_is_the_tools_cells_with_the_tiny_runs_outputs():
   assert len([o for o in outputs if "image/png" in o.get("data", {})]) >= 6
   shown = _shown(outputs)
   for line in (
+    "holds a run (config.json): evaluating it, no training",  # Made from a trained run.
     "loading the saved re-routers (linear)",
     "| once |",
     "| linear/W=16 |",
@@ -73,16 +69,41 @@ def test_the_badge_and_the_install_cell_use_repo_url():
     f"[![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)]({colab})"
     in (nb.cells[0].source)
   )
-  assert "set `REPO_URL` if you use a fork" in nb.cells[0].source
-  assert f'REPO_URL = "{make.REPO_URL}"' in nb.cells[1].source
+  params = _code(nb, "#@title Parameters")
+  assert f'REPO_URL = "{make.REPO_URL}"  #@param {{type:"string"}}' in params
+  for name in ("WORKDIR", "CONFIG", "TRAIN_OVERRIDES", "OVERRIDES"):
+    assert f'{name} = "' in params and f'os.environ.get("DIPACO_NB_{name}", ' in params, name
   assert ["parameters"] == [t for c in nb.cells for t in c.metadata.get("tags", [])]
+  assert make.REPO_URL not in "".join(c.source for c in nb.cells[2:])  # Stated once.
+
+
+def test_the_parameters_cell_is_a_colab_form_the_environment_overrides(monkeypatch):
+  params = _code(make.build(), "#@title Parameters")
+  form = {}
+  exec(params, form)
+  assert (form["WORKDIR"], form["CONFIG"], form["TRAIN_OVERRIDES"]) == (
+    "/tmp/dipaco_tiny",
+    "configs/tiny.py",
+    {},
+  )
+  monkeypatch.setenv("DIPACO_NB_WORKDIR", "/content/run")
+  monkeypatch.setenv("DIPACO_NB_TRAIN_OVERRIDES", '{"dipaco.outer_steps": 2}')
+  monkeypatch.setenv("DIPACO_NB_MAX_DOCS", "40")
+  env = {}
+  exec(params, env)
+  assert (env["WORKDIR"], env["TRAIN_OVERRIDES"], env["MAX_DOCS"]) == (
+    "/content/run",
+    {"dipaco.outer_steps": 2},
+    40,
+  )
 
 
 def test_the_install_cell_installs_only_where_dipaco_jax_is_missing(monkeypatch, capsys):
   install = _code(make.build(), "# Installs dipaco_jax")
+  fork = "https://github.com/someone/dipaco_jax"
   calls = []
   monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: calls.append(cmd))
-  exec(install, {})  # Importable (CI, a local Jupyter): nothing runs.
+  exec(install, {"REPO_URL": fork})  # Importable (CI, a local Jupyter): nothing runs.
   assert calls == [] and "importable" in capsys.readouterr().out
 
   def pip(cmd, **kw):  # A fresh Colab runtime: pip makes it importable.
@@ -91,13 +112,51 @@ def test_the_install_cell_installs_only_where_dipaco_jax_is_missing(monkeypatch,
 
   monkeypatch.setattr(subprocess, "run", pip)
   monkeypatch.setitem(sys.modules, "dipaco_jax", None)  # import dipaco_jax -> ImportError
-  exec(install, {})
-  assert calls == [[sys.executable, "-m", "pip", "install", "-q", f"git+{make.REPO_URL}"]]
+  exec(install, {"REPO_URL": fork})
+  assert calls == [[sys.executable, "-m", "pip", "install", "-q", f"git+{fork}"]]
   monkeypatch.setitem(sys.modules, "dipaco_jax", None)
+  with pytest.raises(ValueError, match="is a placeholder"):
+    exec(install, {"REPO_URL": "https://github.com/ORG/dipaco_jax"})
   monkeypatch.setattr(sys, "version_info", (3, 10, 12))
   with pytest.raises(RuntimeError, match="needs Python >= 3.11"):
-    exec(install, {})
+    exec(install, {"REPO_URL": fork})
   assert len(calls) == 1
+
+
+def test_the_training_cell_trains_only_an_empty_workdir(monkeypatch, tmp_path, capsys):
+  train_cell = _code(make.build(), "# Training, only when WORKDIR")
+  started = []
+
+  class Popen:  # The trainer's process: two lines, then exit status 0.
+    def __init__(self, cmd, **kw):
+      started.append(cmd)
+      self.stdout, self.returncode = iter(["line 1\n", "line 2\n"]), 0
+
+    def __enter__(self):
+      return self
+
+    def __exit__(self, *exc):
+      return False
+
+  monkeypatch.setattr(subprocess, "Popen", Popen)
+  overrides = {"dipaco.outer_steps": 2, "eval.rerouting_windows": [4, 8]}
+  env = {"subprocess": subprocess, "sys": sys, "TRAIN_OVERRIDES": overrides}
+  exec(train_cell, {**env, "WORKDIR": str(tmp_path), "CONFIG": "configs/tiny.py"})
+  assert started == [
+    [
+      sys.executable,
+      "-m",
+      "dipaco_jax.main",
+      "--config=configs/tiny.py",
+      f"--workdir={tmp_path}",
+      "--config.dipaco.outer_steps=2",
+      "--config.eval.rerouting_windows=(4, 8)",
+    ]
+  ]
+  assert "line 1\nline 2\ntrained " in capsys.readouterr().out
+  (tmp_path / "config.json").write_text("{}")
+  exec(train_cell, {**env, "WORKDIR": str(tmp_path), "CONFIG": "configs/tiny.py"})
+  assert len(started) == 1 and "no training" in capsys.readouterr().out
 
 
 def test_colab_signs_in_only_for_a_gs_workdir(monkeypatch):
@@ -119,32 +178,51 @@ def test_colab_signs_in_only_for_a_gs_workdir(monkeypatch):
     assert len(signed) == want, (workdir, in_colab)
 
 
-# Trains a routed model, then runs the notebook in a Jupyter kernel: minutes, outside the fast
-# suite (-m "not slow").
+# A fresh kernel outside the clone trains a short routed run into an empty WORKDIR (the
+# notebook's training cell), then evaluates it: minutes, outside the fast suite (-m "not slow").
+# Colab's default trains configs/tiny.py for minutes; this run's overrides make it seconds.
+SHORT_RUN = {
+  "model.d_model": 32,
+  "model.num_heads": 2,
+  "model.head_dim": 16,
+  "data.seq_len": 16,
+  "data.batch_size": 2,
+  "data.subsample": 16,
+  "inner.warmup_steps": 2,
+  "dipaco.inner_steps": 2,
+  "dipaco.outer_steps": 2,
+  "ckpt.every_steps": 2,
+  "eval.every_steps": 2,
+  "eval.batches": 1,
+  "eval.seq_len": 32,
+  "eval.rerouting_windows": [4, 8],
+  "routing.router": "kmeans",
+  "routing.prefix_len": 8,
+  "routing.kmeans_restarts": 2,
+  "routing.kmeans_iters": 20,
+}
+
+
 @pytest.mark.slow
-def test_evaluate_notebook_executes(tmp_path, monkeypatch):
-  routing_testlib.small_corpus(monkeypatch, 120)
-  workdir = str(tmp_path / "run")
-  cfg = routing_testlib.routed_config(
-    **{
-      "routing.router": "kmeans",
-      "dipaco.inner_steps": 2,
-      "dipaco.outer_steps": 2,
-      "eval.rerouters": ("linear",),
-    }
+def test_evaluate_notebook_trains_and_evaluates_from_a_fresh_kernel_outside_the_clone(
+  tmp_path, monkeypatch
+):
+  workdir = tmp_path / "run"  # Empty: the notebook trains it.
+  cwd = tmp_path / "cwd"
+  cwd.mkdir()
+  monkeypatch.setenv("DIPACO_NB_WORKDIR", str(workdir))
+  monkeypatch.setenv("DIPACO_NB_TRAIN_OVERRIDES", json.dumps(SHORT_RUN))
+  monkeypatch.setenv("DIPACO_NB_MAX_DOCS", "60")
+  # The kernel imports this checkout's dipaco_jax (where the installed one is another tree),
+  # nothing else from it: its working directory is outside the clone.
+  monkeypatch.setenv(
+    "PYTHONPATH", os.pathsep.join(filter(None, [helpers.ROOT, os.environ.get("PYTHONPATH")]))
   )
-  train.train_and_evaluate(cfg, workdir)
-  # Fit the re-router here, on this small router split, as `python -m dipaco_jax.evaluate`
-  # would: the notebook loads it (its kernel would read the whole corpus).
-  run = evaluate.load_run(cfg, workdir)
-  scorer = scoring.PathScorer.from_store(run.exp, run.state.store, seq_len=32)
-  evaluate.fit_rerouters(run, scorer, features.extractor_from_config(cfg), kinds=("linear",))
-  monkeypatch.setenv("DIPACO_NB_WORKDIR", workdir)
-  monkeypatch.setenv("DIPACO_NB_MAX_DOCS", "0")
   nb = nbformat.read(NOTEBOOK, as_version=4)
   nbclient.NotebookClient(
-    nb, timeout=240, kernel_name="python3", resources={"metadata": {"path": helpers.ROOT}}
+    nb, timeout=400, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}
   ).execute()
+  assert (workdir / "config.json").exists() and list(cwd.iterdir()) == []
   outputs = _outputs(nb)
   assert not [o for o in outputs if o.output_type == "error"]
   images = [o for o in outputs if "image/png" in o.get("data", {})]
@@ -153,13 +231,16 @@ def test_evaluate_notebook_executes(tmp_path, monkeypatch):
   shown = _shown(outputs)
   for line in (
     "dipaco_jax is importable",  # The install cell did not install.
+    "training: python -m dipaco_jax.main --config=configs/tiny.py --workdir=",
+    f"trained {workdir} in ",
+    "| step 4 | routing phase 0",
     "curves of: train_loss, val_loss, val_perplexity_routed_all_tokens, outer_delta_norm",
-    "loading the saved re-routers (linear)",  # Not refitted.
-    "| once |",
-    "| linear/W=4 |",
-    "| oracle/W=8 |",
+    "no saved linear re-router for step 4: fitting it now",
     "purity",
     "| own - other paths |",
     "per-path early stopping",
   ):
     assert line in shown, line
+  # The evaluation's numbers: routed perplexity once per sequence, re-routed, oracle.
+  for row in ("once", "linear/W=4", "oracle/W=8"):
+    assert re.search(rf"^\| {re.escape(row)} \| \d+\.\d+ \| \d+\.\d+ \|", shown, re.M), row

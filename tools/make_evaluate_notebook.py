@@ -4,13 +4,15 @@
   python tools/make_evaluate_notebook.py --execute --workdir=DIR  # with DIR's outputs (committed)
 
 The committed notebook carries the outputs of the tiny run (configs/tiny.py, then
-`python -m dipaco_jax.evaluate --workdir=DIR`); tests/test_notebook.py runs it in CI.
+`python -m dipaco_jax.evaluate --workdir=DIR`); tests/test_notebook.py runs it in CI, from a
+fresh kernel outside the clone, on an empty WORKDIR that its training cell fills.
 Edit the cells here, never the .ipynb.
 """
 
 import argparse
 import os
 import sys
+import tempfile
 import time
 import tomllib
 
@@ -30,6 +32,9 @@ COLAB_URL = (
   + REPO_URL.removeprefix(_GITHUB)
   + "/blob/main/notebooks/evaluate.ipynb"
 )
+# The training cell's time for configs/tiny.py (500 inner steps) on a 2-core CPU: 5m07s idle (the
+# README's figure), 19m50s under a load average of 12 (python -m dipaco_jax.main, measured).
+TRAIN_TIME = "5 minutes on this project's idle 2-core CPU (20 while other jobs shared it)"
 BADGE = f"[![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)]({COLAB_URL})"
 
 CELLS = [
@@ -46,52 +51,72 @@ prefix, and shows routed perplexity (prefix excluded),
 per-path losses, perplexity when re-routing every W tokens, shard sizes, how the learned shards
 line up with the document domains, and whether each path specialises on its own shard. Same
 numbers as `python -m dipaco_jax.evaluate` and `benchmarks/specialisation.py` (see
-`docs/routing.md`), whose saved re-routers it loads.
+`docs/routing.md`), whose saved re-routers it loads. Paths are named as in TensorBoard:
+`path_0-1-0` is module 0 of level 0, 1 of level 1, 0 of level 2.
 
-**Colab**: run the cells in order. The first installs dipaco_jax from `REPO_URL`
-(set `REPO_URL` if you use a fork; the badge above opens this notebook from `{REPO_URL}`).
-Set `WORKDIR` to the run's `--workdir`: a `gs://bucket/run` (the notebook asks you to sign in
-to Google Cloud) or a folder in this runtime. No run yet? Train the tiny one here (about 15
-minutes on a CPU runtime; the clone is only for the config file):
+**Colab** (a fresh runtime): *Runtime > Run all*. The parameters cell below is a form: `WORKDIR`
+is the run's `--workdir`, a folder in this runtime or a `gs://bucket/run` (the notebook asks you
+to sign in to Google Cloud); `REPO_URL` is where dipaco_jax is installed from (`{REPO_URL}`, the
+repository of `pyproject.toml`'s `[project.urls]`; set yours for a fork). When `WORKDIR` holds no
+run (no `config.json`), the training cell trains `CONFIG` there first, as
+`python -m dipaco_jax.main --config=configs/tiny.py --workdir=WORKDIR` does (the configs ship
+inside the package: no clone needed). The tiny run (500 inner steps) took {TRAIN_TIME}; a
+Colab CPU runtime (2 vCPUs) should take about as long (an estimate from that timing, not measured
+on Colab). `TRAIN_OVERRIDES` shortens it, e.g.
+`{{"dipaco.outer_steps": 2}}` for 100 steps.
 
-    !git clone -q {REPO_URL} /content/src
-    !python -m dipaco_jax.main --config=/content/src/configs/tiny.py --workdir=/content/tiny
-    !python -m dipaco_jax.evaluate --workdir=/content/tiny
-
-The outputs below are the tiny run's (`configs/tiny.py`, 500 inner steps on a 2-core CPU).""",
+The outputs below are the tiny run's (`configs/tiny.py`, 500 inner steps on a 2-core CPU, then
+`python -m dipaco_jax.evaluate`).""",
   ),
   (
     "code",
-    f"""# Installs dipaco_jax when it is not importable: a fresh Colab runtime. CI and a local
-# Jupyter with the package installed skip it (nothing is downloaded).
+    """#@title Parameters
+# A Colab form; CI and scripts set the same names through the environment (DIPACO_NB_<NAME>).
+import json
+import os
+
+WORKDIR = "/tmp/dipaco_tiny"  #@param {type:"string"}
+REPO_URL = "%s"  #@param {type:"string"}
+# What the training cell trains when WORKDIR holds no run: a config file (configs/NAME.py is
+# the package's own) and {"section.field": value} overrides, as --config.section.field=value.
+CONFIG = "configs/tiny.py"  #@param {type:"string"}
+TRAIN_OVERRIDES = "{}"  #@param {type:"string"}
+MAX_DOCS = 0  #@param {type:"integer"}
+# Evaluation overrides of the run's config, e.g. {"routing.prefix_len": 32}.
+OVERRIDES = "{}"  #@param {type:"string"}
+
+WORKDIR = os.environ.get("DIPACO_NB_WORKDIR", WORKDIR)
+REPO_URL = os.environ.get("DIPACO_NB_REPO_URL", REPO_URL)
+CONFIG = os.environ.get("DIPACO_NB_CONFIG", CONFIG)
+TRAIN_OVERRIDES = json.loads(os.environ.get("DIPACO_NB_TRAIN_OVERRIDES", TRAIN_OVERRIDES))
+MAX_DOCS = int(os.environ.get("DIPACO_NB_MAX_DOCS", MAX_DOCS))  # Validation docs (0 = all).
+OVERRIDES = json.loads(os.environ.get("DIPACO_NB_OVERRIDES", OVERRIDES))"""
+    % REPO_URL,
+  ),
+  (
+    "code",
+    """# Installs dipaco_jax from REPO_URL when it is not importable: a fresh Colab runtime.
+# CI and a local Jupyter with the package installed skip it (nothing is downloaded).
 # dipaco_jax needs Python >= 3.11 (pyproject.toml's requires-python; Colab's runtime has 3.12 in
 # 2025): on an older runtime pip stops with "requires a different Python" - pick a newer runtime.
 import subprocess
 import sys
 
-REPO_URL = "{REPO_URL}"  # Set REPO_URL if you use a fork.
 try:
   import dipaco_jax  # noqa: F401
 except ImportError:
   if sys.version_info < (3, 11):
     raise RuntimeError(
-      f"dipaco_jax needs Python >= 3.11; this runtime has {{sys.version.split()[0]}}."
+      f"dipaco_jax needs Python >= 3.11; this runtime has {sys.version.split()[0]}."
     ) from None
-  print(f"installing dipaco_jax from {{REPO_URL}} (a few minutes)")
-  subprocess.run([sys.executable, "-m", "pip", "install", "-q", f"git+{{REPO_URL}}"], check=True)
+  if "github.com/ORG/" in REPO_URL:
+    raise ValueError(
+      f"REPO_URL={REPO_URL} is a placeholder: set it to dipaco_jax's repository."
+    ) from None
+  print(f"installing dipaco_jax from {REPO_URL} (a few minutes)")
+  subprocess.run([sys.executable, "-m", "pip", "install", "-q", f"git+{REPO_URL}"], check=True)
   import dipaco_jax  # noqa: F401
 print("dipaco_jax is importable")""",
-  ),
-  (
-    "code",
-    """# Parameters (CI sets them through the environment).
-import json
-import os
-
-WORKDIR = os.environ.get("DIPACO_NB_WORKDIR", "/tmp/dipaco_tiny")  # A run's --workdir (or gs://).
-MAX_DOCS = int(os.environ.get("DIPACO_NB_MAX_DOCS", "0"))  # Validation docs (0 = all).
-# e.g. {"routing.prefix_len": 32}
-OVERRIDES = json.loads(os.environ.get("DIPACO_NB_OVERRIDES", "{}"))""",
   ),
   (
     "code",
@@ -103,20 +128,49 @@ if "google.colab" in sys.modules and WORKDIR.startswith("gs://"):
   ),
   (
     "code",
-    """import time
+    """# Training, only when WORKDIR holds no run (no config.json): CONFIG with TRAIN_OVERRIDES, as
+# `python -m dipaco_jax.main --config=CONFIG --workdir=WORKDIR --config.a.b=v` (its lines below).
+import time
 
-import jax
+from dipaco_jax.io import files
+
+
+def flag(key, value):
+  value = tuple(value) if isinstance(value, list) else value  # JSON has no tuples.
+  return f"--config.{key}={value!r}" if isinstance(value, tuple) else f"--config.{key}={value}"
+
+
+if (files.path(WORKDIR) / "config.json").exists():
+  print(f"{WORKDIR} holds a run (config.json): evaluating it, no training")
+else:
+  cmd = ["-m", "dipaco_jax.main", f"--config={CONFIG}", f"--workdir={WORKDIR}"]
+  cmd += [flag(k, v) for k, v in TRAIN_OVERRIDES.items()]
+  print("training: python", " ".join(cmd), flush=True)
+  start = time.perf_counter()
+  with subprocess.Popen(
+    [sys.executable, *cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+  ) as proc:
+    for line in proc.stdout:  # Its progress lines as they come (every 10 s).
+      print(line, end="", flush=True)
+  if proc.returncode:
+    raise RuntimeError(f"training failed (exit status {proc.returncode}): its lines are above")
+  print(f"trained {WORKDIR} in {time.perf_counter() - start:.0f} s")""",
+  ),
+  (
+    "code",
+    """import jax
 import matplotlib.pyplot as plt
 import numpy as np
 from IPython.display import Markdown, display
 
 from dipaco_jax import evaluate
 from dipaco_jax.config import schema
-from dipaco_jax.io import files, metrics
+from dipaco_jax.io import metrics
 from dipaco_jax.runtime import early_stopping
 from dipaco_jax.routing import report as router_report
 
-plt.rcParams["figure.dpi"] = 72  # Small PNGs (the committed notebook carries them).
+plt.rcParams["figure.dpi"] = 100
+plt.rcParams["font.size"] = 9
 if not (files.path(WORKDIR) / "config.json").exists():
   raise FileNotFoundError(
     f"{WORKDIR}/config.json not found: set WORKDIR to a run's --workdir (training writes it)."
@@ -134,6 +188,9 @@ if config.mesh.cpu_devices and "device_count" not in os.environ.get("XLA_FLAGS",
   jax.config.update("jax_num_cpu_devices", config.mesh.cpu_devices)
 run = evaluate.load_run(config, WORKDIR)
 topo = run.exp.topo
+P = topo.num_paths
+PATHS = [f"path_{topo.path_label(p)}" for p in range(P)]  # TensorBoard's names.
+WORKERS = [f"path_{label}" for label in topo.worker_labels()]
 print(WORKDIR, "|", topo.describe(), f"| step {run.step} | routing phase {run.phase}")""",
   ),
   ("md", "## Training curves (from the run's `metrics.jsonl`)"),
@@ -141,12 +198,12 @@ print(WORKDIR, "|", topo.describe(), f"| step {run.step} | routing phase {run.ph
     "code",
     """records = metrics.read_records(WORKDIR)
 curves = metrics.curves(records)
-fig, ax = plt.subplots(1, 3, figsize=(13, 3.4))
+fig, ax = plt.subplots(1, 3, figsize=(14, 3.8))
 if "train_loss" in curves:
   steps, loss_NxW = curves["train_loss"]
-  for w, label in enumerate(topo.worker_labels()):
-    ax[0].plot(steps, loss_NxW[:, w], lw=1, label=f"path {label}")
-  ax[0].legend(fontsize=7)
+  for w, name in enumerate(WORKERS):
+    ax[0].plot(steps, loss_NxW[:, w], lw=1, label=name)
+  ax[0].legend(fontsize=8)
 ax[0].set(xlabel="inner step", ylabel="loss", title="train loss per path")
 names = topo.module_labels()
 for level, (steps, norm_NxK) in curves.get("outer_delta_norm", {}).items():
@@ -155,7 +212,7 @@ for level, (steps, norm_NxK) in curves.get("outer_delta_norm", {}).items():
     ax[1].plot(steps, norm_NxK[:, k], "o-", ms=3, lw=1, label=f"{level}/{name}")
 if "outer_delta_norm" in curves:
   ax[1].set_yscale("log")
-  ax[1].legend(fontsize=7)
+  ax[1].legend(fontsize=8)
 ax[1].set(xlabel="inner step", ylabel="norm", title="outer delta norm per module")
 if "val_perplexity_routed_all_tokens" in curves:
   steps, ppl = curves["val_perplexity_routed_all_tokens"]
@@ -186,17 +243,18 @@ display(Markdown(evaluate.to_markdown(rep)))""",
   ),
   (
     "code",
-    """P = topo.num_paths
-fig, ax = plt.subplots(1, 2, figsize=(11, 3.5))
+    """fig, ax = plt.subplots(1, 2, figsize=(12, 3.8))
 path_ppl = np.exp(rep["per_path"]["loss"])
-ax[0].bar(range(P), path_ppl, color="tab:blue", label="routed sequences, their path")
+ax[0].bar(PATHS, path_ppl, color="tab:blue", label="routed sequences, their path")
 once = rep["ppl"]["once"]
 ax[0].axhline(once, color="k", ls="--", label=f"routed, all: {once:.1f}")
 ax[0].set(xlabel="path", ylabel="perplexity", title="per-path perplexity (prefix excluded)")
 ax[0].legend(fontsize=8)
 own = np.exp(rep["own_shard"]["loss"])
-ax[1].bar(range(len(own)), own, color="tab:orange")
+ax[1].bar(WORKERS[: len(own)], own, color="tab:orange")
 ax[1].set(xlabel="worker", ylabel="perplexity", title="each worker on its own validation shard")
+for a in ax:
+  a.tick_params(axis="x", labelrotation=30)
 plt.tight_layout()
 plt.show()""",
   ),
@@ -204,7 +262,7 @@ plt.show()""",
   (
     "code",
     """ws = rep["windows"]
-plt.figure(figsize=(6, 3.5))
+plt.figure(figsize=(6.5, 3.8))
 for kind in rep["rerouters"]:
   plt.plot(ws, [rep["ppl"][f"{kind}/W={w}"] for w in ws], "o-", label=f"{kind} re-router")
 if "oracle/once" in rep["ppl"]:
@@ -223,11 +281,13 @@ plt.show()""",
     "code",
     """sizes = run.shard_set.sizes("train")
 docs = run.shard_set.num_docs("train")
-fig, ax = plt.subplots(1, 2, figsize=(11, 3.2))
-ax[0].bar(range(len(sizes)), sizes)
+fig, ax = plt.subplots(1, 2, figsize=(12, 3.6))
+ax[0].bar(WORKERS[: len(sizes)], sizes)
 ax[0].set(xlabel="worker", ylabel="tokens", title="train shard sizes (tokens)")
-ax[1].bar(range(len(docs)), docs, color="tab:green")
+ax[1].bar(WORKERS[: len(docs)], docs, color="tab:green")
 ax[1].set(xlabel="worker", ylabel="documents", title="train shard sizes (documents)")
+for a in ax:
+  a.tick_params(axis="x", labelrotation=30)
 plt.tight_layout()
 plt.show()""",
   ),
@@ -240,7 +300,7 @@ plt.figure(figsize=(1.1 * len(dom.domain_names) + 2, 0.45 * P + 1.5))
 plt.imshow(share, cmap="viridis", aspect="auto", vmin=0, vmax=1)
 plt.colorbar(label="share of the path's sequences")
 plt.xticks(range(len(dom.domain_names)), dom.domain_names, rotation=45, ha="right")
-plt.yticks(range(P), [topo.path_label(p) for p in range(P)])
+plt.yticks(range(P), PATHS)
 plt.ylabel("path")
 plt.title(f"validation: path x domain (purity {dom.purity:.3f}, NMI {dom.nmi:.3f})")
 plt.show()""",
@@ -257,15 +317,14 @@ shards no pattern beyond noise. See `docs/routing.md` (reading the specialisatio
   (
     "code",
     """spec = evaluate.specialisation(run, rep)  # From the scores above: nothing is scored again.
-labels = [topo.path_label(p) for p in range(P)]
-display(Markdown(router_report.specialisation_to_markdown(spec, labels)))
+display(Markdown(router_report.specialisation_to_markdown(spec, PATHS)))
 grid = spec.centred_matrix
 lim = max(float(np.nanmax(np.abs(grid))), 1e-6)
-plt.figure(figsize=(0.8 * P + 2.5, 0.6 * P + 1.5))
+plt.figure(figsize=(0.9 * P + 3, 0.7 * P + 2))
 plt.imshow(grid, cmap="RdBu_r", vmin=-lim, vmax=lim)
 plt.colorbar(label="loss less row and column means")
-plt.xticks(range(P), labels, rotation=45, ha="right")
-plt.yticks(range(P), labels)
+plt.xticks(range(P), PATHS, rotation=45, ha="right")
+plt.yticks(range(P), PATHS)
 plt.xlabel("shard (held-out documents of path)")
 plt.ylabel("path")
 plt.title(f"specialisation (diagonal - off-diagonal: {spec.diagonal_gap:+.4f})")
@@ -295,7 +354,7 @@ def build() -> nbformat.NotebookNode:
   for kind, src in CELLS:
     nb.cells.append(v4.new_markdown_cell(src) if kind == "md" else v4.new_code_cell(src))
   for cell in nb.cells:
-    if cell.source.startswith("# Parameters"):
+    if cell.source.startswith("#@title Parameters"):  # Papermill's and CI's parameters.
       cell.metadata["tags"] = ["parameters"]
   for i, cell in enumerate(nb.cells):  # Stable ids: regenerating changes nothing.
     cell.id = f"cell-{i}"
@@ -303,21 +362,23 @@ def build() -> nbformat.NotebookNode:
 
 
 def execute(nb: nbformat.NotebookNode, workdir: str, timeout_s: int) -> None:
-  """Runs `nb` in a Jupyter kernel on the run in `workdir` (as CI does); stderr is dropped.
+  """Runs `nb` in a fresh Jupyter kernel on the run in `workdir` (as CI does); stderr is dropped.
 
-  The kept outputs are stdout, markdown and PNG figures; stderr (progress lines, library
-  warnings) differs from machine to machine and is not committed.
+  The kernel's working directory is a temporary folder outside the clone, as on Colab; it
+  imports the dipaco_jax this script's clone holds (PYTHONPATH). An empty `workdir` is trained
+  by the notebook's training cell. The kept outputs are stdout, markdown and PNG figures;
+  stderr (progress lines, library warnings) differs from machine to machine and is not
+  committed.
   """
   import nbclient  # pylint: disable=g-import-not-at-top
 
   os.environ["DIPACO_NB_WORKDIR"] = workdir
+  os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
   start = time.perf_counter()
-  nbclient.NotebookClient(
-    nb,
-    timeout=timeout_s,
-    kernel_name="python3",
-    resources={"metadata": {"path": os.path.dirname(NOTEBOOK)}},
-  ).execute()
+  with tempfile.TemporaryDirectory() as cwd:
+    nbclient.NotebookClient(
+      nb, timeout=timeout_s, kernel_name="python3", resources={"metadata": {"path": cwd}}
+    ).execute()
   for cell in nb.cells:
     if cell.cell_type == "code":
       cell.outputs = [o for o in cell.outputs if o.get("name") != "stderr"]
