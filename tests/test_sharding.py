@@ -165,12 +165,11 @@ def test_a_leaf_splits_over_path_off_its_last_axis_where_it_can():
 def test_a_compressed_outer_step_moves_under_half_the_float32_bytes(kind):
   """Codes cross 'path', not float32: under half of the uncompressed step's bytes.
 
-  K4_GRID on path=4, blocks of 16: the two block levels (K=4) split on an inner dim that
-  is not a leaf's last axis where one divides (codes out, codes back), the shared
-  embedding replicated (codes dealt by rows out, but its float32 sums gathered back:
-  not compressed in bytes). With 'path' on the last axis of mlp_out and attention's out
-  (the layout before: parts of 8 values against blocks of 16) their float32 updates
-  crossed instead, and int8 moved more bytes than float32 (284,372 against 230,564).
+  K4_GRID on path=4, blocks of 16: the two block levels (K=4) and, compressed, the shared
+  embedding (K=1) split on an inner dim that is not a leaf's last axis where one divides:
+  codes out, codes back. With 'path' on the last axis of mlp_out and attention's out (the
+  layout before: parts of 8 values against blocks of 16) their float32 updates crossed
+  instead, and int8 moved more bytes than float32 (284,372 against 230,564).
   """
   grid = {"mesh.path": 4, "mesh.data": 1, **K4_GRID}
   fp32 = _outer_bytes(**grid)
