@@ -274,8 +274,16 @@ def _parse_oom(msg: str) -> tuple[float, float] | None:
 class Report:
   """Compiles a config's steps over a topology and collects the numbers."""
 
-  def __init__(self, config, topology: str, slices: int, dcn_gbps: float | None = None):
+  def __init__(
+    self,
+    config,
+    topology: str,
+    slices: int,
+    dcn_gbps: float | None = None,
+    hlo_dir: str | None = None,
+  ):
     self.config = config
+    self.hlo_dir = hlo_dir  # Where to write each step's compiled HLO text (STEP.hlo.txt).
     self.topology, self.slices = topology, slices
     self.chip_name, self.chip = chip_of(topology)
     self.dcn_gbps = self.chip.dcn_gbps if dcn_gbps is None else dcn_gbps
@@ -304,6 +312,14 @@ class Report:
         "workers": int(self.exp.topo.num_workers),
         "batch_per_path": int(config.data.batch_size),
         "seq_len": int(config.data.seq_len),
+        "inner_steps": int(config.dipaco.inner_steps),
+        "outer_compression": config.outer.compression,
+        "outer_compression_block": int(config.outer.compression_block),
+        "outer_error_feedback": bool(self.exp.recipe.feedback),
+        # One path's parameters (what a data-parallel gradient per inner step would carry).
+        "path_params": int(
+          sum(x.size // x.shape[0] for x in jax.tree.leaves(self.exp.abstract_state.params))
+        ),
       },
       "topology": topology,
       "slices": slices,
@@ -333,6 +349,11 @@ class Report:
       "eval": ("params",),
     }[step]
     total = sum(per_device_bytes(v) for k, v in parts.items() if k not in args)
+    if self.exp.recipe.feedback and step != "outer":
+      total += per_device_bytes(st.ef)  # Error-feedback residuals (an outer-step argument).
+    if self.exp.recipe.compressed and step != "outer":
+      # The spmd loop's copy of each worker's params at its phase's start.
+      total += per_device_bytes(st.params)
     if self.config.early_stopping.get("enabled", False):
       total += per_device_bytes(st.params)  # BestPaths' copy of the params.
     return total
@@ -359,7 +380,12 @@ class Report:
         np.float32,
         sharding=jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()),
       )
-      return exp.outer_step, (st.store, st.outer_opt, st.params, alpha)
+      args = (st.store, st.outer_opt, st.params, alpha)
+      if exp.recipe.compressed:
+        # A compressed outer step also takes the error-feedback residuals ({}
+        # without feedback) and each worker's params at its phase's start.
+        args += (getattr(st, "ef", {}) if exp.recipe.feedback else {}, st.params)
+      return exp.outer_step, args
     return exp.eval_step, (st.params, abstract_batch(exp))
 
   def _inner_cost(self, compiled) -> tuple[float, float, str]:
@@ -421,6 +447,8 @@ class Report:
         continue
       mem = self._memory(compiled, step)
       text = compiled.as_text()
+      if self.hlo_dir:
+        files.write_text(os.path.join(self.hlo_dir, f"{step}.hlo.txt"), text)
       row: dict[str, Any] = {
         "memory": mem,
         "hbm_fraction": mem["total"] / self.chip.usable_hbm,
@@ -544,7 +572,12 @@ def format_report(r: dict[str, Any]) -> str:
     + f"; {c['workers']} workers x {c['batch_per_path']} x {c['seq_len']} tokens; "
     f"microbatches {c['microbatches']}, remat {c['remat']}, fsdp {c['fsdp']}, "
     f"loss_chunk {c['loss_chunk']}, attention {c['attention']} (runs "
-    f"{c['attention_runs']}), {c['dtype']}",
+    f"{c['attention_runs']}), {c['dtype']}; outer deltas {c['outer_compression']}"
+    + (
+      f" (blocks of {c['outer_compression_block']}, error feedback {c['outer_error_feedback']})"
+      if c["outer_compression"] in ("int8", "fp4")
+      else ""
+    ),
   ]
   for step, s in r["steps"].items():
     if "memory" not in s:
@@ -629,6 +662,9 @@ def _define_flags() -> None:
     "DCN Gb/s per chip for the outer step's time estimate (default: the chip's, aot.CHIPS: "
     "v5e 25, v5p 50, v6e 100).",
   )
+  _FLAGS["hlo_dir"] = flags.DEFINE_string(
+    "hlo_dir", None, "Also write each step's compiled TPU HLO text here (STEP.hlo.txt)."
+  )
   _FLAGS["verbose_errors"] = errors.VERBOSE_ERRORS
   flags.declare_key_flag("verbose_errors")  # errors.py's: --help lists it.
   flags.register_validator(
@@ -662,7 +698,11 @@ def main(argv):
     if _FLAGS["out"].value:
       files.check_writable(_FLAGS["out"].value, f"--out={_FLAGS['out'].value}", file=True)
     report = Report(
-      config, _FLAGS["topology"].value, _FLAGS["slices"].value, _FLAGS["dcn_gbps"].value
+      config,
+      _FLAGS["topology"].value,
+      _FLAGS["slices"].value,
+      _FLAGS["dcn_gbps"].value,
+      hlo_dir=_FLAGS["hlo_dir"].value,
     )
     result = report.run(_FLAGS["steps"].value)
   # ValueError: AotError, ConfigError (MeshError) and what only the mesh and the model show.

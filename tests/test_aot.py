@@ -147,3 +147,20 @@ def test_cli_reports_bad_topology_in_one_line():
     "AotError: --topology=v5e-16: unknown chip 'v5e-16'; use one of ['v4', 'v5e', 'v5p', 'v6e'] "
     "as CHIP:AxB[xC], e.g. v5e:4x4."
   ]
+
+
+def test_a_compressed_outer_step_compiles_and_sends_codes():
+  """outer.compression: the outer step takes (ef, start) too, and codes cross 'path'.
+
+  The tiny config on 2 x v5e:2x2 (path 4 x data 2), outer step only: fp4 moves under a
+  quarter of float32's bytes across 'path' (4.5 bits a value against 32, both ways).
+  """
+  tiny = os.path.join(helpers.ROOT, "configs", "tiny.py")
+  none = aot.Report(config_check.load(tiny), "v5e:2x2", slices=2).run(["outer"])
+  fp4 = aot.Report(
+    config_check.load(tiny, **{"outer.compression": "fp4"}), "v5e:2x2", slices=2
+  ).run(["outer"])
+  assert fp4["config"]["outer_compression"] == "fp4" and fp4["config"]["outer_error_feedback"]
+  a, b = none["steps"]["outer"], fp4["steps"]["outer"]
+  assert a["fits"] and b["fits"]
+  assert 0 < b["path_bytes"] < a["path_bytes"] / 4, (b["path_bytes"], a["path_bytes"])

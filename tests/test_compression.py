@@ -11,6 +11,7 @@ from dipaco_jax.core import compression as comp
 from dipaco_jax.core import experiment
 from dipaco_jax.core import outer
 from dipaco_jax.core import recipe as recipe_lib
+from dipaco_jax.core import sharding
 from dipaco_jax.errors import ConfigError
 from dipaco_jax.io import checkpoint
 from dipaco_jax.runtime.elastic import driver
@@ -261,15 +262,28 @@ BASE = {
 }
 
 
-def test_the_spmd_step_sends_what_the_workers_encode(tmp_path):
+# d_model 30, 3 heads of 10: no dim of block_0's attention projections or norm scales
+# divides path=4, so those K=2 leaves stay replicated over 'path' (as dipaco_16x16's
+# attention projections on path=256): their codes are dealt by rows, summed per module.
+NO_DIM_DIVIDES = {"model.d_model": 30, "model.num_heads": 3, "model.head_dim": 10}
+
+
+@pytest.mark.parametrize("model", [{}, NO_DIM_DIVIDES], ids=["split", "no_dim_divides"])
+def test_the_spmd_step_sends_what_the_workers_encode(tmp_path, model):
   """The sharded program's pseudo-gradient is the α-average of the decoded codes (every layout).
 
-  A micro grid on 4 devices: the shared embedding (replicated: codes dealt by rows), block_0's
-  two modules (an inner dim on 'path': codes cut along it).
+  A micro grid on 4 devices: the shared embedding and block_0's two modules on an inner dim
+  of 'path' (codes cut along it); or, where no dim divides (d_model 30), block_0's K=2
+  attention and norm leaves and the head's K=1 norm replicated (codes dealt by rows).
   """
-  cfg = helpers.micro_config(**{**BASE, "data.shard_dir": str(tmp_path)})
+  cfg = helpers.micro_config(**{**BASE, **model, "data.shard_dir": str(tmp_path)})
   exp = experiment.Experiment(cfg)
   r = exp.recipe
+  replicated = lambda g: [
+    "path" not in sharding.spec_axes(x.spec) for x in jax.tree.leaves(exp.state_sharding.store[g])
+  ]
+  assert any(replicated("block_0")) == any(replicated("head")) == bool(model)
+  assert not any(replicated("embed"))  # K = 1, split on an inner dim when compressed.
   state = exp.init_state(0)
   moved = jax.tree.map(
     lambda x: x + 1e-3 * jax.random.normal(jax.random.key(3), x.shape, x.dtype), state.params

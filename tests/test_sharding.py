@@ -7,11 +7,13 @@ and moves at most twice the module bytes of the paths each device holds.
 """
 
 import functools
+from types import SimpleNamespace
 from typing import NamedTuple
 
 import jax
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from dipaco_jax import hlo
 from dipaco_jax.core import experiment
@@ -90,7 +92,10 @@ def _outer_bytes(**overrides) -> OuterBytes:
   exp = experiment.Experiment(helpers.micro_config(**overrides))
   st, topo = exp.abstract_state, exp.topo
   alpha = jax.ShapeDtypeStruct((topo.num_workers,), np.float32)
-  text = exp.outer_step.lower(st.store, st.outer_opt, st.params, alpha).compile().as_text()
+  args = (st.store, st.outer_opt, st.params, alpha)
+  if exp.recipe.compressed:  # (..., ef, start): the residuals and the phase-start params.
+    args += (st.ef if exp.recipe.feedback else {}, st.params)
+  text = exp.outer_step.lower(*args).compile().as_text()
   group_bytes = {
     s.name: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(st.store[s.name]))
     for s in topo.store_groups()
@@ -139,3 +144,34 @@ def test_outer_step_path_bytes_do_not_grow_with_k():
   assert k4.held == k2.held
   assert k4.cross - k4.metric == k2.cross - k2.metric
   assert k4.cross <= 2 * k4.held + k4.metric
+
+
+def test_a_leaf_splits_over_path_off_its_last_axis_where_it_can():
+  # A compressed outer step codes blocks along a leaf's last axis: a cut across it can split a
+  # block between owners (float32 crosses then), so any other dim that divides goes first.
+  mesh = SimpleNamespace(shape={"path": 4, "data": 1, "model": 1})
+  none = P(None, None, None)
+  assert sharding._with_path(none, (2, 8, 128), mesh, False) == P(None, ("path",), None)
+  assert sharding._with_path(none, (2, 6, 128), mesh, False) == P(None, None, ("path",))
+  # No dim divides (e.g. dipaco_16x16's attention projections on path=256): unchanged, so the
+  # leaf stays replicated over 'path'.
+  assert sharding._with_path(none, (2, 6, 10), mesh, False) == none
+  # With 'data' too: the non-last dim where ('data', 'path') divides it.
+  mesh2 = SimpleNamespace(shape={"path": 4, "data": 2, "model": 1})
+  assert sharding._with_path(none, (2, 8, 128), mesh2, False) == P(None, ("data", "path"), None)
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp4"])
+def test_a_compressed_outer_step_moves_under_half_the_float32_bytes(kind):
+  """Codes cross 'path', not float32: under half of the uncompressed step's bytes.
+
+  K4_GRID on path=4, blocks of 16: the two block levels (K=4) and, compressed, the shared
+  embedding (K=1) split on an inner dim that is not a leaf's last axis where one divides:
+  codes out, codes back. With 'path' on the last axis of mlp_out and attention's out (the
+  layout before: parts of 8 values against blocks of 16) their float32 updates crossed
+  instead, and int8 moved more bytes than float32 (284,372 against 230,564).
+  """
+  grid = {"mesh.path": 4, "mesh.data": 1, **K4_GRID}
+  fp32 = _outer_bytes(**grid)
+  coded = _outer_bytes(**grid, **{"outer.compression": kind, "outer.compression_block": 16})
+  assert 0 < coded.cross < fp32.cross / 2, (coded.cross, fp32.cross)

@@ -135,7 +135,7 @@ class Experiment:
   def _state_specs(self, abstract: TrainState) -> TrainState:
     r = self.recipe
     ps = sharding.worker_specs(abstract.params, self.mesh, self.fsdp)
-    ss = sharding.store_specs(abstract.store, self.mesh, self.topo, self.fsdp)
+    ss = sharding.store_specs(abstract.store, self.mesh, self.topo, self.fsdp, r.compressed)
     specs = TrainState(
       step=P(),
       rng=P(),

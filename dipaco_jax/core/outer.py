@@ -296,7 +296,8 @@ def _leaf_on_mesh(
       enc = {k: v.reshape(v.shape[0], -1, v.shape[-1]) for k, v in enc.items()}
       split = ndata > 1 and "data" not in sharding.spec_axes(spec)
       d = _rows_to_owners(enc, n, cfg, w_KxL, ndata, split)
-      return d.reshape((1,) + x_K.shape[1:]), trained_K, 0, lambda new, _: new[idx_L], e_new
+      # K = 1, or a K > 1 leaf that no dim of splits over 'path' (sharding._with_path).
+      return d.reshape(x_K.shape), trained_K, 0, lambda new, _: new[idx_L], e_new
     d = _delta(x_K, x_L, w_KxL, idx_L)  # The partial pseudo-gradient: what crosses 'path'.
     if data_split(d):
       # Each of a path's data-parallel devices sums its own part across paths.

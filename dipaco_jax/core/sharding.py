@@ -177,8 +177,12 @@ def _with_path(spec: P, shape: Sequence[int], mesh: Mesh, fsdp: bool) -> P:
 
   Without FSDP the modules are also split over 'data' on that dim where it
   divides, so that each of a path's data-parallel devices moves its own part.
-  The largest dim that divides wins, one no other axis uses first.
-  Unchanged when no dim divides: that leaf stays replicated over 'path'.
+  Of the dims that divide, one no other axis (of more than one device) uses
+  goes first, then one that is not the last (a compressed outer step codes
+  blocks along the last axis, outer.compression, and a cut across it may split
+  a block between owners, which then get float32 values, not codes), then the
+  largest. Unchanged when no dim divides: that leaf stays replicated over
+  'path'.
   """
   added = [("path",)] if fsdp or mesh.shape["data"] == 1 else [("data", "path"), ("path",)]
   for axes in added:
@@ -186,7 +190,8 @@ def _with_path(spec: P, shape: Sequence[int], mesh: Mesh, fsdp: bool) -> P:
     for i in range(1, len(shape)):
       other = spec[i] if i < len(spec) else None
       n = math.prod(mesh.shape[a] for a in axes) * (mesh.shape[other] if other else 1)
-      key = (other is None, shape[i])
+      free = other is None or mesh.shape[other] == 1  # An axis of one device splits nothing.
+      key = (free, i < len(shape) - 1, shape[i])
       if shape[i] % n == 0 and (best is None or key > best[0]):
         best = (key, i, other)
     if best is not None:
@@ -197,13 +202,23 @@ def _with_path(spec: P, shape: Sequence[int], mesh: Mesh, fsdp: bool) -> P:
   return spec
 
 
-def store_specs(store: PyTree, mesh: Mesh, topo: topology.Topology, fsdp: bool = False) -> PyTree:
+def store_specs(
+  store: PyTree,
+  mesh: Mesh,
+  topo: topology.Topology,
+  fsdp: bool = False,
+  compressed: bool = False,
+) -> PyTree:
   """Each store group's layout over 'path', which fixes the outer step's collectives.
 
   K on 'path' where each device then holds just its own workers' modules
   (`owns_its_modules`); replicated when K = 1; otherwise every module split
   over 'path' on one inner dim (`_with_path`), so that no device holds, and
   no outer step moves, the dense [K, ...] store (outer.sharded_outer_step).
+  `compressed` (outer.compression other than none): K = 1 is split on an inner
+  dim too, so that its update crosses back coded (the replicated layout sends
+  codes up but gathers the float32 sums back, as each device runs Nesterov on
+  the whole module).
   """
   npath = mesh.shape["path"]
   out = {}
@@ -211,7 +226,7 @@ def store_specs(store: PyTree, mesh: Mesh, topo: topology.Topology, fsdp: bool =
     sub = store[s.name]
     if owns_its_modules(s, npath):
       out[s.name] = stacked_specs(sub, mesh, leading="path", fsdp=fsdp)
-    elif s.num_modules == 1:
+    elif s.num_modules == 1 and not compressed:
       out[s.name] = stacked_specs(sub, mesh, leading=None, fsdp=fsdp)
     else:
       specs = stacked_specs(sub, mesh, leading=None, fsdp=fsdp)
