@@ -728,14 +728,17 @@ def outer_norms(config, workdir: str) -> dict | None:
     return None
   workers = math.prod(config.dipaco.modules_per_level) * config.dipaco.replicas
   levels = {}
-  for level in records[0]["outer_delta_norm"]:
-    k = len(records[0]["outer_delta_norm"][level])
-    norms = [float(np.sqrt(np.sum(np.square(r["outer_delta_norm"][level])))) for r in records]
+  # Streamed (outer.fragments > 1): a sync's record holds its fragment's levels only.
+  names = list(dict.fromkeys(level for r in records for level in r["outer_delta_norm"]))
+  for level in names:
+    mine = [r for r in records if level in r["outer_delta_norm"]]
+    k = len(mine[0]["outer_delta_norm"][level])
+    norms = [float(np.sqrt(np.sum(np.square(r["outer_delta_norm"][level])))) for r in mine]
     peak = max(norms)
     levels[level] = {
       "modules": k,
       "paths_per_module": workers // k,
-      "steps": [int(r["step"]) for r in records],
+      "steps": [int(r["step"]) for r in mine],
       "norm": norms,
       "per_module": [n / math.sqrt(k) for n in norms],
       "first": norms[0],
@@ -745,8 +748,8 @@ def outer_norms(config, workdir: str) -> dict | None:
       "last_over_peak": norms[-1] / peak if peak > 0 else float("nan"),
     }
   out = {"levels": levels, "sqrt_paths_cap": config.outer.sqrt_paths_cap}
-  names = list(levels)
-  if len(names) > 1:
+  aligned = len({tuple(v["steps"]) for v in levels.values()}) == 1
+  if len(names) > 1 and aligned:  # Per outer step: the levels synced at the same steps.
     shared, rest = levels[names[0]]["per_module"], [levels[n]["per_module"] for n in names[1:]]
     out["shared_over_modules"] = [
       s / float(np.mean(o)) if np.mean(o) > 0 else float("nan") for s, *o in zip(shared, *rest)
