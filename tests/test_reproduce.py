@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import ml_collections
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -310,3 +311,32 @@ def test_the_compression_and_streaming_arms_are_dipaco_2x2_but_for_the_outer_exc
     assert (wire(b["outer"]), streamed(b["outer"])) == (("none", True), (1, 0))
     assert c == b, name
   assert base["data"]["shard_dir"] == cfg("dipaco_2x2_fp4")["data"]["shard_dir"]  # Same shards.
+
+
+def test_outer_norms_of_a_streamed_run_by_hand(tmp_path):
+  """Each level's series from the records that hold it (a fragment's sync holds its levels)."""
+  recs = [
+    {"step": 1, "outer_delta_norm": {"level_0": [3.0]}},
+    {"step": 2, "outer_delta_norm": {"level_1": [3.0, 4.0]}},
+    {"step": 3, "outer_delta_norm": {"level_0": [1.0]}},
+    {"step": 4, "outer_delta_norm": {"level_0": [2.0], "level_1": [0.0, 1.0]}},
+  ]
+  with open(tmp_path / "metrics.jsonl", "w") as f:
+    f.writelines(json.dumps(r) + "\n" for r in recs)
+  cfg = ml_collections.ConfigDict(
+    {
+      "outer": {"enabled": True, "sqrt_paths_cap": 0.0},
+      "dipaco": {"modules_per_level": (1, 2), "replicas": 1},
+    }
+  )
+  out = reproduce.outer_norms(cfg, str(tmp_path))
+  l0, l1 = out["levels"]["level_0"], out["levels"]["level_1"]
+  assert (l0["steps"], l0["norm"], l0["peak"], l0["last"]) == ([1, 3, 4], [3.0, 1.0, 2.0], 3.0, 2.0)
+  assert (l1["steps"], l1["norm"], l1["modules"], l1["paths_per_module"]) == (
+    [2, 4],
+    [5.0, 1.0],
+    2,
+    1,
+  )
+  assert "shared_over_modules" not in out  # The levels sync at different steps.
+  assert out["stable"] is True  # Both below their peaks at the last sync.
