@@ -22,7 +22,8 @@ docs/results/specialisation.md reads. The routing levers beside --long's arms (a
 --models=...): the embedding routed (dipaco_2x2_pse: each path its own; dipaco_2x2_emb: in the
 first routed level; each with its _iid control), the 4x4 grid (dipaco_4x4, dipaco_4x4_iid,
 diloco_iid_16), `--size min_share=0`; and the outer deltas compressed (dipaco_2x2_int8,
-dipaco_2x2_fp4, dipaco_2x2_fp4_noef, dipaco_2x2_topk2) or streamed (dipaco_2x2_stream).
+dipaco_2x2_fp4, dipaco_2x2_fp4_noef, dipaco_2x2_topk2) or streamed (dipaco_2x2_stream, and
+dipaco_2x2_frag without its overlap).
 
 `--long_b4` is the first long comparison (batch 4 x 96, one document after another: ~0.04x
 the noise scale), kept for the results page's appendix.
@@ -288,6 +289,8 @@ PAIRS = (
   ("dipaco_2x2_fp4", "dipaco_2x2_fp4_noef"),
   ("dipaco_2x2", "dipaco_2x2_topk2"),
   ("dipaco_2x2_fp4", "dipaco_2x2_stream"),
+  ("dipaco_2x2_fp4", "dipaco_2x2_frag"),
+  ("dipaco_2x2_frag", "dipaco_2x2_stream"),
   ("dipaco_4x4", "diloco_iid_16"),
   ("dipaco_4x4", "dipaco_4x4_iid"),
   ("dipaco_4x4", "dipaco_4x4_kmeans"),
@@ -333,6 +336,7 @@ INVESTIGATIONS = {
   "dipaco_2x2_fp4_noef": "DiPaCo 2x2 as dipaco_2x2, outer deltas sent as fp4, no error feedback",
   "dipaco_2x2_topk2": "DiPaCo 2x2 as dipaco_2x2, outer deltas sent as top-1 of 64, 2 bits, with EF",
   "dipaco_2x2_stream": "DiPaCo 2x2 as dipaco_2x2_fp4, synced in 3 fragments landing 4 steps late",
+  "dipaco_2x2_frag": "DiPaCo 2x2 as dipaco_2x2_fp4, synced in 3 fragments, each landing at once",
 }
 # <base>_olr<LR>: the base model at outer LR <LR>, e.g. diloco_iid_olr0.35.
 OUTER_LR_BASES = ("diloco_iid", "dipaco_2x2")
@@ -470,6 +474,7 @@ def run_overrides(
     "dipaco_2x2_topk2": {"outer.compression": "topk2"},
     # Streamed: fp4 in 3 fragments synced H/3 apart, each update landing 4 steps late.
     "dipaco_2x2_stream": {"outer.compression": "fp4", "outer.fragments": 3, "outer.overlap": 4},
+    "dipaco_2x2_frag": {"outer.compression": "fp4", "outer.fragments": 3},  # Its τ = 0 ablation.
   }
   if name in compressed:  # The same run as dipaco_2x2 but for the wire format of its deltas.
     return {

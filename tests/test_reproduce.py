@@ -303,6 +303,7 @@ def test_the_compression_and_streaming_arms_are_dipaco_2x2_but_for_the_outer_exc
     ("dipaco_2x2_fp4_noef", "fp4", False, (1, 0)),
     ("dipaco_2x2_topk2", "topk2", True, (1, 0)),
     ("dipaco_2x2_stream", "fp4", True, (3, 4)),
+    ("dipaco_2x2_frag", "fp4", True, (3, 0)),
   ]:
     c, b = cfg(name), cfg("dipaco_2x2")
     wire = lambda o: (o.pop("compression"), o.pop("error_feedback"))
