@@ -224,7 +224,9 @@ class OuterConfig(f.Section):
     'Δ_w on the wire: "none" (float32) | "bf16" | "int8" | "fp4" | "topk2" (communication.md).',
   )
   compression_block: int = f.field(
-    64, f.integer(1), "Values per scale (int8, fp4) along a leaf's last axis; short rows padded."
+    64,
+    f.integer(1),
+    "Values per scale (int8, fp4, topk2) along a leaf's last axis; short rows padded.",
   )
   compression_keep: int = f.field(
     1, f.integer(1), "topk2: values kept a block, the largest |x| (1 of 64: 1.56%), 2 bits each."

@@ -1,4 +1,4 @@
-"""Compression of the outer exchange: each worker's Δ_w as bf16, int8 or fp4 codes, block-scaled.
+"""Compression of the outer exchange: each worker's Δ_w as bf16, int8, fp4 or top-k 2-bit codes.
 
 `config.outer.compression` (docs/communication.md, "Compression"):
 
