@@ -22,7 +22,6 @@ download and its upload): the seconds, the inner steps' own seconds, and the byt
 # pylint: disable=invalid-name
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -159,10 +158,10 @@ def main() -> None:
     "runs": runs,
     "wall_s": time.time() - started,
   }
+  import timing  # pylint: disable=g-import-not-at-top  # Beside this script; imports jax.
+
   os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-  with open(a.out, "w") as f:
-    json.dump(out, f, indent=1)
-  print(f"wrote {a.out}")
+  timing.write_json(a.out, out)
 
 
 if __name__ == "__main__":

@@ -36,8 +36,8 @@ SMALL_RUN = (
 )
 
 
-def train_small_run(workdir, *flags) -> None:
-  """configs/tiny.py at SMALL_RUN's sizes on a sixteenth of the corpus, as a user runs it."""
+def train_tiny(workdir, *flags) -> None:
+  """The README's main command (configs/tiny.py) into `workdir`, with `flags` added."""
   subprocess.run(
     [
       sys.executable,
@@ -45,14 +45,17 @@ def train_small_run(workdir, *flags) -> None:
       "dipaco_jax.main",
       "--config=configs/tiny.py",
       f"--workdir={workdir}",
-      *SMALL_RUN,
-      "--config.data.subsample=16",
       *flags,
     ],
     cwd=ROOT,
     check=True,
     capture_output=True,
   )
+
+
+def train_small_run(workdir, *flags) -> None:
+  """configs/tiny.py at SMALL_RUN's sizes on a sixteenth of the corpus, as a user runs it."""
+  train_tiny(workdir, *SMALL_RUN, "--config.data.subsample=16", *flags)
 
 
 def micro_config(**overrides):

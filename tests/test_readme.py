@@ -2,14 +2,13 @@
 
 import os
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from dipaco_jax.io import metrics
 
+import helpers
 from helpers import ROOT
 
 
@@ -82,19 +81,7 @@ def test_the_readme_states_the_tiny_runs_figures():
 @pytest.mark.slow
 def test_the_tiny_run_measures_the_readmes_figures(tmp_path):
   workdir = str(tmp_path / "tiny")
-  subprocess.run(
-    [
-      sys.executable,
-      "-m",
-      "dipaco_jax.main",
-      "--config=configs/tiny.py",
-      f"--workdir={workdir}",
-      "--config.stop_at_step=100",
-    ],
-    cwd=ROOT,
-    check=True,
-    capture_output=True,
-  )
+  helpers.train_tiny(workdir, "--config.stop_at_step=100")
   evals = [r["step"] for r in metrics.read_records(workdir) if "val_loss" in r]
   assert evals == [50, 100], evals
   assert tiny_run_drift(workdir) == [], "README.md's tiny-run figures drifted: re-measure them"
