@@ -95,6 +95,22 @@ def test_topk2_by_hand():
   assert sum(v.nbytes for v in big.values()) == comp.wire_bytes((1, 300), "topk2", 300, 3)
 
 
+def test_topk2_against_numpy_on_padded_rows():
+  """[3, 5, 100] in blocks of 32 (the last padded), k = 3: each block's top 3, 2 bits each."""
+  x = np.asarray(jax.random.normal(jax.random.key(2), (3, 5, 100)), np.float32)
+  blocks = np.pad(x, [(0, 0), (0, 0), (0, 28)]).reshape(3, 5, 4, 32)
+  want = np.zeros_like(blocks)
+  for ix in np.ndindex(3, 5, 4):
+    b = blocks[ix]
+    top = np.argsort(-np.abs(b), kind="stable")[:3]
+    s = np.abs(b[top]).max()
+    want[ix][top] = np.sign(b[top]) * np.where(np.abs(b[top]) >= 0.75 * s, s, s / 2)
+  got = comp.roundtrip(jnp.asarray(x), "topk2", 32, keep=3)
+  np.testing.assert_array_equal(got, want.reshape(3, 5, 128)[..., :100])
+  enc = comp.encode(jnp.asarray(x), "topk2", 32, keep=3)
+  assert sum(v.nbytes for v in enc.values()) == comp.wire_bytes(x.shape, "topk2", 32, 3)
+
+
 def test_topk2_with_error_feedback_sends_everything_eventually():
   """One Δ, then zeros: each phase sends the largest of what is left; Σ sent + e = Δ always."""
   d = jnp.array([[0.1, -0.7, 0.3, 0.05]], jnp.float32)

@@ -106,8 +106,13 @@ def _decode_topk(enc: dict, b: int, k: int, m: int) -> jax.Array:
   code = code[..., :k]
   mag = jnp.where((code & 1) > 0, 1.0, 0.5) * s_N[..., None]
   v_NxK = jnp.where((code & 2) > 0, -mag, mag)
-  x_NxB = jnp.sum(jax.nn.one_hot(i_NxK, b, dtype=jnp.float32) * v_NxK[..., None], axis=-2)
-  return x_NxB.reshape(*s_N.shape[:-1], m)
+  # Scattered into zero rows (the positions of a block are distinct): memory of the row only.
+  *lead, nb = s_N.shape
+  rows = int(np.prod(lead))
+  at = (i_NxK + (jnp.arange(nb, dtype=jnp.int32) * b)[:, None]).reshape(rows, nb * k)
+  x = jnp.zeros((rows, nb * b), jnp.float32)
+  x = x.at[jnp.arange(rows)[:, None], at].set(v_NxK.reshape(rows, nb * k))
+  return x.reshape(*lead, m)
 
 
 def encode(x: jax.Array, kind: str, block: int, keep: int = 1) -> dict[str, jax.Array]:
