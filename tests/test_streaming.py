@@ -45,9 +45,6 @@ def test_the_schedule_by_hand():
   assert streaming.due(2, 4, 10) == [0] and streaming.due(12, 4, 10) == [0]
   assert streaming.due(10, 4, 10) == [3] and streaming.due(20, 4, 10) == [3]
   assert streaming.due(3, 4, 10) == [] and streaming.due(17, 4, 10) == [2]
-  assert streaming.flush(20, 4, 10) == [0, 1, 2]  # Fragment 3 is due at the last step.
-  assert streaming.last_sync(9, 2, 4, 10) == 7 and streaming.last_sync(16, 2, 4, 10) == 7
-  assert streaming.last_sync(4, 1, 4, 10) == 0  # Not synced yet (first at 5).
   # τ = 1: the exchange dispatched after step 2 lands after step 3; none lands after step 4.
   assert streaming.lands(3, 4, 10, 1) and not streaming.lands(4, 4, 10, 1)
   assert not streaming.lands(3, 4, 10, 0)

@@ -79,11 +79,6 @@ def error_feedback(state: TrainState) -> PyTree | None:
   return getattr(state, "ef", None)
 
 
-def in_flight(state: TrainState) -> PyTree | None:
-  """The update in flight (outer.overlap), or None (a run without overlap)."""
-  return getattr(state, "jump", None)
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class Recipe:
   """A run's grid, model, optimizers, guard thresholds and its pure single-path functions."""

@@ -80,17 +80,6 @@ def due(step: int, fragments: int, inner_steps: int) -> list[int]:
   return [f for f in range(fragments) if step % inner_steps == offset(f, fragments, inner_steps)]
 
 
-def last_sync(step: int, f: int, fragments: int, inner_steps: int) -> int:
-  """The last step <= `step` after which fragment f synced by the schedule (0: none yet)."""
-  o = offset(f, fragments, inner_steps)
-  return max(0, step - (step - o) % inner_steps)
-
-
-def flush(total: int, fragments: int, inner_steps: int) -> list[int]:
-  """The fragments that sync once more at the run's last step: those not due there."""
-  return [f for f in range(fragments) if f not in due(total, fragments, inner_steps)]
-
-
 def lands(step: int, fragments: int, inner_steps: int, overlap: int) -> bool:
   """Whether an exchange dispatched `overlap` steps before lands after inner step `step`."""
   return overlap > 0 and step > overlap and bool(due(step - overlap, fragments, inner_steps))

@@ -143,9 +143,7 @@ def run(config, workdir: str, link=None) -> dict[str, Any]:
     else:
       store, outer_opt, params, om = program(*args)
     if link is not None:
-      link.sent(
-        at, tuple(g for f in range(F) for g in exp.fragments[f] if not groups or g in groups)
-      )
+      link.sent(at, sorted(groups) if groups else list(exp.abstract_state.store))
       if not tau or end:  # Applied at once: the next step waits for the exchange.
         link.landed(at, params)
     state = state.replace(store=store, outer_opt=outer_opt, params=params)
