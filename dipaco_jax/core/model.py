@@ -87,18 +87,21 @@ class Attention(nn.Module):
   def __call__(self, x_BxTxD, segment_ids_BxT, positions_BxT):
     cfg = self.cfg
     dtype = jnp.dtype(cfg.dtype)
-    dense = lambda name, features, axis=-1: nn.DenseGeneral(
-      features, axis=axis, use_bias=False, dtype=dtype, name=name
-    )
-    shape = (cfg.num_heads, cfg.head_dim)
-    q_BxTxHxK = dense("query", shape)(x_BxTxD)
-    k_BxSxHxK = dense("key", shape)(x_BxTxD)
-    v_BxSxHxK = dense("value", shape)(x_BxTxD)
+    # The projections' kernels are matrices, [D, H K] and [H K, D], not [D, H, K] and [H, K, D]:
+    # the same initial values (flax draws a DenseGeneral's kernel as this matrix) and the same
+    # product, but a module of the store then has a dim that a wide 'path' axis divides (H K =
+    # 1024 for the paper's paths), so the outer step splits it over 'path' (sharding._with_path).
+    dense = lambda name, features: nn.Dense(features, use_bias=False, dtype=dtype, name=name)
+    B = x_BxTxD.shape[0]
+    T = x_BxTxD.shape[1]
+    H, K = cfg.num_heads, cfg.head_dim
+    heads = lambda name: dense(name, H * K)(x_BxTxD).reshape(B, T, H, K)
+    q_BxTxHxK = heads("query")
+    k_BxSxHxK = heads("key")
+    v_BxSxHxK = heads("value")
     if cfg.positions == "rope":
       q_BxTxHxK = _rope(q_BxTxHxK, positions_BxT)
       k_BxSxHxK = _rope(k_BxSxHxK, positions_BxT)
-    B = x_BxTxD.shape[0]
-    T = x_BxTxD.shape[1]
     causal = True  # mask_BxTxS has no causal part yet: added below, or by is_causal.
     mask_BxTxS = segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :]
     if self.decode and self.has_variable("cache", "cached_key"):
@@ -141,7 +144,7 @@ class Attention(nn.Module):
         scale=scale,
         implementation=impl,
       )
-    return dense("out", cfg.d_model, axis=(-2, -1))(out_BxTxHxK)
+    return dense("out", cfg.d_model)(out_BxTxHxK.reshape(B, T, H * K))
 
 
 class Block(nn.Module):
