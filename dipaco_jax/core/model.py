@@ -69,6 +69,32 @@ def _rope(x_BxTxHxK: jax.Array, positions_BxT: jax.Array) -> jax.Array:
   return _rotary(x_BxTxHxK, sin, cos)
 
 
+def _drawn_transposed(init):
+  """`init` drawing the [D, E] matrix and returning it as [E, D]: a Dense's initial values."""
+  return lambda key, shape, dtype=jnp.float32: init(key, shape[::-1], dtype).T
+
+
+class Widen(nn.Module):
+  """x [.., D] -> [.., E] by a kernel kept as [E, D] (inputs last, every block kernel's layout).
+
+  Every weight matrix of a block is stored [E, D], E its wide dim (H K for attention, the
+  MLP's width F), D = d_model last; the product and the initial values are those of a Dense
+  with kernel [D, E] (the same draw, transposed). In the store the wide dim comes first, so
+  the outer step splits it over 'path' and a compressed delta codes whole blocks along D
+  (outer.compression codes along the last axis; sharding._with_path).
+  """
+
+  features: int
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x_BxTxD):
+    init = _drawn_transposed(nn.initializers.lecun_normal())
+    kernel_ExD = self.param("kernel", init, (self.features, x_BxTxD.shape[-1]))
+    dtype = self.dtype
+    return jnp.einsum("btd,ed->bte", x_BxTxD.astype(dtype), kernel_ExD.astype(dtype))
+
+
 class Attention(nn.Module):
   """Causal multi-head attention that never crosses packed segments.
 
@@ -87,15 +113,13 @@ class Attention(nn.Module):
   def __call__(self, x_BxTxD, segment_ids_BxT, positions_BxT):
     cfg = self.cfg
     dtype = jnp.dtype(cfg.dtype)
-    # The projections' kernels are matrices, [D, H K] and [H K, D], not [D, H, K] and [H, K, D]:
-    # the same initial values (flax draws a DenseGeneral's kernel as this matrix) and the same
-    # product, but a module of the store then has a dim that a wide 'path' axis divides (H K =
-    # 1024 for the paper's paths), so the outer step splits it over 'path' (sharding._with_path).
-    dense = lambda name, features: nn.Dense(features, use_bias=False, dtype=dtype, name=name)
+    # The projections are matrices [H K, D] (Widen; out: a Dense [H K, D]), not [D, H, K] and
+    # [H, K, D]: a module then has a dim that a wide 'path' divides (H K = 1024 for the
+    # paper's paths, where no dim of D = 896, H = 16, K = 64 divides path = 256).
     B = x_BxTxD.shape[0]
     T = x_BxTxD.shape[1]
     H, K = cfg.num_heads, cfg.head_dim
-    heads = lambda name: dense(name, H * K)(x_BxTxD).reshape(B, T, H, K)
+    heads = lambda name: Widen(H * K, dtype=dtype, name=name)(x_BxTxD).reshape(B, T, H, K)
     q_BxTxHxK = heads("query")
     k_BxSxHxK = heads("key")
     v_BxSxHxK = heads("value")
@@ -144,7 +168,8 @@ class Attention(nn.Module):
         scale=scale,
         implementation=impl,
       )
-    return dense("out", cfg.d_model)(out_BxTxHxK.reshape(B, T, H * K))
+    out = nn.Dense(cfg.d_model, use_bias=False, dtype=dtype, name="out")
+    return out(out_BxTxHxK.reshape(B, T, H * K))
 
 
 class Block(nn.Module):
@@ -162,13 +187,14 @@ class Block(nn.Module):
     attn = Attention(cfg, decode=self.decode, mesh=self.mesh, name="attn")
     x_BxTxD = x_BxTxD + attn(h_BxTxD, segment_ids_BxT, positions_BxT)
     h_BxTxD = nn.RMSNorm(dtype=dtype, name="mlp_norm")(x_BxTxD)
-    dense = lambda name, features: nn.Dense(features, use_bias=False, dtype=dtype, name=name)
-    h_BxTxF = dense("mlp_in", cfg.mlp_dim)(h_BxTxD)
+    widen = lambda name: Widen(cfg.mlp_dim, dtype=dtype, name=name)(h_BxTxD)
+    h_BxTxF = widen("mlp_in")
     if cfg.mlp == "swiglu":
-      h_BxTxF = nn.silu(dense("mlp_gate", cfg.mlp_dim)(h_BxTxD)) * h_BxTxF
+      h_BxTxF = nn.silu(widen("mlp_gate")) * h_BxTxF
     else:
       h_BxTxF = nn.gelu(h_BxTxF)
-    return x_BxTxD + dense("mlp_out", cfg.d_model)(h_BxTxF)
+    mlp_out = nn.Dense(cfg.d_model, use_bias=False, dtype=dtype, name="mlp_out")
+    return x_BxTxD + mlp_out(h_BxTxF)
 
 
 class Transformer(nn.Module):
