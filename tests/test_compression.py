@@ -241,18 +241,15 @@ def test_bad_values_are_one_line_errors():
 
 @pytest.mark.parametrize(
   "over, axes",
-  [
-    ({"mesh.model": 2, "mesh.path": 2, "model.tie_embeddings": False}, "'model'"),
-    ({"mesh.fsdp": True, "mesh.data": 2}, "'data'"),
-  ],
+  [({"mesh.model": 2, "mesh.path": 2}, "'model'"), ({"mesh.fsdp": True, "mesh.data": 2}, "'data'")],
 )
 def test_a_block_across_devices_is_one_line(over, axes):
   """A last axis split over 'model' (or FSDP's 'data') in parts a block straddles is refused.
 
-  'model' splits every block kernel ([E, D], model.Widen) on E, never the last axis, but the
-  micro model's untied unembedding [32, 256] on its vocabulary: parts of 128 on 'model' = 2.
-  Under FSDP the largest dim not on 'model' goes to 'data', the last where it is the largest.
-  Block 24 fits no part; every split part is a multiple of 16.
+  The micro model's query kernel [32, 32] (heads x head_dim last) on 'model' = 2: parts of 16;
+  under FSDP the largest dim not on 'model' goes to 'data', the last when it is the largest (the
+  mlp_out kernel [128, 32] splits its 128, the embedding [256, 32] its 256: mlp_in [32, 128] its
+  last, parts of 64). Block 24 fits no part; every split part is a multiple of 16.
   """
   cfg = helpers.micro_config(**{"outer.compression": "fp4", "outer.compression_block": 24, **over})
   with pytest.raises(ConfigError) as e:

@@ -170,12 +170,12 @@ def _block_shapes(F):
     "attn_norm": {"scale": (D,)},
     "mlp_norm": {"scale": (D,)},
     "attn": {
-      "query": {"kernel": (H * K, D)},  # Every block kernel [E, D] (model.Widen).
-      "key": {"kernel": (H * K, D)},
-      "value": {"kernel": (H * K, D)},
+      "query": {"kernel": (D, H * K)},  # Matrices: a store dim that a wide 'path' divides.
+      "key": {"kernel": (D, H * K)},
+      "value": {"kernel": (D, H * K)},
       "out": {"kernel": (H * K, D)},
     },
-    "mlp_in": {"kernel": (F, D)},
+    "mlp_in": {"kernel": (D, F)},
     "mlp_out": {"kernel": (F, D)},
   }
 
@@ -248,7 +248,7 @@ def test_zero_query_attends_uniformly_within_segment_and_past():
   att = params["block_0"]["attn"]
   x_TxD = np.asarray(params["embed"]["token"])[np.asarray(tokens[0])]
   H, K = cfg.num_heads, cfg.head_dim
-  value_DxHxK = np.asarray(att["value"]["kernel"]).T.reshape(-1, H, K)  # Kept as [H K, D].
+  value_DxHxK = np.asarray(att["value"]["kernel"]).reshape(-1, H, K)  # Kept as [D, H K].
   out_HxKxD = np.asarray(att["out"]["kernel"]).reshape(H, K, -1)
   v_TxHxK = np.einsum("td,dhk->thk", _rms_norm(x_TxD), value_DxHxK)
   seg = np.asarray(segment_ids[0])
@@ -325,7 +325,7 @@ def test_bfloat16_compute_keeps_float32_params_logits_and_grads():
 def test_swiglu_params_by_hand_and_the_config_field_checked():
   F = 16  # d_model 8 * mlp_ratio 2: the width of each of gate and up.
   shapes = _shape_tree(_cfg(num_layers=1, mlp="swiglu"))["block_0"]
-  assert shapes == {**_block_shapes(F), "mlp_gate": {"kernel": (F, D)}}
+  assert shapes == {**_block_shapes(F), "mlp_gate": {"kernel": (D, F)}}
   # By hand: the GELU block's 528 (test above) plus the gate's 8*16 = 128, so 656; with the
   # token table 104 and head norm 8: 768. mlp_params: 3*8*16 = 384 against GELU's 2*8*16.
   count = sum(x.size for x in jax.tree.leaves(_shapes(_cfg(num_layers=1, mlp="swiglu"))))
@@ -344,9 +344,9 @@ def test_swiglu_block_computes_down_of_silu_gate_times_up():
   b = jax.tree.map(np.asarray, params["block_0"])
   x_TxD = np.asarray(params["embed"]["token"])[np.asarray(tokens[0])]
   h_TxD = _rms_norm(x_TxD)
-  gate_TxF = h_TxD @ b["mlp_gate"]["kernel"].T
+  gate_TxF = h_TxD @ b["mlp_gate"]["kernel"]
   silu_TxF = gate_TxF / (1 + np.exp(-gate_TxF))
-  expected = x_TxD + (silu_TxF * (h_TxD @ b["mlp_in"]["kernel"].T)) @ b["mlp_out"]["kernel"]
+  expected = x_TxD + (silu_TxF * (h_TxD @ b["mlp_in"]["kernel"])) @ b["mlp_out"]["kernel"]
   np.testing.assert_allclose(hidden[0], expected, rtol=1e-5, atol=1e-5)
 
 

@@ -42,16 +42,15 @@ def test_the_blocks_kernels_go_to_muon_as_matrices_and_the_rest_to_adamw():
     inner.muon_dims(params),
     is_leaf=lambda x: x is None or isinstance(x, contrib.MuonDimensionNumbers),
   )
-  # ([in axes], [out axes]); every block kernel is [E, D] (model.Widen).
-  widen, narrow = ((1,), (0,)), ((0,), (1,))
+  rows = ((0,), (1,))  # ([in axes], [out axes]) of every kernel, [D, F] as [D, H K].
   want = {
-    "block_0/attn/query/kernel": widen,  # [H K, D]: D in.
-    "block_0/attn/key/kernel": widen,
-    "block_0/attn/value/kernel": widen,
-    "block_0/attn/out/kernel": narrow,  # [H K, D]: H K in.
-    "block_0/mlp_in/kernel": widen,  # [F, D]: D in.
-    "block_0/mlp_gate/kernel": widen,
-    "block_0/mlp_out/kernel": narrow,  # [F, D]: F in.
+    "block_0/attn/query/kernel": rows,  # [D, H K].
+    "block_0/attn/key/kernel": rows,
+    "block_0/attn/value/kernel": rows,
+    "block_0/attn/out/kernel": rows,  # [H K, D].
+    "block_0/mlp_in/kernel": rows,
+    "block_0/mlp_gate/kernel": rows,
+    "block_0/mlp_out/kernel": rows,
   }
   adamw = {
     "embed/token",  # 2-D, but AdamW's: the embedding and the unembedding.
@@ -144,15 +143,14 @@ def test_two_steps_match_numpy_muon_and_adamw():
   shapes = {
     "embed/token": (v, d),  # AdamW, decayed (a matrix).
     "block_0/attn_norm/scale": (d,),  # AdamW, not decayed.
-    "block_0/attn/query/kernel": (h * k, d),  # [E, D]: Muon on D x (H K) = 4 x 6.
-    "block_0/attn/out/kernel": (h * k, d),  # Muon on (H K) x D = 6 x 4 (the tall orientation).
-    "block_0/mlp_in/kernel": (f, d),  # [E, D]: Muon on D x F = 4 x 8: scaled by √2.
+    "block_0/attn/query/kernel": (d, h, k),  # Muon on D x (H K) = 4 x 6.
+    "block_0/attn/out/kernel": (h, k, d),  # Muon on (H K) x D = 6 x 4 (the tall orientation).
+    "block_0/mlp_in/kernel": (d, f),  # Muon on 4 x 8: scaled by √2.
   }
-  # Each kernel as the [inputs, outputs] matrix Muon orthogonalises, and back.
   matrices = {
-    "block_0/attn/query/kernel": (lambda x: x.T, lambda x: x.T),
-    "block_0/attn/out/kernel": (lambda x: x, lambda x: x),
-    "block_0/mlp_in/kernel": (lambda x: x.T, lambda x: x.T),
+    "block_0/attn/query/kernel": (lambda x: x.reshape(d, h * k), lambda x: x.reshape(d, h, k)),
+    "block_0/attn/out/kernel": (lambda x: x.reshape(h * k, d), lambda x: x.reshape(h, k, d)),
+    "block_0/mlp_in/kernel": (lambda x: x, lambda x: x),
   }
   rng = np.random.default_rng(0)
   draw = lambda: {n: rng.normal(size=s).astype(np.float32) for n, s in shapes.items()}

@@ -38,25 +38,22 @@ def _decay_mask(params: PyTree, decay_norms: bool) -> PyTree:
   return jax.tree.map(lambda x: decay_norms or x.ndim > 1, params)
 
 
-# Kernels kept as [E, D] whose inputs are D, their last dim (model.Widen).
-_WIDEN = ("query", "key", "value", "mlp_in", "mlp_gate")
-
-
 def _muon_dims_of(path, x) -> contrib.MuonDimensionNumbers | None:
   """The matrix Muon sees in leaf `x` at `path`, or None: the leaf is AdamW's.
 
-  Muon's: every kernel of a block, as the matrix (inputs x outputs) it multiplies by. Each is
-  stored [E, D] (model.Widen): the attention's query, key and value and the MLP's in and gate
-  take D, their last dim, as the inputs; the attention's out and the MLP's out take E, their
-  first. AdamW's: the embedding and the head (the final norm, an untied unembedding), though
-  2-D: they map tokens, not hidden features; and every norm scale and vector.
+  Muon's: every kernel of a block, as the matrix (inputs x outputs) it multiplies by: the
+  attention's query, key and value [D, H K], its out [H K, D], the MLP's [D, F] and [F, D]
+  (a kernel of more dims, [D, H, K] say, has its first dim as the inputs and the rest as the
+  outputs; attention's out, [H, K, D], all but its last as the inputs). AdamW's: the
+  embedding and the head (the final norm, an untied unembedding), though 2-D: they map
+  tokens, not hidden features; and every norm scale and vector.
   """
   names = [getattr(k, "key", None) for k in path]
   if not str(names[0]).startswith("block_") or x.ndim < 2:
     return None
-  if len(names) >= 2 and names[-2] in _WIDEN:
-    return contrib.MuonDimensionNumbers(x.ndim - 1, tuple(range(x.ndim - 1)))
-  return contrib.MuonDimensionNumbers(tuple(range(x.ndim - 1)), x.ndim - 1)
+  if names[-3:] == ["attn", "out", "kernel"]:
+    return contrib.MuonDimensionNumbers(tuple(range(x.ndim - 1)), x.ndim - 1)
+  return contrib.MuonDimensionNumbers(0, tuple(range(1, x.ndim)))
 
 
 def muon_dims(params: PyTree) -> PyTree:

@@ -69,30 +69,14 @@ def _rope(x_BxTxHxK: jax.Array, positions_BxT: jax.Array) -> jax.Array:
   return _rotary(x_BxTxHxK, sin, cos)
 
 
-def _drawn_transposed(init):
-  """`init` drawing the [D, E] matrix and returning it as [E, D]: a Dense's initial values."""
-  return lambda key, shape, dtype=jnp.float32: init(key, shape[::-1], dtype).T
+class _Kernel(nn.Module):
+  """One kernel param of the given shape (lecun normal: fan in = its first dim)."""
 
-
-class Widen(nn.Module):
-  """x [.., D] -> [.., E] by a kernel kept as [E, D] (inputs last, every block kernel's layout).
-
-  Every weight matrix of a block is stored [E, D], E its wide dim (H K for attention, the
-  MLP's width F), D = d_model last; the product and the initial values are those of a Dense
-  with kernel [D, E] (the same draw, transposed). In the store the wide dim comes first, so
-  the outer step splits it over 'path' and a compressed delta codes whole blocks along D
-  (outer.compression codes along the last axis; sharding._with_path).
-  """
-
-  features: int
-  dtype: Any = jnp.float32
+  shape: tuple[int, ...]
 
   @nn.compact
-  def __call__(self, x_BxTxD):
-    init = _drawn_transposed(nn.initializers.lecun_normal())
-    kernel_ExD = self.param("kernel", init, (self.features, x_BxTxD.shape[-1]))
-    dtype = self.dtype
-    return jnp.einsum("btd,ed->bte", x_BxTxD.astype(dtype), kernel_ExD.astype(dtype))
+  def __call__(self):
+    return self.param("kernel", nn.initializers.lecun_normal(), self.shape)
 
 
 class Attention(nn.Module):
@@ -113,13 +97,23 @@ class Attention(nn.Module):
   def __call__(self, x_BxTxD, segment_ids_BxT, positions_BxT):
     cfg = self.cfg
     dtype = jnp.dtype(cfg.dtype)
-    # The projections are matrices [H K, D] (Widen; out: a Dense [H K, D]), not [D, H, K] and
-    # [H, K, D]: a module then has a dim that a wide 'path' divides (H K = 1024 for the
-    # paper's paths, where no dim of D = 896, H = 16, K = 64 divides path = 256).
+    # The projections are kept as matrices, query, key and value [D, H K] and out [H K, D],
+    # not [D, H, K] and [H, K, D]: the same initial values (flax draws a DenseGeneral's kernel
+    # as the matrix) and products. In the store a module then has a dim that a wide 'path'
+    # divides (H K = 1024 on the paper's paths, where no dim of D = 896, H = 16, K = 64
+    # divides path = 256), so the outer step splits it over 'path' (sharding._with_path)
+    # instead of summing the whole K-module stack. The kernels, not the activations, are
+    # viewed as [D, H, K] and [H, K, D] in the products: a reshape of [B, T, H K]
+    # activations costs a copy on TPU.
     B = x_BxTxD.shape[0]
     T = x_BxTxD.shape[1]
-    H, K = cfg.num_heads, cfg.head_dim
-    heads = lambda name: Widen(H * K, dtype=dtype, name=name)(x_BxTxD).reshape(B, T, H, K)
+    D, H, K = x_BxTxD.shape[-1], cfg.num_heads, cfg.head_dim
+    kernel = lambda name, shape: _Kernel(shape, name=name)().astype(dtype)
+
+    def heads(name):
+      kernel_DxHxK = kernel(name, (D, H * K)).reshape(D, H, K)
+      return jnp.einsum("btd,dhk->bthk", x_BxTxD.astype(dtype), kernel_DxHxK)
+
     q_BxTxHxK = heads("query")
     k_BxSxHxK = heads("key")
     v_BxSxHxK = heads("value")
@@ -168,8 +162,8 @@ class Attention(nn.Module):
         scale=scale,
         implementation=impl,
       )
-    out = nn.Dense(cfg.d_model, use_bias=False, dtype=dtype, name="out")
-    return out(out_BxTxHxK.reshape(B, T, H * K))
+    kernel_HxKxD = kernel("out", (H * K, cfg.d_model)).reshape(H, K, cfg.d_model)
+    return jnp.einsum("bthk,hkd->btd", out_BxTxHxK.astype(dtype), kernel_HxKxD)
 
 
 class Block(nn.Module):
@@ -187,14 +181,13 @@ class Block(nn.Module):
     attn = Attention(cfg, decode=self.decode, mesh=self.mesh, name="attn")
     x_BxTxD = x_BxTxD + attn(h_BxTxD, segment_ids_BxT, positions_BxT)
     h_BxTxD = nn.RMSNorm(dtype=dtype, name="mlp_norm")(x_BxTxD)
-    widen = lambda name: Widen(cfg.mlp_dim, dtype=dtype, name=name)(h_BxTxD)
-    h_BxTxF = widen("mlp_in")
+    dense = lambda name, features: nn.Dense(features, use_bias=False, dtype=dtype, name=name)
+    h_BxTxF = dense("mlp_in", cfg.mlp_dim)(h_BxTxD)
     if cfg.mlp == "swiglu":
-      h_BxTxF = nn.silu(widen("mlp_gate")) * h_BxTxF
+      h_BxTxF = nn.silu(dense("mlp_gate", cfg.mlp_dim)(h_BxTxD)) * h_BxTxF
     else:
       h_BxTxF = nn.gelu(h_BxTxF)
-    mlp_out = nn.Dense(cfg.d_model, use_bias=False, dtype=dtype, name="mlp_out")
-    return x_BxTxD + mlp_out(h_BxTxF)
+    return x_BxTxD + dense("mlp_out", cfg.d_model)(h_BxTxF)
 
 
 class Transformer(nn.Module):

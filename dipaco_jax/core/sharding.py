@@ -26,16 +26,15 @@ from dipaco_jax.types import PyTree
 
 AXES = ("path", "data", "model")
 
-# Which dim of a parameter (by its name) is split over 'model': the wide dim of every block
-# kernel ([E, D], model.Widen; heads for attention), the vocabulary of the embedding and head.
+# Which dim of a parameter (by its name) is split over 'model'.
 _MODEL_DIM = {
   "token": 0,
-  "query": 0,
-  "key": 0,
-  "value": 0,
+  "query": 1,
+  "key": 1,
+  "value": 1,
   "out": 0,
-  "mlp_in": 0,
-  "mlp_gate": 0,
+  "mlp_in": 1,
+  "mlp_gate": 1,
   "mlp_out": 0,
   "unembed": 1,
 }

@@ -15,10 +15,10 @@ module (serving reads one path's rows of an item straight from orbax's OCDBT
 files with TensorStore). Only it and the modules it imports (layout.py,
 checksums.py, damage.py, save_failures.py) know orbax's on-disk layout.
 
-A checkpoint written before every block kernel was kept as [E, D] (model.Widen:
-attention's [D, H, K] and [H, K, D], the MLP's in and gate [D, F]) is read into
-today's layout (`current_layout`, the same numbers reshaped and transposed):
-resuming, evaluating, serving and init_from all take it.
+A checkpoint written before attention's projections became matrices ([D, H, K] and
+[H, K, D] kernels, now [D, H K] and [H K, D]; the same numbers in row-major order) is
+read into today's layout (`current_layout`): resuming, evaluating, serving and
+init_from all take it.
 
 Every reader checks the rows it returns against their checksums (checksums.py)
 and reports an unreadable file or a mismatch as one DamagedCheckpointError
@@ -108,68 +108,41 @@ def latest_step(workdir: str) -> int:
   return found[-1]
 
 
-# The layout before every block kernel was kept as [E, D] (model.Widen): attention's query,
-# key and value [D, H, K], its out [H, K, D], the MLP's in and gate [D, F] (its out [F, D]
-# is unchanged). A checkpoint is in one layout or the other; its query kernel, one dim more
-# in the older, tells which.
+# An older layout's attention kernel: where its [H, K] pair sits, counted from the end.
+_HEAD_KERNELS = {"query": 2, "key": 2, "value": 2, "out": 3}
 
 
 def _names(key_path) -> list[str]:
   return [str(getattr(k, "key", getattr(k, "name", k))) for k in key_path]
 
 
-def _kernel_of(names: list[str]) -> str | None:
-  """'query', 'out', 'mlp_in', ... for a block kernel's leaf (any prefix), else None."""
-  if len(names) >= 2 and names[-1] == "kernel":
-    if names[-2] in ("query", "key", "value", "out") and len(names) >= 3 and names[-3] == "attn":
-      return names[-2]
-    if names[-2] in ("mlp_in", "mlp_gate"):
-      return names[-2]
-  return None
+def older_layout(key_path, stored: tuple, want: tuple) -> bool:
+  """Whether a stored leaf is attention's [.., D, H, K] / [.., H, K, D] kernel of a `want` leaf.
 
-
-def _older(stored: dict[str, tuple], want: dict[str, tuple]) -> bool:
-  """Whether `stored` ({leaf name: shape}) is in the older layout of `want`'s leaves."""
-  for name, shape in stored.items():
-    if _kernel_of(name.split("/")) == "query" and name in want:
-      return len(shape) == len(want[name]) + 1
-  return False
-
-
-def _to_current(name: str, x):
-  """One leaf of an older-layout checkpoint in today's layout ([E, D] block kernels)."""
-  kernel = _kernel_of(name.split("/"))
-  if kernel in ("query", "key", "value"):
-    return x.reshape(x.shape[:-2] + (x.shape[-2] * x.shape[-1],)).swapaxes(-1, -2)
-  if kernel == "out":
-    return x.reshape(x.shape[:-3] + (x.shape[-3] * x.shape[-2], x.shape[-1]))
-  if kernel in ("mlp_in", "mlp_gate"):
-    return x.swapaxes(-1, -2)
-  return x
-
-
-def _shapes(tree: PyTree) -> dict[str, tuple]:
-  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-  return {"/".join(_names(kp)): tuple(x.shape) for kp, x in flat if hasattr(x, "shape")}
+  The layout before the projections became the matrices [.., D, H K] / [.., H K, D].
+  """
+  names = _names(key_path)
+  if len(names) < 3 or names[-1] != "kernel" or names[-3] != "attn":
+    return False
+  back = _HEAD_KERNELS.get(names[-2])
+  if back is None or len(stored) != len(want) + 1:
+    return False
+  i = len(stored) - back
+  return tuple(stored[:i]) + (stored[i] * stored[i + 1],) + tuple(stored[i + 2 :]) == tuple(want)
 
 
 def current_layout(tree: PyTree, like: PyTree) -> PyTree:
-  """`tree` (as read) in today's layout, `like`'s shapes: unchanged unless it is the older.
+  """`tree` with each leaf of an older layout (`older_layout`) reshaped to `like`'s shape.
 
-  Each converted leaf is placed as `like`'s where that has a sharding (a restore's target).
+  Placed as `like`'s leaf where that has a sharding (a restore's abstract target).
   """
   want = {"/".join(_names(kp)): a for kp, a in jax.tree_util.tree_flatten_with_path(like)[0]}
-  if not _older(_shapes(tree), {k: tuple(a.shape) for k, a in want.items()}):
-    return tree
 
   def one(kp, x):
-    name = "/".join(_names(kp))
-    if _kernel_of(_names(kp)) is None:
+    a = want.get("/".join(_names(kp)))
+    if a is None or not older_layout(kp, tuple(x.shape), tuple(a.shape)):
       return x
-    y = _to_current(name, x)
-    a = want.get(name)
-    if a is None or tuple(y.shape) != tuple(a.shape):
-      raise ValueError(f"{name}: {tuple(x.shape)} in the older layout is not {a}")
+    y = x.reshape(a.shape)
     sharding = getattr(a, "sharding", None)
     return y if sharding is None else jax.device_put(y, sharding)
 
@@ -192,13 +165,11 @@ def _stored_shapes(root: epath.Path, step: int, item: str) -> dict[str, tuple]:
 
 
 def _as_stored(abstract: PyTree, stored: dict[str, tuple]) -> PyTree:
-  """`abstract` with each block kernel of an older stored layout given that shape, replicated."""
-  if not _older(stored, _shapes(abstract)):
-    return abstract
+  """`abstract` with each leaf of an older stored layout given that shape, replicated."""
 
   def one(kp, a):
     shape = stored.get("/".join(_names(kp)))
-    if shape is None or _kernel_of(_names(kp)) is None:
+    if shape is None or not older_layout(kp, shape, tuple(a.shape)):
       return a
     sharding = getattr(a, "sharding", None)
     if isinstance(sharding, jax.sharding.NamedSharding):
