@@ -44,6 +44,7 @@ from dipaco_jax import hlo  # pylint: disable=wrong-import-position
 from dipaco_jax.core import attention as attention_lib  # pylint: disable=wrong-import-position
 from dipaco_jax.core import experiment as exp_lib  # pylint: disable=wrong-import-position
 from dipaco_jax.core import flops as flops_lib  # pylint: disable=wrong-import-position
+from dipaco_jax.core import inner as inner_lib  # pylint: disable=wrong-import-position
 from dipaco_jax.core import model as model_lib  # pylint: disable=wrong-import-position
 from dipaco_jax.core import sharding  # pylint: disable=wrong-import-position
 from dipaco_jax.core import topology as topo_lib  # pylint: disable=wrong-import-position
@@ -395,9 +396,9 @@ class Report:
     the whole forward and backward pass, and the optimizer update runs once
     outside it: M x (the step) - (M - 1) x (an optimizer update, compiled
     alone). Inside it, the chunked loss's loop counts one of its n chunks; the
-    other n - 1 are added from their matmuls (forward, recomputed forward,
-    two backward: 8 b C D V flops) and their float32 logits (written and
-    read twice: 16 b C V bytes), with b C tokens per chip. The Pallas attention
+    other n - 1 are added as XLA counts one chunk's value and gradient
+    (`inner.chunk_loss`, forward and backward) compiled alone for one chip's
+    rows (`_chunk_cost`). The Pallas attention
     kernels, 0 FLOPs to XLA, are added from their shapes (`kernel_flops`, every
     trip counted); their bytes are XLA's count of their operands and results.
     """
@@ -406,13 +407,14 @@ class Report:
     c, shape = self.config, self.mesh.shape
     M = int(c.inner.microbatches)
     chunk = int(c.model.loss_chunk)
-    if chunk:
+    if chunk and c.data.seq_len // chunk > 1:
       n = c.data.seq_len // chunk
       W = self.exp.topo.num_workers
       rows = W * c.data.batch_size // (M * shape["path"] * shape["data"])
       V = c.model.vocab_size // shape["model"]
-      flops += (n - 1) * 8.0 * rows * chunk * c.model.d_model * V
-      nbytes += (n - 1) * 16.0 * rows * chunk * V
+      cflops, cbytes = self._chunk_cost(rows, chunk, V)
+      flops += (n - 1) * cflops
+      nbytes += (n - 1) * cbytes
       how.append(f"+ {n - 1} loss chunks")
     if M > 1:
       exp, st = self.exp, self.exp.abstract_state
@@ -432,6 +434,30 @@ class Report:
       flops += kflops
       how.append(f"+ {calls} attention kernel calls ({kflops:.3e} flops)")
     return flops, nbytes, " ".join(how)
+
+  def _chunk_cost(self, rows: int, chunk: int, V: int) -> tuple[float, float]:
+    """XLA's flops and bytes of one loss chunk's value and gradient on one chip, compiled alone.
+
+    The forward and the backward compiled apart, as the step runs them (in the forward and the
+    backward loop): one program would let XLA merge the backward's recomputed logits into the
+    forward's.
+    """
+    dtype = jax.numpy.dtype(self.exp.model_cfg.dtype)
+    one = jax.sharding.SingleDeviceSharding(self.mesh.devices.flat[0])
+    arg = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one)
+    D = int(self.config.model.d_model)
+    args = [
+      jax.ShapeDtypeStruct((rows, chunk, D), dtype),
+      jax.ShapeDtypeStruct((D, V), dtype),
+      jax.ShapeDtypeStruct((rows, chunk), np.int32),
+      jax.ShapeDtypeStruct((rows, chunk), np.float32),
+    ]
+    fwd = jax.jit(lambda *a: jax.vjp(inner_lib.chunk_loss, *a))
+    out, vjp_fn = jax.eval_shape(fwd, *args)
+    bwd = jax.jit(lambda f, g: f(g))
+    f1, b1 = _cost(_compile(fwd, *map(arg, args)))
+    f2, b2 = _cost(_compile(bwd, jax.tree.map(arg, vjp_fn), arg(out)))
+    return f1 + f2, b1 + b2
 
   def run(self, steps=("inner", "outer", "eval")) -> dict[str, Any]:
     for step in steps:

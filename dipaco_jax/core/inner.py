@@ -7,8 +7,6 @@ collective crosses the path axis.
 """
 # pylint: disable=invalid-name
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -126,20 +124,78 @@ def loss_sums(params: PyTree, batch: dict, model: model_lib.Transformer):
   # Chunks along T (not B), so each keeps the batch's 'data' sharding.
   split = lambda x: x.reshape((B, n, chunk) + x.shape[2:]).swapaxes(0, 1)
 
-  # Checkpointed: the scan keeps only each chunk's features for the backward
-  # pass and recomputes its logits there.
-  @functools.partial(jax.checkpoint, prevent_cse=False)
   def body(total, xs):
     feats_BxCxD, targets_BxC, w_BxC = xs
-    ce_BxC = optax.softmax_cross_entropy_with_integer_labels(
-      model_lib.logits(feats_BxCxD, unembed_DxV), targets_BxC
-    )
-    return total + (ce_BxC * w_BxC).sum(), None
+    return total + chunk_loss(feats_BxCxD, unembed_DxV, targets_BxC, w_BxC), None
 
   total, _ = jax.lax.scan(
     body, jnp.zeros((), jnp.float32), (split(feats_BxTxD), split(batch["targets"]), split(w_BxT))
   )
   return total, w_BxT.sum()
+
+
+def _chunk_logits(feats_BxCxD, unembed_DxV):
+  """One chunk's logits in the compute dtype (the matmul's own output type)."""
+  return jnp.einsum("btd,dv->btv", feats_BxCxD, unembed_DxV)
+
+
+def _chunk_ce(logits_BxCxV, targets_BxC):
+  """(cross-entropy, log-sum-exp) per position, float32 math on the logits as they are.
+
+  optax.softmax_cross_entropy_with_integer_labels(logits.astype(float32), targets), up to the
+  order of the sums: the target's logit is picked by a one-hot select (exact: one term), not a
+  gather, so that it reads the logits in the same pass as the sum of exponentials.
+  """
+  lf_BxCxV = logits_BxCxV.astype(jnp.float32)
+  max_BxC = jax.lax.stop_gradient(lf_BxCxV.max(-1))
+  lse_BxC = jnp.log(jnp.exp(lf_BxCxV - max_BxC[..., None]).sum(-1)) + max_BxC
+  hit_BxCxV = targets_BxC[..., None] == jax.lax.broadcasted_iota(
+    jnp.int32, lf_BxCxV.shape, lf_BxCxV.ndim - 1
+  )
+  target_BxC = jnp.where(hit_BxCxV, lf_BxCxV, 0.0).sum(-1)
+  return lse_BxC - target_BxC, lse_BxC
+
+
+@jax.custom_vjp
+def chunk_loss(feats_BxCxD, unembed_DxV, targets_BxC, w_BxC):
+  """Σ w · cross-entropy of one chunk of positions: logits = feats @ unembed, never kept.
+
+  The value and gradient of `(optax CE of (feats @ unembed).astype(float32)) * w` summed, as
+  autodiff gives them, from a forward that keeps only the per-position log-sum-exp and
+  cross-entropy (float32 [B, C]), and a backward that rebuilds the logits once (compute dtype,
+  as the forward made them) and writes their gradient (softmax - onehot) * w * g in the compute
+  dtype from one fused pass: never a float32 [B, C, V] in HBM, nor a second log-sum-exp.
+  """
+  ce_BxC, _ = _chunk_ce(_chunk_logits(feats_BxCxD, unembed_DxV), targets_BxC)
+  return (ce_BxC * w_BxC).sum()
+
+
+def _chunk_loss_fwd(feats_BxCxD, unembed_DxV, targets_BxC, w_BxC):
+  ce_BxC, lse_BxC = _chunk_ce(_chunk_logits(feats_BxCxD, unembed_DxV), targets_BxC)
+  res = (feats_BxCxD, unembed_DxV, targets_BxC, w_BxC, ce_BxC, lse_BxC)
+  return (ce_BxC * w_BxC).sum(), res
+
+
+def _chunk_loss_bwd(res, g):
+  feats_BxCxD, unembed_DxV, targets_BxC, w_BxC, ce_BxC, lse_BxC = res
+  logits_BxCxV = _chunk_logits(feats_BxCxD, unembed_DxV)
+  lf_BxCxV = logits_BxCxV.astype(jnp.float32)
+  hit_BxCxV = targets_BxC[..., None] == jax.lax.broadcasted_iota(
+    jnp.int32, lf_BxCxV.shape, lf_BxCxV.ndim - 1
+  )
+  scale_BxC = (g * w_BxC).astype(jnp.float32)
+  # d ce / d logits = softmax - onehot; the float32 gradient rounds to the compute dtype where
+  # autodiff's would (the transpose of the logits' cast), in the same fused op.
+  dlogits_BxCxV = (
+    (jnp.exp(lf_BxCxV - lse_BxC[..., None]) - hit_BxCxV) * scale_BxC[..., None]
+  ).astype(logits_BxCxV.dtype)
+  dfeats_BxCxD = jnp.einsum("btv,dv->btd", dlogits_BxCxV, unembed_DxV)
+  dunembed_DxV = jnp.einsum("btd,btv->dv", feats_BxCxD, dlogits_BxCxV)
+  dw_BxC = (ce_BxC * g).astype(w_BxC.dtype)
+  return dfeats_BxCxD, dunembed_DxV, None, dw_BxC
+
+
+chunk_loss.defvjp(_chunk_loss_fwd, _chunk_loss_bwd)
 
 
 def loss_fn(params: PyTree, batch: dict, model: model_lib.Transformer):
