@@ -111,7 +111,7 @@ def load_path_params(
     rows = jax.tree.map(lambda _: checkpoint.Row(worker, topo.num_workers), theta)
   before = checkpoint.bytes_read()
   arrays = checkpoint.read_rows(workdir, step, "state" if source == "store" else "best", rows)
-  params = checkpoint.current_layout(arrays["store"] if source == "store" else arrays, theta)
+  params = arrays["store"] if source == "store" else arrays
   flat = jax.tree.leaves(params)
   info = {
     "step": step,

@@ -10,7 +10,6 @@ import pytest
 from dipaco_jax import train
 from dipaco_jax.core import experiment
 from dipaco_jax.io import checkpoint
-from dipaco_jax.io import theta
 from dipaco_jax.runtime import early_stopping
 
 import helpers
@@ -179,52 +178,6 @@ def test_a_truncated_file_gives_one_line_naming_it(saved, tmp_path, kind, select
   else:
     assert set(outcomes.values()) == {"intact"}, (kind, outcomes)
   assert helpers.tree_bytes(workdir) == before, kind  # Nothing deleted or rewritten.
-
-
-def _heads_split(tree, H: int, K: int):
-  """`tree` with attention's kernels in the layout before they became matrices.
-
-  query, key, value [.., D, H K] -> [.., D, H, K]; out [.., H K, D] -> [.., H, K, D].
-  """
-
-  def one(kp, x):
-    names = [str(getattr(k, "key", getattr(k, "name", k))) for k in kp]
-    if names[-3:-1] in (["attn", "query"], ["attn", "key"], ["attn", "value"]):
-      return x.reshape(x.shape[:-1] + (H, K))
-    if names[-3:-1] == ["attn", "out"]:
-      return x.reshape(x.shape[:-2] + (H, K, x.shape[-1]))
-    return x
-
-  return jax.tree_util.tree_map_with_path(one, tree)
-
-
-def test_a_checkpoint_of_the_older_attention_layout_is_read_into_todays(saved, tmp_path):
-  # The same checkpoint saved with [D, H, K] / [H, K, D] attention kernels (every copy: the
-  # params, AdamW's moments, the store, the outer momentum, the best set): every reader gives
-  # today's [D, H K] / [H K, D] leaves with the same numbers, placed as the target says.
-  cfg, exp, _, want = saved
-  H, K = cfg.model.num_heads, cfg.model.head_dim
-  workdir = str(tmp_path / "older")
-  old = _heads_split(want["state"], H, K)
-  n_split = sum(
-    a.ndim != b.ndim for a, b in zip(jax.tree.leaves(old), jax.tree.leaves(want["state"]))
-  )
-  assert n_split >= 4 * 4  # 4 kernels x (params, mu, nu, store, ...).
-  ck = checkpoint.Checkpointer(workdir, async_save=False)
-  ck.save(4, old, want["data"], best=(_heads_split(want["best"], H, K), want["records"]))
-  ck.close()
-  expected = _expected(exp, want)
-  for op, read in helpers.checkpoint_reads(cfg, exp, workdir, PATH).items():
-    got = read()
-    if op == "init_from":  # The raw reader keeps the stored layout; theta.restore converts.
-      one = lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype)
-      got = theta.restore(workdir, jax.tree.map(one, exp.abstract_state.params))
-      assert _same(got, jax.tree.map(lambda x: x[0], want["state"].params)), op
-      continue
-    assert _same(got, expected[op]), op
-    if op == "resume":
-      for a, b in zip(jax.tree.leaves(got["state"]), jax.tree.leaves(exp.abstract_state)):
-        assert a.shape == b.shape and a.sharding == b.sharding
 
 
 def test_no_intact_older_checkpoint_says_start_over(saved, tmp_path):

@@ -170,10 +170,10 @@ def _block_shapes(F):
     "attn_norm": {"scale": (D,)},
     "mlp_norm": {"scale": (D,)},
     "attn": {
-      "query": {"kernel": (D, H * K)},  # Matrices: a store dim that a wide 'path' divides.
-      "key": {"kernel": (D, H * K)},
-      "value": {"kernel": (D, H * K)},
-      "out": {"kernel": (H * K, D)},
+      "query": {"kernel": (D, H, K)},
+      "key": {"kernel": (D, H, K)},
+      "value": {"kernel": (D, H, K)},
+      "out": {"kernel": (H, K, D)},
     },
     "mlp_in": {"kernel": (D, F)},
     "mlp_out": {"kernel": (F, D)},
@@ -247,14 +247,11 @@ def test_zero_query_attends_uniformly_within_segment_and_past():
   _, hidden = _logits(cfg, params, tokens, segment_ids, positions, return_hidden=True)
   att = params["block_0"]["attn"]
   x_TxD = np.asarray(params["embed"]["token"])[np.asarray(tokens[0])]
-  H, K = cfg.num_heads, cfg.head_dim
-  value_DxHxK = np.asarray(att["value"]["kernel"]).reshape(-1, H, K)  # Kept as [D, H K].
-  out_HxKxD = np.asarray(att["out"]["kernel"]).reshape(H, K, -1)
-  v_TxHxK = np.einsum("td,dhk->thk", _rms_norm(x_TxD), value_DxHxK)
+  v_TxHxK = np.einsum("td,dhk->thk", _rms_norm(x_TxD), np.asarray(att["value"]["kernel"]))
   seg = np.asarray(segment_ids[0])
   allowed_TxT = np.tril(np.ones((T, T), bool)) & (seg[:, None] == seg[None, :])
   mean_v_TxHxK = np.einsum("ts,shk->thk", allowed_TxT / allowed_TxT.sum(1, keepdims=True), v_TxHxK)
-  expected = x_TxD + np.einsum("thk,hkd->td", mean_v_TxHxK, out_HxKxD)
+  expected = x_TxD + np.einsum("thk,hkd->td", mean_v_TxHxK, np.asarray(att["out"]["kernel"]))
   np.testing.assert_allclose(hidden[0], expected, rtol=1e-5, atol=1e-5)
 
 

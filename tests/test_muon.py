@@ -42,12 +42,12 @@ def test_the_blocks_kernels_go_to_muon_as_matrices_and_the_rest_to_adamw():
     inner.muon_dims(params),
     is_leaf=lambda x: x is None or isinstance(x, contrib.MuonDimensionNumbers),
   )
-  rows = ((0,), (1,))  # ([in axes], [out axes]) of every kernel, [D, F] as [D, H K].
+  rows, cols = ((0,), (1,)), ((0,), (1, 2))  # ([in axes], [out axes]) of [D, F] and [D, H, K].
   want = {
-    "block_0/attn/query/kernel": rows,  # [D, H K].
-    "block_0/attn/key/kernel": rows,
-    "block_0/attn/value/kernel": rows,
-    "block_0/attn/out/kernel": rows,  # [H K, D].
+    "block_0/attn/query/kernel": cols,  # [D, H, K] as D x (H K).
+    "block_0/attn/key/kernel": cols,
+    "block_0/attn/value/kernel": cols,
+    "block_0/attn/out/kernel": ((0, 1), (2,)),  # [H, K, D] as (H K) x D.
     "block_0/mlp_in/kernel": rows,
     "block_0/mlp_gate/kernel": rows,
     "block_0/mlp_out/kernel": rows,

@@ -40,11 +40,10 @@ def _muon_dims_of(path, x) -> contrib.MuonDimensionNumbers | None:
   """The matrix Muon sees in leaf `x` at `path`, or None: the leaf is AdamW's.
 
   Muon's: every kernel of a block, as the matrix (inputs x outputs) it multiplies by: the
-  attention's query, key and value [D, H K], its out [H K, D], the MLP's [D, F] and [F, D]
-  (a kernel of more dims, [D, H, K] say, has its first dim as the inputs and the rest as the
-  outputs; attention's out, [H, K, D], all but its last as the inputs). AdamW's: the
-  embedding and the head (the final norm, an untied unembedding), though 2-D: they map
-  tokens, not hidden features; and every norm scale and vector.
+  attention's query, key and value [D, H, K] as D x (H K), its out [H, K, D] as (H K) x D, the
+  MLP's [D, F] and [F, D] as they are. AdamW's: the embedding and the head (the final norm, an
+  untied unembedding), though 2-D: they map tokens, not hidden features; and every norm scale
+  and vector.
   """
   names = [getattr(k, "key", None) for k in path]
   if not str(names[0]).startswith("block_") or x.ndim < 2:

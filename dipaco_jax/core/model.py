@@ -69,16 +69,6 @@ def _rope(x_BxTxHxK: jax.Array, positions_BxT: jax.Array) -> jax.Array:
   return _rotary(x_BxTxHxK, sin, cos)
 
 
-class _Kernel(nn.Module):
-  """One kernel param of the given shape (lecun normal: fan in = its first dim)."""
-
-  shape: tuple[int, ...]
-
-  @nn.compact
-  def __call__(self):
-    return self.param("kernel", nn.initializers.lecun_normal(), self.shape)
-
-
 class Attention(nn.Module):
   """Causal multi-head attention that never crosses packed segments.
 
@@ -97,29 +87,18 @@ class Attention(nn.Module):
   def __call__(self, x_BxTxD, segment_ids_BxT, positions_BxT):
     cfg = self.cfg
     dtype = jnp.dtype(cfg.dtype)
-    # The projections are kept as matrices, query, key and value [D, H K] and out [H K, D],
-    # not [D, H, K] and [H, K, D]: the same initial values (flax draws a DenseGeneral's kernel
-    # as the matrix) and products. In the store a module then has a dim that a wide 'path'
-    # divides (H K = 1024 on the paper's paths, where no dim of D = 896, H = 16, K = 64
-    # divides path = 256), so the outer step splits it over 'path' (sharding._with_path)
-    # instead of summing the whole K-module stack. The kernels, not the activations, are
-    # viewed as [D, H, K] and [H, K, D] in the products: a reshape of [B, T, H K]
-    # activations costs a copy on TPU.
-    B = x_BxTxD.shape[0]
-    T = x_BxTxD.shape[1]
-    D, H, K = x_BxTxD.shape[-1], cfg.num_heads, cfg.head_dim
-    kernel = lambda name, shape: _Kernel(shape, name=name)().astype(dtype)
-
-    def heads(name):
-      kernel_DxHxK = kernel(name, (D, H * K)).reshape(D, H, K)
-      return jnp.einsum("btd,dhk->bthk", x_BxTxD.astype(dtype), kernel_DxHxK)
-
-    q_BxTxHxK = heads("query")
-    k_BxSxHxK = heads("key")
-    v_BxSxHxK = heads("value")
+    dense = lambda name, features, axis=-1: nn.DenseGeneral(
+      features, axis=axis, use_bias=False, dtype=dtype, name=name
+    )
+    shape = (cfg.num_heads, cfg.head_dim)
+    q_BxTxHxK = dense("query", shape)(x_BxTxD)
+    k_BxSxHxK = dense("key", shape)(x_BxTxD)
+    v_BxSxHxK = dense("value", shape)(x_BxTxD)
     if cfg.positions == "rope":
       q_BxTxHxK = _rope(q_BxTxHxK, positions_BxT)
       k_BxSxHxK = _rope(k_BxSxHxK, positions_BxT)
+    B = x_BxTxD.shape[0]
+    T = x_BxTxD.shape[1]
     causal = True  # mask_BxTxS has no causal part yet: added below, or by is_causal.
     mask_BxTxS = segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :]
     if self.decode and self.has_variable("cache", "cached_key"):
@@ -162,8 +141,7 @@ class Attention(nn.Module):
         scale=scale,
         implementation=impl,
       )
-    kernel_HxKxD = kernel("out", (H * K, cfg.d_model)).reshape(H, K, cfg.d_model)
-    return jnp.einsum("bthk,hkd->btd", out_BxTxHxK.astype(dtype), kernel_HxKxD)
+    return dense("out", cfg.d_model, axis=(-2, -1))(out_BxTxHxK)
 
 
 class Block(nn.Module):

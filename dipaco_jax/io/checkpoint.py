@@ -15,11 +15,6 @@ module (serving reads one path's rows of an item straight from orbax's OCDBT
 files with TensorStore). Only it and the modules it imports (layout.py,
 checksums.py, damage.py, save_failures.py) know orbax's on-disk layout.
 
-A checkpoint written before attention's projections became matrices ([D, H, K] and
-[H, K, D] kernels, now [D, H K] and [H K, D]; the same numbers in row-major order) is
-read into today's layout (`current_layout`): resuming, evaluating, serving and
-init_from all take it.
-
 Every reader checks the rows it returns against their checksums (checksums.py)
 and reports an unreadable file or a mismatch as one DamagedCheckpointError
 (damage.py). A save that fails stops the run with one CheckpointSaveError
@@ -108,77 +103,6 @@ def latest_step(workdir: str) -> int:
   return found[-1]
 
 
-# An older layout's attention kernel: where its [H, K] pair sits, counted from the end.
-_HEAD_KERNELS = {"query": 2, "key": 2, "value": 2, "out": 3}
-
-
-def _names(key_path) -> list[str]:
-  return [str(getattr(k, "key", getattr(k, "name", k))) for k in key_path]
-
-
-def older_layout(key_path, stored: tuple, want: tuple) -> bool:
-  """Whether a stored leaf is attention's [.., D, H, K] / [.., H, K, D] kernel of a `want` leaf.
-
-  The layout before the projections became the matrices [.., D, H K] / [.., H K, D].
-  """
-  names = _names(key_path)
-  if len(names) < 3 or names[-1] != "kernel" or names[-3] != "attn":
-    return False
-  back = _HEAD_KERNELS.get(names[-2])
-  if back is None or len(stored) != len(want) + 1:
-    return False
-  i = len(stored) - back
-  return tuple(stored[:i]) + (stored[i] * stored[i + 1],) + tuple(stored[i + 2 :]) == tuple(want)
-
-
-def current_layout(tree: PyTree, like: PyTree) -> PyTree:
-  """`tree` with each leaf of an older layout (`older_layout`) reshaped to `like`'s shape.
-
-  Placed as `like`'s leaf where that has a sharding (a restore's abstract target).
-  """
-  want = {"/".join(_names(kp)): a for kp, a in jax.tree_util.tree_flatten_with_path(like)[0]}
-
-  def one(kp, x):
-    a = want.get("/".join(_names(kp)))
-    if a is None or not older_layout(kp, tuple(x.shape), tuple(a.shape)):
-      return x
-    y = x.reshape(a.shape)
-    sharding = getattr(a, "sharding", None)
-    return y if sharding is None else jax.device_put(y, sharding)
-
-  return jax.tree_util.tree_map_with_path(one, tree)
-
-
-def _stored_shapes(root: epath.Path, step: int, item: str) -> dict[str, tuple]:
-  """{leaf name: shape} of an item as saved (its metadata; no array is read)."""
-  manager = ocp.CheckpointManager(
-    root,
-    options=ocp.CheckpointManagerOptions(read_only=True),
-    item_handlers={item: ocp.PyTreeCheckpointHandler()},
-  )
-  try:
-    meta = manager.item_metadata(step)[item]
-  finally:
-    manager.close()
-  flat = jax.tree_util.tree_flatten_with_path(meta)[0]
-  return {"/".join(_names(kp)): tuple(m.shape) for kp, m in flat if hasattr(m, "shape")}
-
-
-def _as_stored(abstract: PyTree, stored: dict[str, tuple]) -> PyTree:
-  """`abstract` with each leaf of an older stored layout given that shape, replicated."""
-
-  def one(kp, a):
-    shape = stored.get("/".join(_names(kp)))
-    if shape is None or not older_layout(kp, shape, tuple(a.shape)):
-      return a
-    sharding = getattr(a, "sharding", None)
-    if isinstance(sharding, jax.sharding.NamedSharding):
-      sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
-    return jax.ShapeDtypeStruct(shape, a.dtype, sharding=sharding)
-
-  return jax.tree_util.tree_map_with_path(one, abstract)
-
-
 class Checkpointer:
   """Saves and restores (train state, data state, best set) under `<workdir>/checkpoints`."""
 
@@ -258,11 +182,10 @@ class Checkpointer:
     if step is None:
       return None
     with damage.reading(self.directory, step):
-      target = _as_stored(abstract_state, _stored_shapes(self.directory, step, "state"))
       out = self._manager.restore(
         step,
         args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()
+          state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()
         ),
       )
       sums = checksums.read(self.directory, step)
@@ -270,7 +193,7 @@ class Checkpointer:
     checksums.verify_data(self.directory, step, out["data"], sums)
     data_state = dict(out["data"])
     data_state.pop(_BEST_RECORDS, None)
-    return current_layout(out["state"], abstract_state), data_state
+    return out["state"], data_state
 
   def restore_best(self, abstract_params: PyTree, step: int | None = None):
     """Early stopping's set saved with the latest (or given) step: (params_W, records), or None."""
@@ -279,13 +202,12 @@ class Checkpointer:
     if records is None:
       return None
     with damage.reading(self.directory, step):
-      target = _as_stored(abstract_params, _stored_shapes(self.directory, step, "best"))
       out = self._manager.restore(
-        step, args=ocp.args.Composite(best=ocp.args.StandardRestore(target))
+        step, args=ocp.args.Composite(best=ocp.args.StandardRestore(abstract_params))
       )
       sums = checksums.read(self.directory, step)
     checksums.verify_tree(self.directory, step, "best", out["best"], sums)
-    return current_layout(out["best"], abstract_params), records
+    return out["best"], records
 
   def close(self) -> None:
     """Waits for the background save (CheckpointSaveError if it failed) and closes orbax.

@@ -45,7 +45,7 @@ def initial(src: str, abstract_params: PyTree) -> PyTree | None:
 def restore(src: str, abstract_params: PyTree) -> PyTree:
   """Worker 0's params of run `src`, checked leaf by leaf against `abstract_params` (θ̄'s shapes)."""
   check_source(src)
-  theta = checkpoint.current_layout(checkpoint.restore_worker_params(src), abstract_params)
+  theta = checkpoint.restore_worker_params(src)
   want = dict(jax.tree_util.tree_flatten_with_path(abstract_params)[0])
   got = dict(jax.tree_util.tree_flatten_with_path(theta)[0])
   for kp in sorted(set(want) | set(got), key=jax.tree_util.keystr):
