@@ -138,6 +138,11 @@ def _chunk_logits(feats_BxCxD, unembed_DxV):
   return jnp.einsum("btd,dv->btv", feats_BxCxD, unembed_DxV)
 
 
+def _hits(targets_BxC, shape) -> jax.Array:
+  """[B, C, V] bool: True at each position's target (a one-hot, fused into its reader)."""
+  return targets_BxC[..., None] == jax.lax.broadcasted_iota(jnp.int32, shape, len(shape) - 1)
+
+
 def _chunk_ce(logits_BxCxV, targets_BxC):
   """(cross-entropy, log-sum-exp) per position, float32 math on the logits as they are.
 
@@ -148,10 +153,7 @@ def _chunk_ce(logits_BxCxV, targets_BxC):
   lf_BxCxV = logits_BxCxV.astype(jnp.float32)
   max_BxC = jax.lax.stop_gradient(lf_BxCxV.max(-1))
   lse_BxC = jnp.log(jnp.exp(lf_BxCxV - max_BxC[..., None]).sum(-1)) + max_BxC
-  hit_BxCxV = targets_BxC[..., None] == jax.lax.broadcasted_iota(
-    jnp.int32, lf_BxCxV.shape, lf_BxCxV.ndim - 1
-  )
-  target_BxC = jnp.where(hit_BxCxV, lf_BxCxV, 0.0).sum(-1)
+  target_BxC = jnp.where(_hits(targets_BxC, lf_BxCxV.shape), lf_BxCxV, 0.0).sum(-1)
   return lse_BxC - target_BxC, lse_BxC
 
 
@@ -165,8 +167,7 @@ def chunk_loss(feats_BxCxD, unembed_DxV, targets_BxC, w_BxC):
   as the forward made them) and writes their gradient (softmax - onehot) * w * g in the compute
   dtype from one fused pass: never a float32 [B, C, V] in HBM, nor a second log-sum-exp.
   """
-  ce_BxC, _ = _chunk_ce(_chunk_logits(feats_BxCxD, unembed_DxV), targets_BxC)
-  return (ce_BxC * w_BxC).sum()
+  return _chunk_loss_fwd(feats_BxCxD, unembed_DxV, targets_BxC, w_BxC)[0]
 
 
 def _chunk_loss_fwd(feats_BxCxD, unembed_DxV, targets_BxC, w_BxC):
@@ -179,9 +180,7 @@ def _chunk_loss_bwd(res, g):
   feats_BxCxD, unembed_DxV, targets_BxC, w_BxC, ce_BxC, lse_BxC = res
   logits_BxCxV = _chunk_logits(feats_BxCxD, unembed_DxV)
   lf_BxCxV = logits_BxCxV.astype(jnp.float32)
-  hit_BxCxV = targets_BxC[..., None] == jax.lax.broadcasted_iota(
-    jnp.int32, lf_BxCxV.shape, lf_BxCxV.ndim - 1
-  )
+  hit_BxCxV = _hits(targets_BxC, lf_BxCxV.shape)
   scale_BxC = (g * w_BxC).astype(jnp.float32)
   # d ce / d logits = softmax - onehot; the float32 gradient rounds to the compute dtype where
   # autodiff's would (the transpose of the logits' cast), in the same fused op.
