@@ -393,9 +393,11 @@ class Report:
     """Flops and bytes of the whole inner step, every loop iteration and kernel counted.
 
     XLA's cost analysis counts a loop body once. The microbatch scan holds
-    the whole forward and backward pass, and the optimizer update runs once
-    outside it: M x (the step) - (M - 1) x (an optimizer update, compiled
-    alone). Inside it, the chunked loss's loop counts one of its n chunks; the
+    the whole forward and backward pass, and the rest of the step runs once
+    after it (the mean gradient, the optimizer update, the metrics:
+    inner.finish_step): M x (the step) - (M - 1) x (that rest, compiled alone).
+    Only the scan's setup (its float32 gradient sums zeroed) is still counted
+    M times. Inside it, the chunked loss's loop counts one of its n chunks; the
     other n - 1 are added as XLA counts one chunk's value and gradient
     (`inner.chunk_loss`, forward and backward) compiled alone for one chip's
     rows (`_chunk_cost`). The Pallas attention
@@ -418,17 +420,17 @@ class Report:
       how.append(f"+ {n - 1} loss chunks")
     if M > 1:
       exp, st = self.exp, self.exp.abstract_state
-      update = jax.jit(
-        jax.vmap(exp.recipe.inner_tx.update),
-        in_shardings=(
-          exp.state_sharding.params,
-          exp.state_sharding.inner_opt,
-          exp.state_sharding.params,
-        ),
+      per_worker = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec("path"))
+      ps = exp.state_sharding.params
+      finish = jax.jit(
+        jax.vmap(exp.recipe.finish_step, spmd_axis_name="path"),
+        in_shardings=(ps, exp.state_sharding.inner_opt, ps, per_worker, per_worker),
       )
-      oflops, obytes = _cost(_compile(update, st.params, st.inner_opt, st.params))
+      sums = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, np.float32), st.params)
+      scalar = jax.ShapeDtypeStruct((exp.topo.num_workers,), np.float32)
+      oflops, obytes = _cost(_compile(finish, st.params, st.inner_opt, sums, scalar, scalar))
       flops, nbytes = M * flops - (M - 1) * oflops, M * nbytes - (M - 1) * obytes
-      how = [f"{M} x (" + " ".join(how) + f") - {M - 1} optimizer updates"]
+      how = [f"{M} x (" + " ".join(how) + f") - {M - 1} x (the step after its scan)"]
     kflops, calls = kernel_flops(compiled.as_text(), self.exp.model_cfg, int(c.data.seq_len))
     if calls:
       flops += kflops

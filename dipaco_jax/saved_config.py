@@ -162,7 +162,7 @@ def check_matches(workdir: epath.Path, config, *, started: bool, may_grow: bool)
 # The fields that shape a run's params: a checkpoint fits no config that changes one.
 _SHAPE_FIELDS = (
   *(f"model.{k}" for k in ("vocab_size", "d_model", "num_layers", "num_heads", "head_dim")),
-  *(f"model.{k}" for k in ("mlp_ratio", "mlp", "positions", "tie_embeddings")),
+  *(f"model.{k}" for k in ("mlp_ratio", "mlp", "positions", "tie_embeddings", "attention_kernels")),
   *(f"dipaco.{k}" for k in ("level_groups", "modules_per_level", "path_specific", "paths")),
   "dipaco.replicas",
 )

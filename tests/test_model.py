@@ -2,6 +2,7 @@
 # pylint: disable=invalid-name
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -298,6 +299,61 @@ def test_remat_same_params_loss_and_grads():
   )
   assert jax.tree.structure(grads_remat) == jax.tree.structure(params)
   assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(grads)) > 1e-3  # not all zero
+
+
+def test_matrix_kernels_are_the_heads_kernels_merged_same_init_logits_and_grads():
+  heads, matrix = _cfg(num_layers=1), _cfg(num_layers=1, attention_kernels="matrix")
+  ph, pm = (model_lib.init_params(c, jax.random.key(3)) for c in (heads, matrix))
+  attn_h, attn_m = ph["block_0"]["attn"], pm["block_0"]["attn"]
+  for name in ("query", "key", "value"):
+    assert attn_h[name]["kernel"].shape == (D, H, K)
+    assert attn_m[name]["kernel"].shape == (D, H * K)
+  assert attn_h["out"]["kernel"].shape == (H, K, D)
+  assert attn_m["out"]["kernel"].shape == (H * K, D)
+  # The same draw in row-major order: each layout is the other's reshape, both ways.
+  jax.tree.map(np.testing.assert_array_equal, model_lib.kernels_like(ph, pm), pm)
+  jax.tree.map(np.testing.assert_array_equal, model_lib.kernels_like(pm, ph), ph)
+  # A leaf of another shape is left for the caller's check to name.
+  other = _shapes(_cfg(num_layers=1, num_heads=1, head_dim=2 * K))
+  assert model_lib.kernels_like(ph, other)["block_0"]["attn"]["out"]["kernel"].shape == (H, K, D)
+  batch = _batch(_tokens(9))
+  loss_h, grads_h = _loss_and_grads(heads, ph, batch)
+  loss_m, grads_m = _loss_and_grads(matrix, pm, batch)
+  np.testing.assert_allclose(loss_m, loss_h, rtol=1e-6)
+  grads_m = model_lib.kernels_like(grads_m, grads_h)
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads_m, grads_h
+  )
+  assert float(jnp.abs(grads_h["block_0"]["attn"]["query"]["kernel"]).max()) > 1e-4
+
+
+def test_save_matmuls_except_mlp_in_keeps_no_mlp_width_activation(capsys):
+  # Residuals the backward pass reads, as jax lists them: "save_matmuls" keeps the MLP's
+  # input projection ([B, T, F], F = 2 D here), the new policy keeps only the named
+  # attention matmuls and recomputes the MLP's; the loss and gradients are the same.
+  cfg = _cfg(num_layers=1, remat="save_matmuls")
+  params, batch = _params(cfg), _batch(_tokens(5))
+  saved = {}
+  for remat in ("save_matmuls", "save_matmuls_except_mlp_in"):
+    model = model_lib.Transformer(_cfg(num_layers=1, remat=remat))
+    f = lambda p, m=model: m.apply({"params": p}, batch["inputs"]).sum()
+    jax.ad_checkpoint.print_saved_residuals(f, params)
+    saved[remat] = capsys.readouterr().out.splitlines()
+  mlp_width = lambda lines: [l for l in lines if f"[2,{T},{2 * D}]" in l]
+  assert mlp_width(saved["save_matmuls"]) and not mlp_width(saved["save_matmuls_except_mlp_in"])
+  named = {
+    m.group(1)
+    for l in saved["save_matmuls_except_mlp_in"]
+    for m in [re.search(r"named '(\w+)'", l)]
+    if m
+  }
+  assert named == {"query", "key", "value", "attn_out"}
+  loss, grads = _loss_and_grads(cfg, params, batch)
+  loss_x, grads_x = _loss_and_grads(
+    _cfg(num_layers=1, remat="save_matmuls_except_mlp_in"), params, batch
+  )
+  np.testing.assert_allclose(loss_x, loss, rtol=1e-6)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), grads_x, grads)
 
 
 def test_bfloat16_compute_keeps_float32_params_logits_and_grads():

@@ -59,6 +59,7 @@ CASES = {
   "model.dtype": {"model.dtype": "bfloat16"},
   "model.remat": {"model.remat": "full"},
   "model.attention": {"model.attention": "xla"},
+  "model.attention_kernels": {"model.attention_kernels": "matrix"},
   "model.attention_block_q": {"model.attention_block_q": 256},
   "model.attention_block_kv": {"model.attention_block_kv": 256},
   "model.loss_chunk": {"model.loss_chunk": 8},
@@ -136,7 +137,7 @@ SECTIONS = (sections.ModelConfig, sections.InnerConfig, sections.OuterConfig, se
 RUNS = (
   ("model.d_model", "model.mlp_ratio", "model.tie_embeddings", "model.loss_chunk", "model.mlp"),
   ("model.num_heads", "model.head_dim", "model.max_len", "model.positions", "model.pad_vocab"),
-  ("model.num_layers", "model.dtype", "model.vocab_size"),
+  ("model.num_layers", "model.dtype", "model.vocab_size", "model.attention_kernels"),
   ("model.remat",),
   *((k,) for k in ("model.attention", "model.attention_block_q", "model.attention_block_kv")),
   ("inner.lr", "inner.b1", "inner.b2", "inner.eps", "inner.weight_decay", "inner.clip_norm"),

@@ -161,6 +161,41 @@ def test_a_leaf_splits_over_path_off_its_last_axis_where_it_can():
   assert sharding._with_path(none, (2, 8, 128), mesh2, False) == P(None, ("data", "path"), None)
 
 
+def _attention_store_specs(exp) -> dict:
+  """The store's attention kernel specs of the block groups, by name."""
+  out = {}
+  for kp, sh in jax.tree_util.tree_flatten_with_path(exp.state_sharding.store)[0]:
+    names = [str(getattr(k, "key", k)) for k in kp]
+    if "attn" in names and names[-1] == "kernel":
+      out["/".join(names)] = sh.spec
+  return out
+
+
+def test_matrix_attention_kernels_split_over_path_by_heads_times_head_dim():
+  # dipaco_16x16's case in small (model.attention_kernels): on path=4, d_model 6, 2 heads and
+  # head_dim 2 give [D, H, K] kernels no dim of which 4 divides: replicated over 'path', each
+  # summed as a K-module stack. As [D, H K] and [H K, D] matrices, H K = 4 splits over 'path'
+  # and the outer step keeps to the bound, moving fewer bytes.
+  over = {
+    "mesh.path": 4,
+    "mesh.data": 1,
+    **K4_GRID,
+    "model.d_model": 6,
+    "model.num_heads": 2,
+    "model.head_dim": 2,
+  }
+  heads = _attention_store_specs(experiment.Experiment(helpers.micro_config(**over)))
+  matrix_over = {**over, "model.attention_kernels": "matrix"}
+  matrix = _attention_store_specs(experiment.Experiment(helpers.micro_config(**matrix_over)))
+  assert set(heads) == set(matrix) and len(matrix) == 2 * 4  # Two groups of K = 4, 4 kernels.
+  assert all(sharding.path_dim(spec) is None for spec in heads.values()), heads
+  assert all(sharding.path_dim(spec) is not None for spec in matrix.values()), matrix
+  b_heads, b_matrix = _outer_bytes(**over), _outer_bytes(**matrix_over)
+  assert b_matrix.held == b_heads.held
+  assert 0 < b_matrix.cross <= 2 * b_matrix.held + b_matrix.metric
+  assert b_matrix.cross < b_heads.cross
+
+
 @pytest.mark.parametrize("kind", ["int8", "fp4"])
 def test_a_compressed_outer_step_moves_under_half_the_float32_bytes(kind):
   """Codes cross 'path', not float32: under half of the uncompressed step's bytes.

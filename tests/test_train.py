@@ -340,3 +340,16 @@ def test_init_from_dense_checkpoint_forks_every_module(tmp_path, shard_dir):
   got = theta_lib.initial(cfg.dipaco.init_from, exp.recipe.abstract_params())
   for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(theta), strict=True):
     np.testing.assert_array_equal(x, y)
+  # A grid whose attention kernels are matrices (model.attention_kernels) reads the same θ̄,
+  # each [D, H, K] / [H, K, D] kernel reshaped to [D, H K] / [H K, D].
+  matrix = _config(
+    shard_dir,
+    **{"dipaco.init_from": str(tmp_path / "dense"), "model.attention_kernels": "matrix"},
+  )
+  abstract = experiment.Experiment(matrix).recipe.abstract_params()
+  got = theta_lib.initial(matrix.dipaco.init_from, abstract)
+  q = theta["block_0"]["attn"]["query"]["kernel"]
+  assert got["block_0"]["attn"]["query"]["kernel"].shape == (q.shape[0], q.shape[1] * q.shape[2])
+  for x, y, a in zip(jax.tree.leaves(got), jax.tree.leaves(theta), jax.tree.leaves(abstract)):
+    assert x.shape == a.shape
+    np.testing.assert_array_equal(x, np.reshape(y, a.shape))

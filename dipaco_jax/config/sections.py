@@ -17,11 +17,14 @@ DISPATCH_AHEAD = ("auto", "on", "off")
 POSITIONS = ("rope", "learned")
 DTYPES = ("float32", "bfloat16")
 # What a block keeps for its backward pass: everything; only its input (recomputes the rest);
-# the outputs of its weight matmuls (recomputes the cheap rest). model.py maps them to policies.
-REMAT = ("none", "full", "save_matmuls")
+# the outputs of its weight matmuls (recomputes the cheap rest); all of those but the MLP's
+# input projection and gate (the widest, F per position). model.py maps them to policies.
+REMAT = ("none", "full", "save_matmuls", "save_matmuls_except_mlp_in")
 # The attention kernel (core/attention.py): auto picks splash on TPU, cuDNN on GPU where the
 # shape allows, XLA otherwise.
 ATTENTION = ("auto", "xla", "splash", "cudnn")
+# How attention's projections are stored (model.Attention): per head, or as plain matrices.
+ATTENTION_KERNELS = ("heads", "matrix")
 MLPS = ("gelu", "swiglu")
 WEIGHTINGS = ("shard_size", "uniform")  # α_p ∝ |D_p|, or equal.
 SQRT_MODES = ("multiply", "divide", "none")  # √P_{l,e} rescale of Δ (paper §2.7).
@@ -97,13 +100,22 @@ class ModelConfig(f.Section):
     "none",
     f.choice(REMAT),
     'Backward-pass memory: "none" (keep all) | "full" (recompute blocks) | "save_matmuls" '
-    "(keep weight-matmul outputs).",
+    '(keep weight-matmul outputs) | "save_matmuls_except_mlp_in" (all but the MLP\'s widest, '
+    "its input projection and gate: recomputed).",
   )
   attention: str = f.field(
     "auto",
     f.choice(ATTENTION),
     '"auto" (splash on TPU, cuDNN on GPU where the shape allows, XLA otherwise) | "xla" '
     '(scores in HBM) | "splash" (Pallas TPU kernel) | "cudnn" (GPU flash, bfloat16).',
+  )
+  attention_kernels: str = f.field(
+    "heads",
+    f.choice(ATTENTION_KERNELS),
+    '"heads": query, key and value kernels [D, H, K], out [H, K, D] | "matrix": [D, H K] and '
+    "[H K, D], the same values and products (viewed per head): an outer step over a 'path' axis "
+    "that divides H K but no dim of [D, H, K] splits the module instead of summing the stack "
+    "(dipaco_16x16); ~1.7% more HBM bytes per inner step on v5e (docs/tpu.md).",
   )
   attention_block_q: int = f.field(
     512, count, "Splash attention's query block (cut to seq_len; divides it)."

@@ -39,4 +39,9 @@ def get_config():
   c.inner.microbatches = 8
   c.model.remat = "save_matmuls"
   c.model.loss_chunk = 256
+  # Attention's kernels as [D, H K] / [H K, D] matrices: no dim of [896, 16, 64] divides
+  # path = 256, H K = 1024 does, so the outer step splits these modules over 'path' instead
+  # of summing their 16-module stacks (docs/tpu.md); the step is compute-bound on v5p, where
+  # the layout's extra HBM bytes cost no time. θ̄ of dense_150m ([D, H, K]) is read reshaped.
+  c.model.attention_kernels = "matrix"
   return c

@@ -219,18 +219,17 @@ def microbatch(batch: dict, microbatches: int) -> dict:
   )
 
 
-def _grads(params: PyTree, batch: dict, model: model_lib.Transformer, microbatches: int):
-  """(mean loss, gradient of the mean loss) of the whole batch."""
-  if microbatches == 1:
-    (loss, _), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, model)
-    return loss, grads
-  # Gradient accumulation: scan the summed loss's gradient over microbatches,
-  # then divide once by the batch's weight, as the full-batch mean would.
-  grad_sums = jax.value_and_grad(loss_sums, has_aux=True)
+def grad_sums(params: PyTree, batch: dict, model: model_lib.Transformer, microbatches: int):
+  """(summed gradient, summed loss, summed weight) of the batch, scanned over microbatches > 1.
+
+  The gradient sums stay float32 whatever the params' dtype; `finish_step` divides once by the
+  batch's weight, as the full-batch mean would.
+  """
+  grad_sums_of = jax.value_and_grad(loss_sums, has_aux=True)
 
   def body(carry, mb):
     g_acc, l_acc, w_acc = carry
-    (l, w), g = grad_sums(params, mb, model)
+    (l, w), g = grad_sums_of(params, mb, model)
     return (jax.tree.map(jnp.add, g_acc, g), l_acc + l, w_acc + w), None
 
   zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
@@ -238,9 +237,7 @@ def _grads(params: PyTree, batch: dict, model: model_lib.Transformer, microbatch
   (g_sum, loss_sum, weight), _ = jax.lax.scan(
     body, (zeros, zero, zero), microbatch(batch, microbatches)
   )
-  denom = jnp.maximum(weight, 1.0)
-  grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), g_sum, params)
-  return loss_sum / denom, grads
+  return g_sum, loss_sum, weight
 
 
 def train_step(
@@ -255,9 +252,35 @@ def train_step(
   """One optimizer step on one path; returns (params, opt_state, metrics).
 
   microbatches > 1 accumulates the gradient over that many parts of the batch
-  inside this one step: the same update up to the order of summation.
+  inside this one step (`grad_sums`, then `finish_step`): the same update up to
+  the order of summation.
   """
-  loss, grads = _grads(params, batch, model, microbatches)
+  if microbatches > 1:
+    return finish_step(params, opt_state, *grad_sums(params, batch, model, microbatches), tx=tx)
+  (loss, _), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, model)
+  return _update(params, opt_state, loss, grads, tx)
+
+
+def finish_step(
+  params: PyTree,
+  opt_state: PyTree,
+  g_sum: PyTree,
+  loss_sum: jax.Array,
+  weight: jax.Array,
+  *,
+  tx: optax.GradientTransformation,
+):
+  """What a step with microbatches does after its scan: the mean gradient, the update, metrics.
+
+  Everything of the step outside the microbatch loop (the AOT tool compiles it alone to count
+  it once, aot.Report._inner_cost).
+  """
+  denom = jnp.maximum(weight, 1.0)
+  grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), g_sum, params)
+  return _update(params, opt_state, loss_sum / denom, grads, tx)
+
+
+def _update(params, opt_state, loss, grads, tx):
   updates, opt_state = tx.update(grads, opt_state, params)
   params = optax.apply_updates(params, updates)
   metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "param_norm": group_norms(params)}

@@ -11,6 +11,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from dipaco_jax.config import sections
 from dipaco_jax.core import attention as attention_lib
@@ -20,15 +21,27 @@ from dipaco_jax.types import PyTree
 # activation; "full" keeps only the block's input and recomputes the rest; "save_matmuls" keeps
 # the outputs of the weight matmuls (not the attention scores, whose einsums carry a batch dim)
 # and recomputes the cheap rest.
+# A block's weight-matmul outputs, named (jax.ad_checkpoint.checkpoint_name) for the policies
+# that keep some of them: "save_matmuls_except_mlp_in" keeps all but the MLP's input projection
+# (and SwiGLU's gate), its widest, which the backward recomputes from the saved rest.
+MATMULS = ("query", "key", "value", "attn_out", "mlp_in", "mlp_gate", "mlp_out")
 REMAT_POLICIES = {
   "none": None,
   "full": jax.checkpoint_policies.nothing_saveable,
   "save_matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+  "save_matmuls_except_mlp_in": jax.checkpoint_policies.save_only_these_names(
+    *(n for n in MATMULS if n not in ("mlp_in", "mlp_gate"))
+  ),
 }
 # model.mlp: "gelu" is up (D -> F), GELU, down (F -> D): 2 D F weights. "swiglu" is
 # down(silu(gate x) * up x) with gate and up both D -> F: 3 D F weights, so a SwiGLU of width
 # F costs what a GELU MLP of width 1.5 F does (Llama's 8/3 d_model matches GELU's 4 d_model).
 ModelConfig = sections.ModelConfig  # config.model, declared in config/sections.py.
+
+
+def _named(x: jax.Array, name: str) -> jax.Array:
+  """A block matmul's output, named for the remat policies (MATMULS)."""
+  return checkpoint_name(x, name)
 
 
 def _rotate(x_BxTxHxK, sin, cos, sign: float):
@@ -69,6 +82,16 @@ def _rope(x_BxTxHxK: jax.Array, positions_BxT: jax.Array) -> jax.Array:
   return _rotary(x_BxTxHxK, sin, cos)
 
 
+class _Kernel(nn.Module):
+  """One kernel param of the given shape (lecun normal: fan in = its first dim)."""
+
+  shape: tuple[int, ...]
+
+  @nn.compact
+  def __call__(self):
+    return self.param("kernel", nn.initializers.lecun_normal(), self.shape)
+
+
 class Attention(nn.Module):
   """Causal multi-head attention that never crosses packed segments.
 
@@ -87,13 +110,27 @@ class Attention(nn.Module):
   def __call__(self, x_BxTxD, segment_ids_BxT, positions_BxT):
     cfg = self.cfg
     dtype = jnp.dtype(cfg.dtype)
-    dense = lambda name, features, axis=-1: nn.DenseGeneral(
-      features, axis=axis, use_bias=False, dtype=dtype, name=name
-    )
-    shape = (cfg.num_heads, cfg.head_dim)
-    q_BxTxHxK = dense("query", shape)(x_BxTxD)
-    k_BxSxHxK = dense("key", shape)(x_BxTxD)
-    v_BxSxHxK = dense("value", shape)(x_BxTxD)
+    D, H, K = x_BxTxD.shape[-1], cfg.num_heads, cfg.head_dim
+    if cfg.attention_kernels == "matrix":
+      # Kernels kept as matrices, [D, H K] and [H K, D]: flax draws a DenseGeneral's kernel as
+      # the same matrix, so the values and products are those of "heads". The kernels, not the
+      # activations, are viewed per head (a reshape of [B, T, H K] activations is a TPU copy).
+      kernel = lambda name, shape: _Kernel(shape, name=name)().astype(dtype)
+      heads = lambda name: jnp.einsum(
+        "btd,dhk->bthk", x_BxTxD.astype(dtype), kernel(name, (D, H * K)).reshape(D, H, K)
+      )
+      project_out = lambda o_BxTxHxK: jnp.einsum(
+        "bthk,hkd->btd", o_BxTxHxK.astype(dtype), kernel("out", (H * K, D)).reshape(H, K, D)
+      )
+    else:
+      dense = lambda name, features, axis=-1: nn.DenseGeneral(
+        features, axis=axis, use_bias=False, dtype=dtype, name=name
+      )
+      heads = lambda name: dense(name, (H, K))(x_BxTxD)
+      project_out = lambda o_BxTxHxK: dense("out", D, axis=(-2, -1))(o_BxTxHxK)
+    q_BxTxHxK = _named(heads("query"), "query")
+    k_BxSxHxK = _named(heads("key"), "key")
+    v_BxSxHxK = _named(heads("value"), "value")
     if cfg.positions == "rope":
       q_BxTxHxK = _rope(q_BxTxHxK, positions_BxT)
       k_BxSxHxK = _rope(k_BxSxHxK, positions_BxT)
@@ -141,7 +178,7 @@ class Attention(nn.Module):
         scale=scale,
         implementation=impl,
       )
-    return dense("out", cfg.d_model, axis=(-2, -1))(out_BxTxHxK)
+    return _named(project_out(out_BxTxHxK), "attn_out")
 
 
 class Block(nn.Module):
@@ -160,12 +197,12 @@ class Block(nn.Module):
     x_BxTxD = x_BxTxD + attn(h_BxTxD, segment_ids_BxT, positions_BxT)
     h_BxTxD = nn.RMSNorm(dtype=dtype, name="mlp_norm")(x_BxTxD)
     dense = lambda name, features: nn.Dense(features, use_bias=False, dtype=dtype, name=name)
-    h_BxTxF = dense("mlp_in", cfg.mlp_dim)(h_BxTxD)
+    h_BxTxF = _named(dense("mlp_in", cfg.mlp_dim)(h_BxTxD), "mlp_in")
     if cfg.mlp == "swiglu":
-      h_BxTxF = nn.silu(dense("mlp_gate", cfg.mlp_dim)(h_BxTxD)) * h_BxTxF
+      h_BxTxF = nn.silu(_named(dense("mlp_gate", cfg.mlp_dim)(h_BxTxD), "mlp_gate")) * h_BxTxF
     else:
       h_BxTxF = nn.gelu(h_BxTxF)
-    return x_BxTxD + dense("mlp_out", cfg.d_model)(h_BxTxF)
+    return x_BxTxD + _named(dense("mlp_out", cfg.d_model)(h_BxTxF), "mlp_out")
 
 
 class Transformer(nn.Module):
@@ -289,3 +326,38 @@ def init_cache(cfg: ModelConfig, batch: int, length: int) -> PyTree:
   init = lambda: Transformer(cfg).init(jax.random.key(0), tokens_BxS, decode=True)
   shapes = jax.eval_shape(init)["cache"]
   return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+# Attention's kernels (model.attention_kernels): where their [H, K] pair sits, from the end.
+_HEAD_PAIR = {"query": 2, "key": 2, "value": 2, "out": 3}
+
+
+def _merged(shape: tuple, back: int) -> tuple:
+  """`shape` with its [H, K] pair (`back` dims from the end) merged into H K."""
+  i = len(shape) - back
+  return tuple(shape[:i]) + (shape[i] * shape[i + 1],) + tuple(shape[i + 2 :])
+
+
+def kernels_like(tree: PyTree, like: PyTree) -> PyTree:
+  """`tree` with each attention kernel in `like`'s layout (model.attention_kernels).
+
+  "heads" [.., D, H, K] / [.., H, K, D] and "matrix" [.., D, H K] / [.., H K, D] hold the
+  same numbers in row-major order, so a reshape converts one into the other (θ̄ of a run
+  of the other layout, config.dipaco.init_from). Any other leaf, or a shape that is not
+  the other layout's, is returned as it is, for the caller's shape check to name.
+  """
+  shapes = {kp: tuple(a.shape) for kp, a in jax.tree_util.tree_flatten_with_path(like)[0]}
+
+  def one(kp, x):
+    names = [str(getattr(k, "key", getattr(k, "name", k))) for k in kp]
+    back = _HEAD_PAIR.get(names[-2]) if len(names) >= 3 and names[-3] == "attn" else None
+    have, want = tuple(x.shape), shapes.get(kp)
+    if names[-1] != "kernel" or back is None or want is None or have == want:
+      return x
+    if len(have) == len(want) + 1 and _merged(have, back) == want:
+      return x.reshape(want)
+    if len(want) == len(have) + 1 and _merged(want, back) == have:
+      return x.reshape(want)
+    return x
+
+  return jax.tree_util.tree_map_with_path(one, tree)

@@ -168,6 +168,10 @@ class Recipe:
       microbatches=self.inner_cfg.microbatches,
     )
 
+  def finish_step(self, params: PyTree, opt_state: PyTree, g_sum, loss_sum, weight):
+    """The part of a microbatched `train_step` after its scan (inner.finish_step)."""
+    return inner_lib.finish_step(params, opt_state, g_sum, loss_sum, weight, tx=self.inner_tx)
+
   def eval_step(self, params: PyTree, batch: dict) -> dict:
     """Summed loss and token count of one batch for one path."""
     return inner_lib.eval_step(

@@ -1,5 +1,8 @@
 """θ̄ from another run (config.dipaco.init_from): the path checked, the params read and checked.
 
+Attention's kernels of a run of the other model.attention_kernels layout are
+reshaped into this config's (the same numbers).
+
 Both runtimes and the router's features start from θ̄. Each check raises one
 ConfigError naming config.dipaco.init_from and the fix, before the run writes
 anything: a missing path, a checkpoint step folder given for its run, a run
@@ -9,6 +12,7 @@ with no finished checkpoint, params of another model.
 import jax
 from etils import epath
 
+from dipaco_jax.core import model
 from dipaco_jax.errors import ConfigError
 from dipaco_jax.io import checkpoint
 from dipaco_jax.types import PyTree
@@ -45,7 +49,8 @@ def initial(src: str, abstract_params: PyTree) -> PyTree | None:
 def restore(src: str, abstract_params: PyTree) -> PyTree:
   """Worker 0's params of run `src`, checked leaf by leaf against `abstract_params` (θ̄'s shapes)."""
   check_source(src)
-  theta = checkpoint.restore_worker_params(src)
+  # A run of the other model.attention_kernels layout holds the same numbers: reshaped.
+  theta = model.kernels_like(checkpoint.restore_worker_params(src), abstract_params)
   want = dict(jax.tree_util.tree_flatten_with_path(abstract_params)[0])
   got = dict(jax.tree_util.tree_flatten_with_path(theta)[0])
   for kp in sorted(set(want) | set(got), key=jax.tree_util.keystr):
