@@ -115,7 +115,7 @@ class ModelConfig(f.Section):
     '"heads": query, key and value kernels [D, H, K], out [H, K, D] | "matrix": [D, H K] and '
     "[H K, D], the same values and products (viewed per head): an outer step over a 'path' axis "
     "that divides H K but no dim of [D, H, K] splits the module instead of summing the stack "
-    "(dipaco_16x16); ~1.7% more HBM bytes per inner step on v5e (docs/tpu.md).",
+    "(dipaco_16x16); 0.5% more HBM bytes per inner step on v5e (docs/tpu.md).",
   )
   attention_block_q: int = f.field(
     512, count, "Splash attention's query block (cut to seq_len; divides it)."
