@@ -17,7 +17,10 @@ import reproduce  # pylint: disable=g-import-not-at-top,wrong-import-position
 # The smoke run's models: every kind of run the script makes once (two whose runs repeat
 # another's code path at more cost, DiLoCo P=16 and the 2x2 k-means control, are checked from
 # their configs below, untrained).
-SMOKE_MODELS = tuple(m for m in reproduce.MODELS if m not in ("diloco_iid_16", "dipaco_2x2_kmeans"))
+# dense_4x runs dense_path's code at 4x the params (its size is checked from its config below).
+SMOKE_MODELS = tuple(
+  m for m in reproduce.MODELS if m not in ("diloco_iid_16", "dipaco_2x2_kmeans", "dense_4x")
+)
 
 
 # A child process trains and evaluates every model of the smoke run: minutes, outside the fast
@@ -94,7 +97,8 @@ def check_smoke_output(out):
   assert p["dipaco_4x4_kmeans"]["paths"] == 16
   assert p["flat_moe"]["total"] == 4 * p["flat_moe"]["path"]
   assert p["dense_path"]["path"] < p["dipaco_2x2"]["total"] < p["flat_moe"]["total"]
-  assert p["dense_4x"]["path"] > 2 * p["dense_path"]["path"]
+  dense_4x = reproduce.param_counts(reproduce.make_config("dense_4x", s, str(out), "multiply"))
+  assert dense_4x["path"] > 2 * p["dense_path"]["path"] and dense_4x["paths"] == 1
   # DiLoCo's k-means shards: one cluster per replica (a router of 4 clusters, 1 path).
   meta = json.loads(
     (out / "runs" / "diloco_kmeans" / "router" / "phase_0" / "router.json").read_text()

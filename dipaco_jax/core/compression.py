@@ -41,6 +41,7 @@ import numpy as np
 from dipaco_jax.config import sections
 
 KINDS = sections.COMPRESSIONS
+BLOCKED = ("int8", "fp4", "topk2")  # The kinds that code blocks along a leaf's last axis.
 _QMAX = {"int8": 127.0, "fp4": 6.0}  # The largest code: absmax maps onto it.
 # float4 e2m1's magnitudes, in the order of their 3-bit patterns.
 E2M1 = np.float32([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])

@@ -13,6 +13,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dipaco_jax.core import compression as comp
 from dipaco_jax.core import guard as guard_lib
 from dipaco_jax.core import outer as outer_lib
 from dipaco_jax.core import paths as paths_lib
@@ -135,7 +136,9 @@ class Experiment:
   def _state_specs(self, abstract: TrainState) -> TrainState:
     r = self.recipe
     ps = sharding.worker_specs(abstract.params, self.mesh, self.fsdp)
-    ss = sharding.store_specs(abstract.store, self.mesh, self.topo, self.fsdp, r.compressed)
+    kind = r.outer_cfg.compression
+    coding = (kind, r.outer_cfg.compression_block) if kind in comp.BLOCKED else None
+    ss = sharding.store_specs(abstract.store, self.mesh, self.topo, self.fsdp, r.compressed, coding)
     specs = TrainState(
       step=P(),
       rng=P(),

@@ -20,6 +20,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dipaco_jax.core import compression as comp
 from dipaco_jax.core import topology
 from dipaco_jax.errors import ConfigError
 from dipaco_jax.types import PyTree
@@ -172,7 +173,9 @@ def owns_its_modules(s: topology.StoreGroup, npath: int) -> bool:
   )
 
 
-def _with_path(spec: P, shape: Sequence[int], mesh: Mesh, fsdp: bool) -> P:
+def _with_path(
+  spec: P, shape: Sequence[int], mesh: Mesh, fsdp: bool, coding: tuple[str, int] | None = None
+) -> P:
   """`spec` with 'path' also on one inner dim (after any axis already there).
 
   Without FSDP the modules are also split over 'data' on that dim where it
@@ -181,8 +184,10 @@ def _with_path(spec: P, shape: Sequence[int], mesh: Mesh, fsdp: bool) -> P:
   goes first, then one that is not the last (a compressed outer step codes
   blocks along the last axis, outer.compression, and a cut across it may split
   a block between owners, which then get float32 values, not codes), then the
-  largest. Unchanged when no dim divides: that leaf stays replicated over
-  'path'.
+  largest. `coding` = (outer.compression, its block) where the step codes
+  blocks: the last dim is not cut where an owner's part would not hold whole
+  blocks (the leaf stays replicated instead, and its codes still cross up).
+  Unchanged when no dim divides: that leaf stays replicated over 'path'.
   """
   added = [("path",)] if fsdp or mesh.shape["data"] == 1 else [("data", "path"), ("path",)]
   for axes in added:
@@ -192,6 +197,11 @@ def _with_path(spec: P, shape: Sequence[int], mesh: Mesh, fsdp: bool) -> P:
       n = math.prod(mesh.shape[a] for a in axes) * (mesh.shape[other] if other else 1)
       free = other is None or mesh.shape[other] == 1  # An axis of one device splits nothing.
       key = (free, i < len(shape) - 1, shape[i])
+      if coding and i == len(shape) - 1 and shape[i] % n == 0:
+        kind, block = coding
+        part = shape[i] // n
+        if part % comp.block_size(shape[i], block) or (kind == "fp4" and part % 2):
+          continue  # Blocks would straddle owners: float32 would cross, not codes.
       if shape[i] % n == 0 and (best is None or key > best[0]):
         best = (key, i, other)
     if best is not None:
@@ -208,6 +218,7 @@ def store_specs(
   topo: topology.Topology,
   fsdp: bool = False,
   compressed: bool = False,
+  coding: tuple[str, int] | None = None,
 ) -> PyTree:
   """Each store group's layout over 'path', which fixes the outer step's collectives.
 
@@ -218,7 +229,8 @@ def store_specs(
   `compressed` (outer.compression other than none): K = 1 is split on an inner
   dim too, so that its update crosses back coded (the replicated layout sends
   codes up but gathers the float32 sums back, as each device runs Nesterov on
-  the whole module).
+  the whole module). `coding`: (outer.compression, outer.compression_block) where the step
+  codes blocks (`_with_path`).
   """
   npath = mesh.shape["path"]
   out = {}
@@ -231,7 +243,7 @@ def store_specs(
     else:
       specs = stacked_specs(sub, mesh, leading=None, fsdp=fsdp)
       out[s.name] = jax.tree.map(
-        lambda sp, x: _with_path(sp, x.shape, mesh, fsdp),
+        lambda sp, x: _with_path(sp, x.shape, mesh, fsdp, coding),
         specs,
         sub,
         is_leaf=lambda x: isinstance(x, P),
