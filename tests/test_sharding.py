@@ -159,9 +159,10 @@ def test_a_leaf_splits_over_path_off_its_last_axis_where_it_can():
   # With 'data' too: the non-last dim where ('data', 'path') divides it.
   mesh2 = SimpleNamespace(shape={"path": 4, "data": 2, "model": 1})
   assert sharding._with_path(none, (2, 8, 128), mesh2, False) == P(None, ("data", "path"), None)
-  # A coded step (int8, fp4, topk2: blocks along the last axis) cuts the last axis only where
-  # each owner's part holds whole blocks (fp4: whole byte pairs too); else the leaf stays
-  # replicated, and its codes still cross 'path' on the way up.
+  # A coded step (int8, fp4, topk2: blocks along the last axis) cuts a matrix stack's last
+  # axis only where each owner's part holds whole blocks (fp4: whole byte pairs too); else
+  # the leaf stays replicated, and its codes still cross 'path' on the way up. A vector stack
+  # [K, n] is cut as before (its few rows, dealt to every owner, would be mostly padding).
   last = P(None, None, ("path",))
   assert sharding._with_path(none, (2, 6, 128), mesh, False, ("int8", 32)) == last
   assert sharding._with_path(none, (2, 6, 128), mesh, False, ("int8", 64)) == none

@@ -185,8 +185,10 @@ def _with_path(
   blocks along the last axis, outer.compression, and a cut across it may split
   a block between owners, which then get float32 values, not codes), then the
   largest. `coding` = (outer.compression, its block) where the step codes
-  blocks: the last dim is not cut where an owner's part would not hold whole
-  blocks (the leaf stays replicated instead, and its codes still cross up).
+  blocks: a stack of matrices [K, ..., n] is not cut on its last dim where an
+  owner's part would not hold whole blocks (it stays replicated instead, and its
+  codes still cross up, dealt by rows); a stack of vectors [K, n] is (its rows
+  are few: dealt over every owner they would be mostly padding).
   Unchanged when no dim divides: that leaf stays replicated over 'path'.
   """
   added = [("path",)] if fsdp or mesh.shape["data"] == 1 else [("data", "path"), ("path",)]
@@ -197,7 +199,7 @@ def _with_path(
       n = math.prod(mesh.shape[a] for a in axes) * (mesh.shape[other] if other else 1)
       free = other is None or mesh.shape[other] == 1  # An axis of one device splits nothing.
       key = (free, i < len(shape) - 1, shape[i])
-      if coding and i == len(shape) - 1 and shape[i] % n == 0:
+      if coding and len(shape) >= 3 and i == len(shape) - 1 and shape[i] % n == 0:
         kind, block = coding
         part = shape[i] // n
         if part % comp.block_size(shape[i], block) or (kind == "fp4" and part % 2):
