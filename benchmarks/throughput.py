@@ -85,7 +85,15 @@ def parse_args(argv):
   )
   p.add_argument("--out", default="", help="JSON file to write")
   p.add_argument("--quick", action="store_true", help="seconds-long setting (vocab 512, T=32, B=2)")
+  p.add_argument(
+    "--set",
+    action="append",
+    default=[],
+    help="field=value on top of the preset, e.g. model.loss_chunk=128 (repeatable)",
+  )
   a = p.parse_args(argv)
+  if any("=" not in kv for kv in a.set):
+    p.error(f"--set {a.set}: each is field=value, e.g. --set model.loss_chunk=128")
   widths = a.d_model or ("32" if a.quick else PRESETS[a.preset]["d_model"])
   a.d_model = [int(x) for x in widths.split(",")]
   a.steps = a.steps or (1 if a.quick else 2)
@@ -166,11 +174,23 @@ from timing import Loop, gemm_loop, interleave, paired_ratio, write_json  # Besi
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def bench_config(d_model: int, paths: int, quick: bool, preset: str = "tiny"):
-  """configs/tiny.py (with the preset's shapes) at width d_model, a 1 x a x b grid of P paths."""
-  c = config_check.load(os.path.join(ROOT, "configs", "tiny.py"))
+def _value(text: str):
+  try:
+    return json.loads(text)
+  except json.JSONDecodeError:
+    return text
+
+
+def bench_config(d_model: int, paths: int, quick: bool, preset: str = "tiny", sets=()):
+  """configs/tiny.py at width d_model, a 1 x a x b grid of P paths.
+
+  With the preset's shapes, and `sets` ("field=value", --set) over both.
+  """
+  over = {k: _value(v) for k, v in (kv.split("=", 1) for kv in sets)}
+  c = config_check.load(os.path.join(ROOT, "configs", "tiny.py"), **over)
   for k, v in PRESETS[preset]["model"].items():
-    c.model[k] = v
+    if f"model.{k}" not in over:
+      c.model[k] = v
   if d_model % c.model.num_heads:
     raise ValueError(f"--d_model {d_model} is not a multiple of num_heads={c.model.num_heads}.")
   c.model.d_model = d_model
@@ -287,7 +307,7 @@ def xla_flops(exp, W: int, B: int, T: int) -> float:
 
 def measure(d_model: int, args) -> dict:
   """Every number of one width; loops interleaved repetition by repetition."""
-  c = bench_config(d_model, args.paths, args.quick, args.preset)
+  c = bench_config(d_model, args.paths, args.quick, args.preset, args.set)
   devices = jax.devices()
   W, B, T = args.paths, c.data.batch_size, c.data.seq_len
   exp1 = experiment.Experiment(c, mesh=sharding.make_mesh(c.mesh, W, devices=devices[:1]))
@@ -462,6 +482,7 @@ def main_per_cpu_count(args, argv: list[str]) -> dict:
         f"--hugepages={args.hugepages}",
         f"--layouts={','.join(map(str, args.layouts))}",
         *(["--quick"] if args.quick else []),
+        *(f"--set={kv}" for kv in args.set),
       ]
       subprocess.run(
         [sys.executable, os.path.abspath(__file__), *child, f"--cpus={n}", f"--out={out}"],
@@ -497,6 +518,7 @@ def main(args) -> dict:
     "host_cpus": os.cpu_count(),
     "pinned_cpus": sorted(os.sched_getaffinity(0)) if args.cpus else None,
     "preset": args.preset,
+    "set": args.set,
     "layouts": args.layouts,
     "hugepages": args.hugepages,
     "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
