@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 from dipaco_jax import hlo
 from dipaco_jax.core import experiment
 from dipaco_jax.core import sharding
+from dipaco_jax.errors import ConfigError
 
 import helpers
 
@@ -223,3 +224,11 @@ def test_a_compressed_outer_step_moves_under_half_the_float32_bytes(kind):
   fp32 = _outer_bytes(**grid)
   coded = _outer_bytes(**grid, **{"outer.compression": kind, "outer.compression_block": 16})
   assert 0 < coded.cross < fp32.cross / 2, (coded.cross, fp32.cross)
+
+
+def test_matrix_attention_kernels_refuse_a_model_axis_that_cuts_a_head():
+  over = {"mesh.path": 1, "mesh.data": 1, "mesh.model": 4, "model.num_heads": 2}
+  experiment.Experiment(helpers.micro_config(**over))  # Heads: replicated over 'model'.
+  with pytest.raises(ConfigError, match=r"does not divide model.num_heads=2") as e:
+    experiment.Experiment(helpers.micro_config(**over, **{"model.attention_kernels": "matrix"}))
+  assert "\n" not in str(e.value) and "attention_kernels='heads'" in str(e.value)

@@ -45,6 +45,14 @@ class Experiment:
         f"{config.data.batch_size}) into microbatches that the 'data' mesh axis "
         f"({self.mesh.shape['data']}) divides: choose a divisor of batch_size / data."
       )
+    mc, model_axis = r.model_cfg, self.mesh.shape["model"]
+    if mc.attention_kernels == "matrix" and mc.num_heads % model_axis:
+      raise ConfigError(
+        f"config.model.attention_kernels='matrix' splits [D, H K] kernels over the 'model' mesh "
+        f"axis ({model_axis}), which does not divide model.num_heads={mc.num_heads}: a cut "
+        "inside a head; choose a config.mesh.model that divides num_heads, or "
+        "attention_kernels='heads'."
+      )
     self.fsdp = config.mesh.fsdp
     abstract = jax.eval_shape(r.init_state, jax.random.key(0), None)
     specs = self._state_specs(abstract)
