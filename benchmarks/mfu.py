@@ -28,6 +28,8 @@ from dipaco_jax.core import experiment
 from dipaco_jax.core import flops
 from dipaco_jax.core import sharding
 
+from timing import field_overrides  # Beside us.
+
 
 def parse_args(argv):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -41,23 +43,15 @@ def parse_args(argv):
   return p.parse_args(argv)
 
 
-def _value(text: str):
-  try:
-    return json.loads(text)
-  except json.JSONDecodeError:
-    return text
-
-
 def main(argv) -> dict:
   args = parse_args(argv)
-  overrides = dict(kv.split("=", 1) for kv in args.set)
   over = {
     "dipaco.modules_per_level": (1,),
     "dipaco.replicas": 1,
     "outer.enabled": False,
     "data.batch_size": args.batch,
     "mesh.data": 1,
-    **{k: _value(v) for k, v in overrides.items()},
+    **field_overrides(args.set),
   }
   # One module holding the whole model (a dense path), whatever the config's grid.
   layers = int(over.get("model.num_layers", config_check.load(args.config).model.num_layers))

@@ -169,16 +169,16 @@ from dipaco_jax.core import experiment
 from dipaco_jax.core import model as model_lib
 from dipaco_jax.core import sharding
 
-from timing import Loop, gemm_loop, interleave, paired_ratio, write_json  # Beside us.
+from timing import (
+  Loop,
+  field_overrides,
+  gemm_loop,
+  interleave,
+  paired_ratio,
+  write_json,
+)  # Beside us.
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _value(text: str):
-  try:
-    return json.loads(text)
-  except json.JSONDecodeError:
-    return text
 
 
 def bench_config(d_model: int, paths: int, quick: bool, preset: str = "tiny", sets=()):
@@ -186,7 +186,7 @@ def bench_config(d_model: int, paths: int, quick: bool, preset: str = "tiny", se
 
   With the preset's shapes, and `sets` ("field=value", --set) over both.
   """
-  over = {k: _value(v) for k, v in (kv.split("=", 1) for kv in sets)}
+  over = field_overrides(sets)
   c = config_check.load(os.path.join(ROOT, "configs", "tiny.py"), **over)
   for k, v in PRESETS[preset]["model"].items():
     if f"model.{k}" not in over:

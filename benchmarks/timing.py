@@ -1,4 +1,4 @@
-"""Timing harness for benchmarks: step loops, interleaved repetitions, ratios.
+"""Timing harness for benchmarks: step loops, interleaved repetitions, ratios, --set overrides.
 
 Every loop blocks at least every BLOCK_EVERY steps (unblocked loops
 of jitted steps with collectives abort on fake CPU devices).
@@ -16,6 +16,18 @@ import jax.numpy as jnp
 import numpy as np
 
 BLOCK_EVERY = 4
+
+
+def field_overrides(sets) -> dict:
+  """--set's "field=value" strings as {field: value}, each value read as JSON where it parses."""
+
+  def value(text: str):
+    try:
+      return json.loads(text)
+    except json.JSONDecodeError:
+      return text
+
+  return {k: value(v) for k, v in (kv.split("=", 1) for kv in sets)}
 
 
 def write_json(path: str, report: dict) -> None:

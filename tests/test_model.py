@@ -12,6 +12,7 @@ import pytest
 from dipaco_jax.core import flops
 from dipaco_jax.core import inner
 from dipaco_jax.core import model as model_lib
+from dipaco_jax.io import theta as theta_lib
 
 import helpers
 
@@ -311,16 +312,16 @@ def test_matrix_kernels_are_the_heads_kernels_merged_same_init_logits_and_grads(
   assert attn_h["out"]["kernel"].shape == (H, K, D)
   assert attn_m["out"]["kernel"].shape == (H * K, D)
   # The same draw in row-major order: each layout is the other's reshape, both ways.
-  jax.tree.map(np.testing.assert_array_equal, model_lib.kernels_like(ph, pm), pm)
-  jax.tree.map(np.testing.assert_array_equal, model_lib.kernels_like(pm, ph), ph)
+  jax.tree.map(np.testing.assert_array_equal, theta_lib.kernels_like(ph, pm), pm)
+  jax.tree.map(np.testing.assert_array_equal, theta_lib.kernels_like(pm, ph), ph)
   # A leaf of another shape is left for the caller's check to name.
   other = _shapes(_cfg(num_layers=1, num_heads=1, head_dim=2 * K))
-  assert model_lib.kernels_like(ph, other)["block_0"]["attn"]["out"]["kernel"].shape == (H, K, D)
+  assert theta_lib.kernels_like(ph, other)["block_0"]["attn"]["out"]["kernel"].shape == (H, K, D)
   batch = _batch(_tokens(9))
   loss_h, grads_h = _loss_and_grads(heads, ph, batch)
   loss_m, grads_m = _loss_and_grads(matrix, pm, batch)
   np.testing.assert_allclose(loss_m, loss_h, rtol=1e-6)
-  grads_m = model_lib.kernels_like(grads_m, grads_h)
+  grads_m = theta_lib.kernels_like(grads_m, grads_h)
   jax.tree.map(
     lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads_m, grads_h
   )

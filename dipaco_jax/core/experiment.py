@@ -13,7 +13,6 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dipaco_jax.core import compression as comp
 from dipaco_jax.core import guard as guard_lib
 from dipaco_jax.core import outer as outer_lib
 from dipaco_jax.core import paths as paths_lib
@@ -144,9 +143,10 @@ class Experiment:
   def _state_specs(self, abstract: TrainState) -> TrainState:
     r = self.recipe
     ps = sharding.worker_specs(abstract.params, self.mesh, self.fsdp)
-    kind = r.outer_cfg.compression
-    coding = (kind, r.outer_cfg.compression_block) if kind in comp.BLOCKED else None
-    ss = sharding.store_specs(abstract.store, self.mesh, self.topo, self.fsdp, r.compressed, coding)
+    compression = (r.outer_cfg.compression, r.outer_cfg.compression_block)
+    ss = sharding.store_specs(
+      abstract.store, self.mesh, self.topo, self.fsdp, compression if r.compressed else None
+    )
     specs = TrainState(
       step=P(),
       rng=P(),

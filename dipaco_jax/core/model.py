@@ -39,11 +39,6 @@ REMAT_POLICIES = {
 ModelConfig = sections.ModelConfig  # config.model, declared in config/sections.py.
 
 
-def _named(x: jax.Array, name: str) -> jax.Array:
-  """A block matmul's output, named for the remat policies (MATMULS)."""
-  return checkpoint_name(x, name)
-
-
 def _rotate(x_BxTxHxK, sin, cos, sign: float):
   """x's halves rotated by the angles (sign -1: back), in float32, returned in x's dtype."""
   half = x_BxTxHxK.shape[-1] // 2
@@ -128,9 +123,9 @@ class Attention(nn.Module):
       )
       heads = lambda name: dense(name, (H, K))(x_BxTxD)
       project_out = lambda o_BxTxHxK: dense("out", D, axis=(-2, -1))(o_BxTxHxK)
-    q_BxTxHxK = _named(heads("query"), "query")
-    k_BxSxHxK = _named(heads("key"), "key")
-    v_BxSxHxK = _named(heads("value"), "value")
+    q_BxTxHxK = checkpoint_name(heads("query"), "query")
+    k_BxSxHxK = checkpoint_name(heads("key"), "key")
+    v_BxSxHxK = checkpoint_name(heads("value"), "value")
     if cfg.positions == "rope":
       q_BxTxHxK = _rope(q_BxTxHxK, positions_BxT)
       k_BxSxHxK = _rope(k_BxSxHxK, positions_BxT)
@@ -178,7 +173,7 @@ class Attention(nn.Module):
         scale=scale,
         implementation=impl,
       )
-    return _named(project_out(out_BxTxHxK), "attn_out")
+    return checkpoint_name(project_out(out_BxTxHxK), "attn_out")
 
 
 class Block(nn.Module):
@@ -197,12 +192,14 @@ class Block(nn.Module):
     x_BxTxD = x_BxTxD + attn(h_BxTxD, segment_ids_BxT, positions_BxT)
     h_BxTxD = nn.RMSNorm(dtype=dtype, name="mlp_norm")(x_BxTxD)
     dense = lambda name, features: nn.Dense(features, use_bias=False, dtype=dtype, name=name)
-    h_BxTxF = _named(dense("mlp_in", cfg.mlp_dim)(h_BxTxD), "mlp_in")
+    h_BxTxF = checkpoint_name(dense("mlp_in", cfg.mlp_dim)(h_BxTxD), "mlp_in")
     if cfg.mlp == "swiglu":
-      h_BxTxF = nn.silu(_named(dense("mlp_gate", cfg.mlp_dim)(h_BxTxD), "mlp_gate")) * h_BxTxF
+      h_BxTxF = (
+        nn.silu(checkpoint_name(dense("mlp_gate", cfg.mlp_dim)(h_BxTxD), "mlp_gate")) * h_BxTxF
+      )
     else:
       h_BxTxF = nn.gelu(h_BxTxF)
-    return x_BxTxD + _named(dense("mlp_out", cfg.d_model)(h_BxTxF), "mlp_out")
+    return x_BxTxD + checkpoint_name(dense("mlp_out", cfg.d_model)(h_BxTxF), "mlp_out")
 
 
 class Transformer(nn.Module):
@@ -326,38 +323,3 @@ def init_cache(cfg: ModelConfig, batch: int, length: int) -> PyTree:
   init = lambda: Transformer(cfg).init(jax.random.key(0), tokens_BxS, decode=True)
   shapes = jax.eval_shape(init)["cache"]
   return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-
-
-# Attention's kernels (model.attention_kernels): where their [H, K] pair sits, from the end.
-_HEAD_PAIR = {"query": 2, "key": 2, "value": 2, "out": 3}
-
-
-def _merged(shape: tuple, back: int) -> tuple:
-  """`shape` with its [H, K] pair (`back` dims from the end) merged into H K."""
-  i = len(shape) - back
-  return tuple(shape[:i]) + (shape[i] * shape[i + 1],) + tuple(shape[i + 2 :])
-
-
-def kernels_like(tree: PyTree, like: PyTree) -> PyTree:
-  """`tree` with each attention kernel in `like`'s layout (model.attention_kernels).
-
-  "heads" [.., D, H, K] / [.., H, K, D] and "matrix" [.., D, H K] / [.., H K, D] hold the
-  same numbers in row-major order, so a reshape converts one into the other (θ̄ of a run
-  of the other layout, config.dipaco.init_from). Any other leaf, or a shape that is not
-  the other layout's, is returned as it is, for the caller's shape check to name.
-  """
-  shapes = {kp: tuple(a.shape) for kp, a in jax.tree_util.tree_flatten_with_path(like)[0]}
-
-  def one(kp, x):
-    names = [str(getattr(k, "key", getattr(k, "name", k))) for k in kp]
-    back = _HEAD_PAIR.get(names[-2]) if len(names) >= 3 and names[-3] == "attn" else None
-    have, want = tuple(x.shape), shapes.get(kp)
-    if names[-1] != "kernel" or back is None or want is None or have == want:
-      return x
-    if len(have) == len(want) + 1 and _merged(have, back) == want:
-      return x.reshape(want)
-    if len(want) == len(have) + 1 and _merged(want, back) == have:
-      return x.reshape(want)
-    return x
-
-  return jax.tree_util.tree_map_with_path(one, tree)

@@ -219,8 +219,7 @@ def store_specs(
   mesh: Mesh,
   topo: topology.Topology,
   fsdp: bool = False,
-  compressed: bool = False,
-  coding: tuple[str, int] | None = None,
+  compression: tuple[str, int] | None = None,
 ) -> PyTree:
   """Each store group's layout over 'path', which fixes the outer step's collectives.
 
@@ -228,13 +227,15 @@ def store_specs(
   (`owns_its_modules`); replicated when K = 1; otherwise every module split
   over 'path' on one inner dim (`_with_path`), so that no device holds, and
   no outer step moves, the dense [K, ...] store (outer.sharded_outer_step).
-  `compressed` (outer.compression other than none): K = 1 is split on an inner
-  dim too, so that its update crosses back coded (the replicated layout sends
-  codes up but gathers the float32 sums back, as each device runs Nesterov on
-  the whole module). `coding`: (outer.compression, outer.compression_block) where the step
-  codes blocks (`_with_path`).
+  `compression` = (outer.compression, outer.compression_block), None when the
+  step sends float32: K = 1 is split on an inner dim too, so that its update
+  crosses back coded (the replicated layout sends codes up but gathers the
+  float32 sums back, as each device runs Nesterov on the whole module); a kind
+  that codes blocks also fixes where a leaf may be cut (`_with_path`).
   """
   npath = mesh.shape["path"]
+  compressed = compression is not None
+  coding = compression if compressed and compression[0] in comp.BLOCKED else None
   out = {}
   for s in topo.store_groups():
     sub = store[s.name]

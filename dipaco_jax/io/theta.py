@@ -12,7 +12,6 @@ with no finished checkpoint, params of another model.
 import jax
 from etils import epath
 
-from dipaco_jax.core import model
 from dipaco_jax.errors import ConfigError
 from dipaco_jax.io import checkpoint
 from dipaco_jax.types import PyTree
@@ -50,7 +49,7 @@ def restore(src: str, abstract_params: PyTree) -> PyTree:
   """Worker 0's params of run `src`, checked leaf by leaf against `abstract_params` (θ̄'s shapes)."""
   check_source(src)
   # A run of the other model.attention_kernels layout holds the same numbers: reshaped.
-  theta = model.kernels_like(checkpoint.restore_worker_params(src), abstract_params)
+  theta = kernels_like(checkpoint.restore_worker_params(src), abstract_params)
   want = dict(jax.tree_util.tree_flatten_with_path(abstract_params)[0])
   got = dict(jax.tree_util.tree_flatten_with_path(theta)[0])
   for kp in sorted(set(want) | set(got), key=jax.tree_util.keystr):
@@ -64,3 +63,36 @@ def restore(src: str, abstract_params: PyTree) -> PyTree:
         "in this config's model: give a run of the same config.model (its config.json says)."
       )
   return jax.tree.map(lambda t, a: t.astype(a.dtype), theta, abstract_params)
+
+
+# Attention's kernels (model.attention_kernels): where their [H, K] pair sits, from the end.
+_HEAD_PAIR = {"query": 2, "key": 2, "value": 2, "out": 3}
+
+
+def _merged(shape: tuple, back: int) -> tuple:
+  """`shape` with its [H, K] pair (`back` dims from the end) merged into H K."""
+  i = len(shape) - back
+  return tuple(shape[:i]) + (shape[i] * shape[i + 1],) + tuple(shape[i + 2 :])
+
+
+def kernels_like(tree: PyTree, like: PyTree) -> PyTree:
+  """`tree` with each attention kernel in `like`'s layout (model.attention_kernels).
+
+  "heads" [.., D, H, K] / [.., H, K, D] and "matrix" [.., D, H K] / [.., H K, D] hold the
+  same numbers in row-major order, so a reshape converts one into the other (θ̄ of a run
+  of the other layout, config.dipaco.init_from). Any other leaf, or a shape that is not
+  the other layout's, is returned as it is, for the caller's shape check to name.
+  """
+  shapes = {kp: tuple(a.shape) for kp, a in jax.tree_util.tree_flatten_with_path(like)[0]}
+
+  def one(kp, x):
+    names = [str(getattr(k, "key", getattr(k, "name", k))) for k in kp]
+    back = _HEAD_PAIR.get(names[-2]) if len(names) >= 3 and names[-3] == "attn" else None
+    have, want = tuple(x.shape), shapes.get(kp)
+    if names[-1] != "kernel" or back is None or want is None or have == want:
+      return x
+    merges = len(have) == len(want) + 1 and _merged(have, back) == want
+    splits = len(want) == len(have) + 1 and _merged(want, back) == have
+    return x.reshape(want) if merges or splits else x
+
+  return jax.tree_util.tree_map_with_path(one, tree)
