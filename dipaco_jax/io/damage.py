@@ -13,6 +13,7 @@ import json
 import os
 import re
 import sys
+import warnings
 
 import tensorstore as ts
 from etils import epath
@@ -171,6 +172,16 @@ def is_echo(exc: BaseException | None, loop_closed: bool) -> bool:
   return False
 
 
+def quiet_unawaited() -> None:
+  """Drops "coroutine ... was never awaited" warnings from here on (a failed read's or write's).
+
+  orbax's reads and writes left unstarted when one of them fails are collected
+  later, at any point up to interpreter exit, each warning with its own lines.
+  The process stops on the one-line error that the failure gives.
+  """
+  warnings.filterwarnings("ignore", r"coroutine .* was never awaited", RuntimeWarning)
+
+
 def _quiet_echoes(previous, unraisable) -> None:
   """sys.unraisablehook while (and after) a checkpoint is read: drops the echoes."""
   if not is_echo(unraisable.exc_value, loop_closed=True):
@@ -196,5 +207,6 @@ def reading(root: epath.Path, step: int):
     if bad is None:
       sys.unraisablehook = previous
       raise
+    quiet_unawaited()
     raise damaged(root, step, bad) from e  # The hook stays: echoes come later too.
   sys.unraisablehook = previous

@@ -17,7 +17,6 @@ import os
 import re
 import sys
 import threading
-import warnings
 
 from absl import logging as absl_logging
 from etils import epath
@@ -127,8 +126,8 @@ def release_commit_threads(timeout_s: float = 10.0) -> None:
     if not t.is_alive():  # It returned before its work: close the coroutine it never ran.
       _close_unstarted(getattr(t, "_target", None))
   # A thread still busy (a loaded host) or an event loop torn down at exit can still drop an
-  # unstarted orbax coroutine; the run stops on this failure, so its warning is only noise.
-  warnings.filterwarnings("ignore", r"coroutine .* was never awaited", RuntimeWarning)
+  # unstarted orbax coroutine.
+  damage.quiet_unawaited()
 
 
 def _close_unstarted(obj, depth: int = 4) -> None:
