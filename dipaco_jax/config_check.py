@@ -209,6 +209,13 @@ def _check_relations(c) -> None:
       f"config.model.loss_chunk={m.loss_chunk} does not divide config.data.seq_len="
       f"{c.data.seq_len}: choose a divisor of seq_len, or 0 for no chunking."
     )
+  if m.weight_grads == "input_first" and m.remat == "save_matmuls":
+    raise ConfigError(
+      "config.model.weight_grads='input_first' with config.model.remat='save_matmuls': that "
+      "policy keeps the outputs of dot_general, which input_first's custom gradient hides, so "
+      "every matmul would be recomputed; use remat='save_matmuls_except_mlp_in' (or 'none', "
+      "'full'), or weight_grads='autodiff' or 'auto'."
+    )
   if c.dipaco.init == "independent" and c.dipaco.init_from:
     raise ConfigError(
       f"config.dipaco.init='independent' with config.dipaco.init_from="

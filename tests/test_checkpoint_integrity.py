@@ -282,7 +282,8 @@ def test_a_step_saved_without_checksums_loads_unverified_and_says_so_once(saved,
   for step in (2, 4):  # As checkpoints saved before checksums existed.
     shutil.rmtree(os.path.join(workdir, "checkpoints", str(step), checkpoint.CHECKSUMS))
   expected = _expected(exp, want)
-  with caplog.at_level(logging.INFO):
+  # absl's own logger at INFO too: a CLI run earlier in this process may have raised its level.
+  with caplog.at_level(logging.INFO), caplog.at_level(logging.INFO, logger="absl"):
     for op, read in helpers.checkpoint_reads(cfg, exp, workdir, PATH).items():
       assert _same(read(), expected[op]), op
   said = [r.getMessage() for r in caplog.records if "has no checksums" in r.getMessage()]

@@ -104,6 +104,11 @@ def test_derived_values_replace_fields():
       r"config.elastic.grace_s=-1.0 is invalid: it must be a number >= 0",
     ),
     ({"elastic.late_deltas": "later"}, r"late_deltas='later' is invalid: .* 'next', 'drop'"),
+    (
+      {"model.weight_grads": "input_first", "model.remat": "save_matmuls"},
+      r"config.model.weight_grads='input_first' with config.model.remat='save_matmuls': .* "
+      r"every matmul would be recomputed; use remat='save_matmuls_except_mlp_in'",
+    ),
   ],
 )
 def test_load_refuses_unknown_keys_and_bad_values(overrides, match):

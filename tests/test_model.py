@@ -357,6 +357,60 @@ def test_save_matmuls_except_mlp_in_keeps_no_mlp_width_activation(capsys):
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), grads_x, grads)
 
 
+def test_input_first_matmul_gradients_by_hand():
+  # y = x w over x's last n dims: dx = g w^T and dw = x^T g (contracting every token dim), the
+  # products written out in numpy; n = 2 is attention's out projection ([B, T, H, K] x [H, K, D]).
+  # Small integers: every product and sum is exact in float32.
+  rng = np.random.default_rng(0)
+  draw = lambda shape: rng.integers(-3, 4, size=shape).astype(np.float32)
+  for n, x_shape, w_shape in ((1, (2, 3, 4), (4, 5)), (2, (2, 3, 2, 4), (2, 4, 5))):
+    x, w = draw(x_shape), draw(w_shape)
+    g = draw(x_shape[: x.ndim - n] + w_shape[n:])
+    y, vjp = jax.vjp(
+      lambda a, b, n=n: model_lib.matmul(a, b, n, "input_first"), jnp.asarray(x), jnp.asarray(w)
+    )
+    dx, dw = vjp(jnp.asarray(g))
+    xm, wm = x.reshape(-1, int(np.prod(w_shape[:n]))), w.reshape(-1, w_shape[-1])
+    gm = g.reshape(-1, w_shape[-1])
+    np.testing.assert_array_equal(y, (xm @ wm).reshape(g.shape))
+    np.testing.assert_array_equal(dx, (gm @ wm.T).reshape(x_shape))
+    np.testing.assert_array_equal(dw, (xm.T @ gm).reshape(w_shape))
+
+
+@pytest.mark.parametrize(
+  "overrides",
+  [
+    {"mlp": "swiglu", "tie_embeddings": False},
+    {"attention_kernels": "matrix", "remat": "save_matmuls_except_mlp_in"},
+  ],
+  ids=["swiglu-untied", "matrix-remat"],
+)
+def test_input_first_weight_grads_equal_autodiffs(overrides):
+  # The same loss and gradients (every weight matmul, the head's included), another program.
+  auto, input_first, autodiff = (
+    _cfg(num_layers=1, weight_grads=w, **overrides) for w in ("auto", "input_first", "autodiff")
+  )
+  assert model_lib.weight_grads(auto, "cpu") == "input_first"
+  params, batch = _params(autodiff), _batch(_tokens(6))
+  loss, grads = _loss_and_grads(autodiff, params, batch)
+  loss_f, grads_f = _loss_and_grads(input_first, params, batch)
+  np.testing.assert_allclose(loss_f, loss, rtol=1e-6)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads_f, grads)
+  assert min(float(jnp.abs(g).max()) for g in jax.tree.leaves(grads)) > 1e-4  # Every leaf.
+  step = jax.jit(jax.grad(lambda p, m: inner.loss_fn(p, batch, m)[0]), static_argnums=1)
+  text = lambda c: step.lower(params, model_lib.Transformer(c)).as_text()
+  assert text(input_first) != text(autodiff)
+
+
+def test_weight_grads_auto_is_input_first_on_cpu_only_and_never_under_save_matmuls():
+  cfg = _cfg()
+  assert model_lib.weight_grads(cfg, "cpu") == "input_first"
+  assert model_lib.weight_grads(cfg, "tpu") == model_lib.weight_grads(cfg, "gpu") == "autodiff"
+  assert model_lib.weight_grads(_cfg(remat="save_matmuls"), "cpu") == "autodiff"
+  assert model_lib.weight_grads(_cfg(weight_grads="input_first"), "tpu") == "input_first"
+  assert model_lib.weight_grads(_cfg(weight_grads="autodiff"), "cpu") == "autodiff"
+
+
 def test_bfloat16_compute_keeps_float32_params_logits_and_grads():
   cfg32, cfg16 = _cfg(), _cfg(dtype="bfloat16")
   shapes16 = _shapes(cfg16)

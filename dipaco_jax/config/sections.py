@@ -26,6 +26,7 @@ ATTENTION = ("auto", "xla", "splash", "cudnn")
 # How attention's projections are stored (model.Attention): per head, or as plain matrices.
 ATTENTION_KERNELS = ("heads", "matrix")
 MLPS = ("gelu", "swiglu")
+WEIGHT_GRADS = ("auto", "autodiff", "input_first")
 WEIGHTINGS = ("shard_size", "uniform")  # α_p ∝ |D_p|, or equal.
 SQRT_MODES = ("multiply", "divide", "none")  # √P_{l,e} rescale of Δ (paper §2.7).
 COMPRESSIONS = ("none", "bf16", "int8", "fp4", "topk2")  # Δ_w on the wire (core/compression.py).
@@ -128,6 +129,14 @@ class ModelConfig(f.Section):
     f.integer(0, what=" (0 = off)"),
     "Sequence positions per cross-entropy chunk (never the full [B, T, V] logits); 0 = off. "
     "Divides seq_len.",
+  )
+  weight_grads: str = f.field(
+    "auto",
+    f.choice(WEIGHT_GRADS),
+    "The weight matmuls' gradient: \"autodiff\" (jax's transpose: dot(cotangent, input)) | "
+    '"input_first" (dot(input, cotangent), the same values: XLA:CPU then lays out the narrow '
+    'input instead of the wide cotangent; no remat="save_matmuls", whose policy would not see '
+    'the matmuls) | "auto" (input_first on CPU, except with save_matmuls; autodiff elsewhere).',
   )
   mlp: str = f.field(
     "gelu",

@@ -6,6 +6,7 @@ topology assigns groups to levels, so the model knows nothing of paths.
 """
 # pylint: disable=invalid-name
 
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -37,6 +38,67 @@ REMAT_POLICIES = {
 # down(silu(gate x) * up x) with gate and up both D -> F: 3 D F weights, so a SwiGLU of width
 # F costs what a GELU MLP of width 1.5 F does (Llama's 8/3 d_model matches GELU's 4 d_model).
 ModelConfig = sections.ModelConfig  # config.model, declared in config/sections.py.
+
+
+def _contract(x, w, n: int):
+  """x's last n dims contracted with w's first n: [..., I] x [I, O] -> [..., O]."""
+  return jax.lax.dot_general(x, w, ((tuple(range(x.ndim - n, x.ndim)), tuple(range(n))), ((), ())))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _input_first(x, w, n: int):
+  return _contract(x, w, n)
+
+
+def _input_first_fwd(x, w, n):
+  return _contract(x, w, n), (x, w)
+
+
+def _input_first_bwd(n, res, g):
+  x, w = res
+  lead = tuple(range(x.ndim - n))  # The token dims, contracted for the weight gradient.
+  out = tuple(range(g.ndim - (w.ndim - n), g.ndim))
+  dx = jax.lax.dot_general(g, w, ((out, tuple(range(n, w.ndim))), ((), ())))
+  # Autodiff's transpose computes dot(g, x) here and transposes it; with the input as the
+  # left operand, XLA:CPU lays out the input (D wide) for the matmul instead of the
+  # cotangent (up to V or F wide), a copy of a quarter of the bytes or less.
+  dw = jax.lax.dot_general(x, g, ((lead, tuple(range(len(lead)))), ((), ())))
+  return dx, dw
+
+
+_input_first.defvjp(_input_first_fwd, _input_first_bwd)
+
+
+def weight_grads(cfg: ModelConfig, platform: str) -> str:
+  """The weight-gradient form that runs: 'autodiff' or 'input_first' (model.weight_grads)."""
+  if cfg.weight_grads != "auto":
+    return cfg.weight_grads
+  return "input_first" if platform == "cpu" and cfg.remat != "save_matmuls" else "autodiff"
+
+
+def matmul(x, w, n: int, form: str):
+  """x's last n dims times w's first n (a weight matmul) with the weight gradient `form`."""
+  return _input_first(x, w, n) if form == "input_first" else _contract(x, w, n)
+
+
+def dot_general_of(form: str):
+  """A flax Dense/DenseGeneral `dot_general` computing the weight gradient in `form`."""
+
+  def dot_general(x, w, dimension_numbers, precision=None, preferred_element_type=None):
+    del precision, preferred_element_type  # Flax passes None for both here.
+    (contract_x, contract_w), batch = dimension_numbers
+    n = len(contract_x)
+    if (
+      tuple(contract_x) != tuple(range(x.ndim - n, x.ndim))
+      or tuple(contract_w) != tuple(range(n))
+      or any(batch)
+    ):
+      raise ValueError(
+        f"a weight matmul contracts x's last dims with w's first: {dimension_numbers}"
+      )
+    return matmul(x, w, n, form)
+
+  return dot_general
 
 
 def _rotate(x_BxTxHxK, sin, cos, sign: float):
@@ -106,20 +168,26 @@ class Attention(nn.Module):
     cfg = self.cfg
     dtype = jnp.dtype(cfg.dtype)
     D, H, K = x_BxTxD.shape[-1], cfg.num_heads, cfg.head_dim
+    form = weight_grads(cfg, attention_lib.platform_of(self.mesh))
     if cfg.attention_kernels == "matrix":
       # Kernels kept as matrices, [D, H K] and [H K, D]: flax draws a DenseGeneral's kernel as
       # the same matrix, so the values and products are those of "heads". The kernels, not the
       # activations, are viewed per head (a reshape of [B, T, H K] activations is a TPU copy).
       kernel = lambda name, shape: _Kernel(shape, name=name)().astype(dtype)
-      heads = lambda name: jnp.einsum(
-        "btd,dhk->bthk", x_BxTxD.astype(dtype), kernel(name, (D, H * K)).reshape(D, H, K)
+      heads = lambda name: matmul(
+        x_BxTxD.astype(dtype), kernel(name, (D, H * K)).reshape(D, H, K), 1, form
       )
-      project_out = lambda o_BxTxHxK: jnp.einsum(
-        "bthk,hkd->btd", o_BxTxHxK.astype(dtype), kernel("out", (H * K, D)).reshape(H, K, D)
+      project_out = lambda o_BxTxHxK: matmul(
+        o_BxTxHxK.astype(dtype), kernel("out", (H * K, D)).reshape(H, K, D), 2, form
       )
     else:
       dense = lambda name, features, axis=-1: nn.DenseGeneral(
-        features, axis=axis, use_bias=False, dtype=dtype, name=name
+        features,
+        axis=axis,
+        use_bias=False,
+        dtype=dtype,
+        dot_general=dot_general_of(form),
+        name=name,
       )
       heads = lambda name: dense(name, (H, K))(x_BxTxD)
       project_out = lambda o_BxTxHxK: dense("out", D, axis=(-2, -1))(o_BxTxHxK)
@@ -191,7 +259,10 @@ class Block(nn.Module):
     attn = Attention(cfg, decode=self.decode, mesh=self.mesh, name="attn")
     x_BxTxD = x_BxTxD + attn(h_BxTxD, segment_ids_BxT, positions_BxT)
     h_BxTxD = nn.RMSNorm(dtype=dtype, name="mlp_norm")(x_BxTxD)
-    dense = lambda name, features: nn.Dense(features, use_bias=False, dtype=dtype, name=name)
+    form = weight_grads(cfg, attention_lib.platform_of(self.mesh))
+    dense = lambda name, features: nn.Dense(
+      features, use_bias=False, dtype=dtype, dot_general=dot_general_of(form), name=name
+    )
     h_BxTxF = checkpoint_name(dense("mlp_in", cfg.mlp_dim)(h_BxTxD), "mlp_in")
     if cfg.mlp == "swiglu":
       h_BxTxF = (
@@ -243,7 +314,7 @@ class Transformer(nn.Module):
       x_BxTxD = block(x_BxTxD, segment_ids_BxT, positions_BxT)
     hidden_BxTxD = x_BxTxD
     table_VxD = embed.variables["params"]["token"] if cfg.tie_embeddings else None
-    head = Head(cfg, name="head")
+    head = Head(cfg, weight_grads(cfg, attention_lib.platform_of(self.mesh)), name="head")
     if not unembed:
       return head.features(x_BxTxD.astype(dtype), table_VxD)
     logits_BxTxV = head(x_BxTxD.astype(dtype), table_VxD)
@@ -285,6 +356,7 @@ class Head(nn.Module):
   """Final norm and unembedding (the tied table is passed in when tied)."""
 
   cfg: ModelConfig
+  weight_grads: str = "autodiff"  # The unembedding's weight-gradient form (`weight_grads`).
 
   def setup(self):
     dtype = jnp.dtype(self.cfg.dtype)
@@ -303,7 +375,8 @@ class Head(nn.Module):
     return x_BxTxD * cfg.d_model**-0.5, table_VxD.astype(dtype).T
 
   def __call__(self, x_BxTxD, table_VxD=None):
-    return logits(*self.features(x_BxTxD, table_VxD))
+    features_BxTxD, unembed_DxV = self.features(x_BxTxD, table_VxD)
+    return matmul(features_BxTxD, unembed_DxV, 1, self.weight_grads).astype(jnp.float32)
 
 
 def logits(features_BxTxD: jax.Array, unembed_DxV: jax.Array) -> jax.Array:
