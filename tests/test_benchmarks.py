@@ -74,6 +74,17 @@ def test_throughput_quick(tmp_path):
   )
 
 
+def test_op_profile_quick(tmp_path):
+  stdout, r = run_benchmark("op_profile.py", tmp_path / "ops.json", "--quick", "--steps", "1")
+  assert "top ops:" in stdout
+  kinds = r["kinds"]
+  assert "ynn_fusion" in kinds or "dot" in kinds, sorted(kinds)  # The matmuls are traced.
+  assert math.isclose(sum(k["fraction"] for k in kinds.values()), 1.0, rel_tol=1e-9)
+  total = sum(k["ms_per_step_per_device"] for k in kinds.values())
+  assert math.isclose(total, r["op_ms_per_step_per_device"], rel_tol=1e-9) and total > 0
+  assert all(op["hlo"].startswith(f"%{op['name']} = ") for op in r["top_ops"]), r["top_ops"]
+
+
 def test_serving_quick(tmp_path):
   _, r = run_benchmark("serving.py", tmp_path / "serving.json", "--quick")
   assert r["greedy_tokens_agree"] is True
