@@ -16,7 +16,7 @@ printed with the line of the compiled HLO that defines them.
 Fractions are of the summed op time; wall time per step under the profiler is
 printed too (tracing costs some: time steps with throughput.py).
 """
-# pylint: disable=invalid-name,g-import-not-at-top,wrong-import-position
+# pylint: disable=invalid-name
 
 import argparse
 import collections
@@ -27,10 +27,25 @@ import sys
 import tempfile
 import time
 
+import jax
+import numpy as np
+from jax import profiler
+
+from dipaco_jax import data as data_lib
+from dipaco_jax.core import experiment
+from dipaco_jax.core import sharding
+from dipaco_jax.io import hugepages
+from dipaco_jax.io import native
+
+import throughput  # Beside us: the presets and the step loop.
+from timing import write_json  # Beside us.
+
 
 def parse_args(argv):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--preset", default="llama_toy", help="one of throughput.py's PRESETS")
+  p.add_argument(
+    "--preset", default="llama_toy", choices=sorted(throughput.PRESETS), help="model shapes"
+  )
   p.add_argument("--paths", type=int, default=4, help="P paths, one fake CPU device each")
   p.add_argument("--steps", type=int, default=5, help="steps traced (after 3 warm-up steps)")
   p.add_argument("--top", type=int, default=12, help="ops listed with their HLO")
@@ -44,28 +59,6 @@ def parse_args(argv):
     p.error(f"--set {a.set}: each is field=value, e.g. --set model.weight_grads=autodiff")
   return a
 
-
-if __name__ == "__main__":
-  ARGS = parse_args(sys.argv[1:])
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  from dipaco_jax.io import hugepages
-
-  hugepages.maybe_reexec()  # As the CLIs and throughput.py run.
-  flags = os.environ.get("XLA_FLAGS", "")
-  if "--xla_force_host_platform_device_count" not in flags:
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={ARGS.paths}"
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-import jax
-import numpy as np
-from jax import profiler
-
-from dipaco_jax import data as data_lib
-from dipaco_jax.core import experiment
-from dipaco_jax.core import sharding
-
-import throughput  # Beside us: the presets and the step loop.
-from timing import write_json  # Beside us.
 
 _SUFFIX = re.compile(r"\.\d+$")
 
@@ -92,8 +85,6 @@ def by_kind(ops: dict[str, float]) -> dict[str, float]:
 
 
 def main(args) -> dict:
-  if args.preset not in throughput.PRESETS:
-    raise SystemExit(f"--preset {args.preset}: choose one of {sorted(throughput.PRESETS)}")
   c = throughput.bench_config(
     32 if args.quick else int(throughput.PRESETS[args.preset]["d_model"].split(",")[0]),
     args.paths,
@@ -152,6 +143,10 @@ def main(args) -> dict:
 
 
 if __name__ == "__main__":
+  ARGS = parse_args(sys.argv[1:])
+  hugepages.maybe_reexec()  # As the CLIs and throughput.py run.
+  native.choose_platforms()  # Before any backend starts: the CPU alone on a CPU host.
+  jax.config.update("jax_num_cpu_devices", ARGS.paths)
   REPORT = main(ARGS)
   if ARGS.out:
     write_json(ARGS.out, REPORT)

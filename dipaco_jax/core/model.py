@@ -375,13 +375,15 @@ class Head(nn.Module):
     return x_BxTxD * cfg.d_model**-0.5, table_VxD.astype(dtype).T
 
   def __call__(self, x_BxTxD, table_VxD=None):
-    features_BxTxD, unembed_DxV = self.features(x_BxTxD, table_VxD)
-    return matmul(features_BxTxD, unembed_DxV, 1, self.weight_grads).astype(jnp.float32)
+    return logits(*self.features(x_BxTxD, table_VxD), self.weight_grads)
 
 
-def logits(features_BxTxD: jax.Array, unembed_DxV: jax.Array) -> jax.Array:
-  """Float32 logits from the head's features and unembedding (compute dtype)."""
-  return jnp.einsum("btd,dv->btv", features_BxTxD, unembed_DxV).astype(jnp.float32)
+def logits(features_BxTxD: jax.Array, unembed_DxV: jax.Array, form: str = "autodiff") -> jax.Array:
+  """Float32 logits from the head's features and unembedding (compute dtype).
+
+  `form`: the unembedding's weight-gradient form (`weight_grads`).
+  """
+  return matmul(features_BxTxD, unembed_DxV, 1, form).astype(jnp.float32)
 
 
 def init_params(cfg: ModelConfig, rng: jax.Array) -> PyTree:
