@@ -99,33 +99,76 @@ INVESTIGATIONS = {
 }
 
 
-# <base>_olr<LR>: the base model at outer LR <LR>, e.g. diloco_iid_olr0.35.
-OUTER_LR_BASES = ("diloco_iid", "dipaco_2x2")
+# The capacity comparison's models beyond MODELS (--capacity; docs/results/capacity.md), each
+# also as <name>_olr<LR>. Dense models bigger than a path fork from their own θ̄, pretrained as
+# the path's was, so every arm has the same steps and tokens per step as one path.
+CAPACITY = {
+  "diloco_iid_1": "DiLoCo, 1 replica (a lookahead outer step on one worker), i.i.d.",
+  "diloco_iid_2": INVESTIGATIONS["diloco_iid_2"],
+  "diloco_iid": MODELS["diloco_iid"],
+  "diloco_iid_8": "DiLoCo, 8 replicas (the 2x4 grid's paths), i.i.d. shards",
+  "dense_store_2x2": "dense, the 2x2 store's size (the path's width, 2x its blocks)",
+  "dense_store_2x4": "dense, the 2x4 store's size (the path's width, 3x its blocks)",
+  "dense_wide": "dense, ~2x the path (big_d_model wide, the path's blocks)",
+  "dipaco_2x2": MODELS["dipaco_2x2"],
+  "dipaco_2x2_iid": INVESTIGATIONS["dipaco_2x2_iid"],
+  "dipaco_2x4": "DiPaCo 2x4 (8 paths), k-means then discriminative (balanced)",
+  "dipaco_2x4_iid": "DiPaCo 2x4 on i.i.d. shards: averaging over modules, no routing",
+  "dipaco_2x2_pse": INVESTIGATIONS["dipaco_2x2_pse"],
+  "dipaco_2x4_pse": "DiPaCo 2x4 as dipaco_2x4, each path its own (tied) embedding",
+}
+# Dense models bigger than the path: (d_model, blocks as a multiple of the path's, heads).
+BIG_DENSE = {
+  "dense_store_2x2": lambda s: (s.d_model, 2 * s.layers, s.heads),
+  "dense_store_2x4": lambda s: (s.d_model, 3 * s.layers, s.heads),
+  "dense_wide": lambda s: (s.big_d_model, s.layers, s.big_heads),
+}
+
+
+def pretrain_of(name: str, s: modes.Sizes) -> str:
+  """The θ̄ run a model forks from: "pretrain" (the path's), or a bigger dense model's own."""
+  base = (outer_lr_variant(name) or (name, 0))[0]
+  return f"pretrain_{base}" if base in BIG_DENSE and s.fork_batch else "pretrain"
+
+
+# <base>_olr<LR>: the base model at outer LR <LR>, e.g. diloco_iid_olr0.35; any base with an
+# outer step (every DiLoCo and DiPaCo arm).
+OUTER_LR_BASES = ("diloco_", "dipaco_", "flat_moe")
 
 
 def outer_lr_variant(name: str) -> tuple[str, float] | None:
   """(base model, outer LR) of an outer-LR variant's name; None for any other name."""
-  for base in OUTER_LR_BASES:
-    prefix = base + "_olr"
-    if name.startswith(prefix):
-      try:
-        lr = float(name[len(prefix) :])
-      except ValueError:
-        return None
-      return (base, lr) if lr > 0 else None
-  return None
+  base, sep, lr_text = name.rpartition("_olr")
+  if not sep or not base.startswith(OUTER_LR_BASES) or not known(base):
+    return None
+  try:
+    lr = float(lr_text)
+  except ValueError:
+    return None
+  return (base, lr) if lr > 0 else None
+
+
+def describe(name: str) -> str:
+  """One line on what a model is (its MODELS / INVESTIGATIONS / CAPACITY entry)."""
+  variant = outer_lr_variant(name)
+  if variant:
+    return f"{describe(variant[0])}, at outer LR {variant[1]:g}"
+  if name.startswith("pretrain_"):
+    return f"dense pretraining of {name[len('pretrain_') :]} (its θ̄)"
+  every = {**MODELS, **INVESTIGATIONS, **CAPACITY, "pretrain": "dense pretraining (θ̄)"}
+  return every[name]
 
 
 def known(name: str) -> bool:
-  """A model this script can train (a MODELS or INVESTIGATIONS name, or an outer-LR variant)."""
-  if name in MODELS or name in INVESTIGATIONS and "<" not in name:
+  """A model this script can train: a MODELS, INVESTIGATIONS or CAPACITY name, or its _olr<LR>."""
+  if name in MODELS or name in CAPACITY or name in INVESTIGATIONS and "<" not in name:
     return True
   return outer_lr_variant(name) is not None
 
 
 def ordered(names) -> list[str]:
-  """`names` in the table's order: MODELS, INVESTIGATIONS, then outer-LR variants by LR."""
-  fixed = [n for n in [*MODELS, *INVESTIGATIONS] if n in names]
+  """`names` in the table's order: MODELS, INVESTIGATIONS, CAPACITY, outer-LR variants by LR."""
+  fixed = [n for n in dict.fromkeys([*MODELS, *INVESTIGATIONS, *CAPACITY]) if n in names]
   variants = [n for n in names if outer_lr_variant(n)]
   return fixed + sorted(variants, key=lambda n: (outer_lr_variant(n)[0], -outer_lr_variant(n)[1]))
 
@@ -166,9 +209,9 @@ def run_overrides(
     "routing.discriminative_min_share": s.min_share,
     "routing.restart_schedule": False,
   }
-  grid = lambda k: {
+  grid = lambda k, k2=None: {
     "dipaco.level_groups": ("embed,head", *block_levels(s.layers)),
-    "dipaco.modules_per_level": (1, k, k),
+    "dipaco.modules_per_level": (1, k, k2 or k),
     "outer.sqrt_paths": sqrt_paths,
     "outer.sqrt_paths_cap": sqrt_cap,
   }
@@ -180,6 +223,23 @@ def run_overrides(
   }
   if name == "pretrain":
     return {**dense, "dipaco.outer_steps": s.pretrain // s.inner_steps}
+  big = name[len("pretrain_") :] if name.startswith("pretrain_") else name
+  if big in BIG_DENSE:  # Its own θ̄ (pretrain_<name>) where the fork changes the batch.
+    d, layers, heads = BIG_DENSE[big](s)
+    dims = {
+      **dense,
+      "model.d_model": d,
+      "model.num_layers": layers,
+      "model.num_heads": heads,
+      "model.head_dim": d // heads,
+      "dipaco.level_groups": (f"embed,block_0-{layers - 1},head",),
+      "inner.lr": s.big_lr,
+    }
+    if name != big:
+      return {**dims, "dipaco.outer_steps": s.pretrain // s.inner_steps}
+    if s.fork_batch:
+      return {**dims, **fork}
+    return {**dims, "dipaco.outer_steps": (s.pretrain + s.steps) // s.inner_steps}
   if name == "dense_path":
     return {**dense, **fork}
   if name == "dense_path_scratch":
@@ -206,8 +266,8 @@ def run_overrides(
     return diloco
   if name == "diloco_iid_16":  # Equal workers with dipaco_4x4.
     return {**diloco, "dipaco.replicas": 16}
-  if name == "diloco_iid_2":
-    return {**diloco, "dipaco.replicas": 2}
+  if name in ("diloco_iid_1", "diloco_iid_2", "diloco_iid_8"):
+    return {**diloco, "dipaco.replicas": int(name[-1])}
   if name == "diloco_iid_sqrtp":
     return {**diloco, "outer.sqrt_paths": sqrt_paths}
   if name == "diloco_kmeans":
@@ -231,6 +291,10 @@ def run_overrides(
       "data.shard_dir": shared_shards + "_2x2",
       "inner.optimizer": "muon",
     }
+  if name == "dipaco_2x4":  # Same phase-0 shards as its pse arm.
+    return {**grid(2, 4), **fork, **disc, "data.shard_dir": shared_shards + "_2x4"}
+  if name == "dipaco_2x4_iid":
+    return {**grid(2, 4), **fork, "routing.router": "random"}
   if name == "dipaco_4x4_iid":
     return {**grid(4), **fork, "routing.router": "random"}
   compressed = {
@@ -252,9 +316,11 @@ def run_overrides(
   first, second = block_levels(s.layers)
   pse = {**grid(2), "dipaco.path_specific": "embed", "dipaco.level_groups": ("head", first, second)}
   emb = {**grid(2), "dipaco.level_groups": ("head", f"embed,{first}", second)}
-  capacity = {"dipaco_2x2_pse": pse, "dipaco_2x2_emb": emb}
+  pse8 = {**pse, **grid(2, 4), "dipaco.level_groups": ("head", first, second)}
+  capacity = {"dipaco_2x2_pse": pse, "dipaco_2x2_emb": emb, "dipaco_2x4_pse": pse8}
   if name in capacity:
-    return {**capacity[name], **fork, **disc, "data.shard_dir": shared_shards + "_2x2"}
+    shards = shared_shards + ("_2x4" if "2x4" in name else "_2x2")
+    return {**capacity[name], **fork, **disc, "data.shard_dir": shards}
   if name.endswith("_iid") and name[: -len("_iid")] in capacity:
     return {**capacity[name[: -len("_iid")]], **fork, "routing.router": "random"}
   if name == "dipaco_2x2_kmeans":
@@ -263,7 +329,9 @@ def run_overrides(
     return {**grid(4), **fork, **disc, "data.shard_dir": shared_shards + "_4x4"}
   if name == "dipaco_4x4_kmeans":
     return {**grid(4), **fork, **kmeans, "data.shard_dir": shared_shards + "_4x4"}
-  raise ValueError(f"unknown model {name!r}; choose from {['pretrain', *MODELS, *INVESTIGATIONS]}.")
+  raise ValueError(
+    f"unknown model {name!r}; choose from {['pretrain', *MODELS, *INVESTIGATIONS, *CAPACITY]}."
+  )
 
 
 # The routing question's arms (the `grid` values of the arms JSON); the others are references.

@@ -28,6 +28,22 @@ def main(argv=None):
   )
   mode.add_argument("--smoke", action="store_true", help="Seconds-long sizes (CI).")
   mode.add_argument(
+    "--capacity",
+    action="store_true",
+    help="The capacity comparison (docs/results/capacity.md): θ̄, DiLoCo's saturation gate, "
+    "the arms and the levers, one --seed per --out; each finished arm's JSON goes to --results.",
+  )
+  mode.add_argument(
+    "--capacity_smoke",
+    action="store_true",
+    help="--capacity's plumbing at tiny sizes (CI); no number of it is a result.",
+  )
+  mode.add_argument(
+    "--capacity_page",
+    action="store_true",
+    help="Write docs/results/capacity.{md,json} from the arm JSONs under --results.",
+  )
+  mode.add_argument(
     "--long",
     action="store_true",
     help="The long comparison, per-worker batch near the gradient noise scale: the quick model "
@@ -87,7 +103,32 @@ def main(argv=None):
     help="outer.sqrt_paths of the DiPaCo grids (DiLoCo uses none, flat MoE has "
     "one path per module).",
   )
+  ap.add_argument(
+    "--stage",
+    default="all",
+    choices=("gate", "all"),
+    help="--capacity: the gate only (θ̄ and DiLoCo P = 1..8), or everything.",
+  )
+  ap.add_argument(
+    "--results",
+    default=os.path.join(runs.ROOT, "benchmarks", "results", "capacity"),
+    help="--capacity: where each finished arm's JSON lands (<results>/seed<S>/<arm>.json).",
+  )
+  ap.add_argument(
+    "--page",
+    default=os.path.join(runs.ROOT, "docs", "results", "capacity.md"),
+    help="--capacity_page: the page to write (its JSON beside it, .json).",
+  )
   args = ap.parse_args(argv)
+  if args.capacity_page:
+    from reproduction import capacity_page
+
+    command = " ".join(["python", "benchmarks/reproduce.py", *(argv or sys.argv[1:])])
+    capacity_page.write(
+      args.results, args.page, os.path.splitext(args.page)[0] + ".json", [command]
+    )
+    print(f"wrote {args.page} and its .json from {args.results}")
+    return
   if args.summarize:
     summary = report.summarize([d for d in args.summarize.split(",") if d])
     os.makedirs(args.out, exist_ok=True)
@@ -105,7 +146,11 @@ def main(argv=None):
     return
   name = "smoke" if args.smoke else "quick" if args.quick else "long" if args.long else "full"
   name = "long_b4" if args.long_b4 else name
-  if not args.models:
+  name = "capacity" if args.capacity else "capacity_smoke" if args.capacity_smoke else name
+  capacity_mode = name.startswith("capacity")
+  if capacity_mode and not args.models:
+    args.models = ""  # The mode's own plan (capacity.plan).
+  if not args.models and not capacity_mode:
     args.models = "long" if name.startswith("long") else ",".join(arms.MODELS)
   s = modes.MODES[name]
   fields = {f.name: f.type for f in dataclasses.fields(modes.Sizes)}
@@ -118,11 +163,13 @@ def main(argv=None):
       s = dataclasses.replace(s, **{key: tuple(int(v) for v in value.split(","))})
     else:
       s = dataclasses.replace(s, **{key: cast(value)})
-  if args.models == "long":
+  if capacity_mode:
+    models = []
+  elif args.models == "long":
     models = list(arms.LONG_B4_MODELS if name == "long_b4" else arms.LONG_MODELS)
   else:
     models = [m for m in args.models.split(",") if m]
-  unknown = sorted(m for m in models if not arms.known(m))
+  unknown = sorted(m for m in models or args.models.split(",") if m and not arms.known(m))
   if unknown:
     ap.error(f"unknown models {unknown}; choose from {[*arms.MODELS, *arms.INVESTIGATIONS]}")
   from dipaco_jax.io import hugepages
@@ -138,6 +185,11 @@ def main(argv=None):
   from absl import logging
 
   logging.set_verbosity(logging.WARNING)
+  if capacity_mode:
+    from reproduction import capacity
+
+    capacity.run(s, args)
+    return
   os.makedirs(args.out, exist_ok=True)
   started = time.time()
   results = {}

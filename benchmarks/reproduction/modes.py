@@ -31,7 +31,9 @@ class Sizes:
   subsample: int  # Keep one document in N (data.subsample).
   paths: int = 4  # P of DiLoCo and flat MoE.
   min_share: float = 0.5  # Balanced routing: each path's share >= this x 1/P (0 = argmin).
-  interleave: int = 1  # data.interleave: documents read side by side into a batch's rows.
+  interleave: int = 1  # data.interleave: documents side by side in a batch (0: every row).
+  vocab: int = 8192  # The shipped tokenizer of this many pieces (data/vocab.py).
+  fork_batch: int = 0  # Per-worker batch after the fork (0: `batch`); θ̄ trains at `batch`.
 
 
 MODES = {
@@ -140,6 +142,49 @@ MODES["long"] = dataclasses.replace(
   interleave=32,
 )
 
+# The capacity comparison (`--capacity`, docs/results/capacity.md): a path small enough to be
+# capacity-limited on the embedded corpus (d 32, 4 blocks, the shipped 1k tokenizer: 82k
+# parameters, 60% of them in the routed blocks), θ̄ at >= 50 tokens per parameter, then >= 100
+# more per path at a per-worker batch several times the gradient noise scale measured at θ̄
+# (every row another document), H = 15.
+MODES["capacity"] = Sizes(
+  d_model=32,
+  layers=4,
+  heads=2,
+  big_d_model=48,  # dense_wide: ~2x the path's parameters.
+  big_layers=4,
+  big_heads=2,
+  pretrain=1500,  # 1500 x 32 x 96 = 4.6M tokens: 56 per parameter.
+  steps=675,  # 675 x 128 x 96 = 8.3M tokens per path: 101 per parameter.
+  inner_steps=15,
+  batch=32,
+  fork_batch=128,
+  seq_len=96,
+  lr=3e-3,
+  big_lr=3e-3,
+  warmup=100,
+  fork_warmup=15,
+  disc_at=3,
+  eval_every=9,
+  windows=(16, 32, 64),
+  reroute_steps=300,
+  subsample=1,
+  interleave=0,
+  vocab=1024,
+)
+# Its plumbing at tiny sizes (CI): every kind of arm, the arm files and the page.
+MODES["capacity_smoke"] = dataclasses.replace(
+  MODES["smoke"],
+  big_d_model=48,
+  big_heads=2,
+  batch=4,
+  fork_batch=8,
+  interleave=0,
+  vocab=1024,
+  subsample=8,
+  windows=(8,),
+)
+
 
 # The first line of every mode: its regime (each run measures and prints its own noise scale).
 _SMALL = (
@@ -159,6 +204,12 @@ REGIME = {
   "long": "long mode: per-worker batch 32 x 96 tokens, every row from another document, "
   "measured against the gradient noise scale at θ̄ after pretraining (the comparison needs "
   ">= 0.3x).",
+  "capacity": "capacity mode: a path capacity-limited on its data (>= 50 tokens per parameter "
+  "for θ̄, >= 100 more per path), per-worker batch 128 x 96 tokens against the noise scale "
+  "measured at θ̄, DiLoCo's saturation (P = 4 -> 8 gains <= 2%) measured first "
+  "(docs/results/capacity.md).",
+  "capacity_smoke": "capacity_smoke mode: tiny sizes, the plumbing only (CI); no number of it "
+  "is a result.",
 }
 
 

@@ -16,6 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def make_config(name: str, s: modes.Sizes, out: str, sqrt_paths: str, seed: int = 0, sqrt_cap=0.0):
   """configs/tiny.py with this mode's sizes and the model's overrides."""
   from dipaco_jax import config_check
+  from dipaco_jax.data import vocab
 
   common = {
     "model.d_model": s.d_model,
@@ -27,9 +28,7 @@ def make_config(name: str, s: modes.Sizes, out: str, sqrt_paths: str, seed: int 
     "inner.warmup_steps": s.warmup,
     "dipaco.inner_steps": s.inner_steps,
     "data.seq_len": s.seq_len,
-    "data.batch_size": s.batch,
     "data.subsample": s.subsample,
-    "data.interleave": s.interleave,
     # A seed varies what a real rerun varies: data order and shards, init, router fits.
     "data.seed": seed,
     "seed": seed,
@@ -49,17 +48,24 @@ def make_config(name: str, s: modes.Sizes, out: str, sqrt_paths: str, seed: int 
     "data.empty_shard_policy": "allow_validation",
     "early_stopping.source": "heldout",
   }
+  arm = arms.run_overrides(
+    name,
+    s,
+    os.path.join(out, "runs", arms.pretrain_of(name, s)),
+    os.path.join(out, "shards"),
+    sqrt_paths,
+    sqrt_cap,
+  )
+  # After the fork, the per-worker batch may grow (Sizes.fork_batch); θ̄ keeps `batch`.
+  batch = s.fork_batch if s.fork_batch and arm.get("dipaco.init_from") else s.batch
   over = {
     **common,
-    **arms.run_overrides(
-      name,
-      s,
-      os.path.join(out, "runs", "pretrain"),
-      os.path.join(out, "shards"),
-      sqrt_paths,
-      sqrt_cap,
-    ),
+    "data.batch_size": batch,
+    "data.interleave": s.interleave or batch,  # 0: every row of a batch another document.
+    **arm,
   }
+  if s.vocab != vocab.DEFAULT_VOCAB_SIZE:  # The shipped tokenizer of that size (shards follow).
+    over.update({"model.vocab_size": s.vocab, "data.vocab_path": vocab.shipped_path(s.vocab)})
   c = config_check.load(os.path.join(ROOT, "configs", "tiny.py"), **over)
   c.ckpt.max_to_keep = c.dipaco.outer_steps + 2  # Every outer step is evaluated afterwards.
   return c
@@ -96,9 +102,13 @@ def checkpoint_steps(workdir: str) -> list[int]:
   return checkpoint.steps(workdir)
 
 
-def evaluate_run(config, workdir: str, s: modes.Sizes, *, final_full: bool) -> tuple[dict, int]:
+def evaluate_run(
+  config, workdir: str, s: modes.Sizes, *, final_full: bool, rerouting: bool = True
+) -> tuple[dict, int]:
   """Routed ppl at every `eval_every`-th outer step, full report at the last (cached).
 
+  The full report: oracle and specialisation, and re-routing every W tokens (s.windows) when
+  `rerouting`; a cached last step without re-routing is computed again once it is asked for.
   Returns the reports by step and how many of them this call computed.
   """
   from dipaco_jax import evaluate
@@ -110,14 +120,24 @@ def evaluate_run(config, workdir: str, s: modes.Sizes, *, final_full: bool) -> t
   steps = checkpoint_steps(workdir)
   last = steps[-1]
   every = s.eval_every * s.inner_steps
+  rerouted = lambda rep: any("/W=" in k for k in rep["store"]["ppl"])
   for step in steps:
     key = str(step)
-    if key in cache or (step % every and step != last):
+    owed = (
+      key in cache
+      and step == last
+      and rerouting
+      and final_full
+      and s.windows
+      and not rerouted(cache[key])
+    )
+    if (key in cache and not owed) or (step % every and step != last):
       continue
     run = evaluate.load_run(config, workdir, step)
     # Re-routing and oracles at the last step of a run with several paths; else once only.
     full = step == last and final_full and run.exp.topo.num_paths > 1
-    kw = dict(windows=None if full else [], rerouters=None if full else (), oracle=full)
+    windows = full and rerouting
+    kw = dict(windows=None if windows else [], rerouters=None if windows else (), oracle=full)
     rep = {"store": evaluate.evaluate(run, per_sequence=full, **kw)}
     if full:  # The specialisation report from the same scores (benchmarks/specialisation.py's).
       write_specialisation(run, evaluate.specialisation(run, rep["store"]))
@@ -318,9 +338,18 @@ def noise_report(config, workdir: str, s: modes.Sizes) -> dict:
 
 
 def train_run(
-  name: str, s: modes.Sizes, out: str, sqrt_paths: str, seed: int = 0, sqrt_cap: float = 0.0
+  name: str,
+  s: modes.Sizes,
+  out: str,
+  sqrt_paths: str,
+  seed: int = 0,
+  sqrt_cap: float = 0.0,
+  rerouting: bool = True,
 ) -> dict:
-  """Trains (or resumes) one model and evaluates its checkpoints; returns its record."""
+  """Trains (or resumes) one model and evaluates its checkpoints; returns its record.
+
+  rerouting: its last checkpoint also re-routed every W tokens (s.windows), for several paths.
+  """
   from dipaco_jax import train
 
   config = make_config(name, s, out, sqrt_paths, seed, sqrt_cap)
@@ -332,7 +361,8 @@ def train_run(
   t0 = time.perf_counter()
   train.train_and_evaluate(config, workdir)
   t1 = time.perf_counter()
-  evals, computed = evaluate_run(config, workdir, s, final_full=name != "pretrain")
+  full = not name.startswith("pretrain")
+  evals, computed = evaluate_run(config, workdir, s, final_full=full, rerouting=rerouting)
   t2 = time.perf_counter()
   if checkpoint_steps(workdir)[-1] > before or "train" not in seconds:
     seconds["train"] = t1 - t0
@@ -347,15 +377,9 @@ def train_run(
     for k, v in sorted(evals.items(), key=lambda kv: int(kv[0]))
   ]
   final = evals[str(max(int(k) for k in evals))]
-  described = {**arms.MODELS, **arms.INVESTIGATIONS, "pretrain": "dense pretraining (θ̄)"}
-  variant = arms.outer_lr_variant(name)
-  if variant:
-    described[name] = arms.INVESTIGATIONS[variant[0] + "_olr<LR>"].replace(
-      "<LR>", f"{variant[1]:g}"
-    )
   return {
     "name": name,
-    "description": described[name],
+    "description": arms.describe(name),
     # The regime: the per-worker batch against the gradient noise scale, at θ̄ and at the end
     # of the dense run (the noise scale grows as the loss falls).
     "noise_scale": noise_report(config, workdir, s) if name in NOISE_SCALE_AT else None,
