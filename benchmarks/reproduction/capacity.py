@@ -196,9 +196,14 @@ def run(s, args) -> dict[str, dict]:
 
   models = [m for m in args.models.split(",") if m] if args.models else None
   names = plan(s, args.stage, models)
-  # Every arm's config and mesh first: a bad size stops here, before anything is written.
+  from dipaco_jax import errors
+
+  # Every arm's config and mesh first: a bad size stops here, in one line, nothing written.
   for name in names:
-    runs.param_counts(runs.make_config(name, s, args.out, args.sqrt_paths, args.seed))
+    try:
+      runs.param_counts(runs.make_config(name, s, args.out, args.sqrt_paths, args.seed))
+    except (errors.ConfigError, errors.UserError) as e:
+      raise SystemExit(f"--capacity: arm {name}: {e}") from None
   records: dict[str, dict] = {}
 
   def arm(name: str, rerouting: bool = False) -> None:

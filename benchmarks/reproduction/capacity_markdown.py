@@ -34,7 +34,7 @@ def regime_table(reg: dict) -> list[str]:
       "batch_over_noise_scale",
       f"{reg.get('batch_tokens', 0):,} tokens / "
       f"{per_seed(reg.get('noise_scale_tokens_at_theta'), ',.0f')} = "
-      f"{per_seed(reg.get('batch_over_noise_scale'), '.2f')}",
+      f"{per_seed(reg.get('batch_over_noise_scale_per_seed'), '.2f')}",
     ),
     (
       "epochs per shard (the most-read worker)",

@@ -167,7 +167,7 @@ def regime(seeds: dict[int, dict[str, dict]], agg: dict) -> dict:
     "tokens_per_param_path": s.steps * fork * s.seq_len / path,
     "batch_tokens": fork * s.seq_len,
     "noise_scale_tokens_at_theta": noise,
-    "batch_over_noise_scale": [fork * s.seq_len / n for n in noise],
+    "batch_over_noise_scale_per_seed": [fork * s.seq_len / n for n in noise],
     "epochs_per_shard_max": max(eps) if eps else None,
     "inner_steps": s.inner_steps,
     "outer_steps": s.steps // s.inner_steps,
@@ -191,8 +191,8 @@ def page_json(seeds: dict, commands: list[str]) -> dict:
     "regime": {
       "tokens_per_param_path": reg.get("tokens_per_param_path"),
       "diloco_gain_4_to_8": reg.get("diloco_gain_4_to_8"),
-      "batch_over_noise_scale": float(np.mean(reg["batch_over_noise_scale"]))
-      if reg.get("batch_over_noise_scale")
+      "batch_over_noise_scale": float(np.mean(reg["batch_over_noise_scale_per_seed"]))
+      if reg.get("batch_over_noise_scale_per_seed")
       else None,
       **{k: v for k, v in reg.items() if k not in ("sizes",)},
     },
