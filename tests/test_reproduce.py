@@ -13,6 +13,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from reproduction import arms  # pylint: disable=g-import-not-at-top,wrong-import-position
+from reproduction import command  # pylint: disable=g-import-not-at-top,wrong-import-position
 from reproduction import modes  # pylint: disable=g-import-not-at-top,wrong-import-position
 from reproduction import report  # pylint: disable=g-import-not-at-top,wrong-import-position
 from reproduction import runs  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -176,6 +177,21 @@ def test_summary_gives_mean_and_range_and_flags_gaps_within_the_seed_range(tmp_p
   md = report.summary_markdown(summary)
   assert "| dense_path | 1 | 1 | 530.00 | 520.00 – 540.00 (20.00) |" in md
   assert "within the seed range (not a result)" in md
+
+
+def test_a_summary_over_runs_of_two_vocabularies_is_one_line_and_writes_nothing(tmp_path):
+  dirs = []
+  for seed, vocab in enumerate((8192, 1024)):
+    d = tmp_path / f"s{seed}"
+    d.mkdir()
+    models = {"dense_path": _result(500, seed)}
+    sizes = {"steps": 4, "vocab": vocab}
+    (d / "results.json").write_text(json.dumps({"sizes": sizes, "seed": seed, "models": models}))
+    dirs.append(str(d))
+  out = tmp_path / "summary"
+  with pytest.raises(SystemExit, match=r"vocabularies of \[1024, 8192\] pieces; perplexities"):
+    command.main([f"--summarize={','.join(dirs)}", f"--out={out}"])
+  assert not out.exists()
 
 
 def test_the_long_comparisons_arms_are_built_as_named(tmp_path):

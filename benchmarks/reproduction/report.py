@@ -185,6 +185,12 @@ def summarize(dirs: list[str]) -> dict:
     if not os.path.exists(path):
       raise SystemExit(f"--summarize: {path} does not exist; run reproduce.py --out={d} first.")
     records.append(runs.read_json(path))
+  vocabs = sorted({r["sizes"].get("vocab", 8192) for r in records})
+  if len(vocabs) > 1:
+    raise SystemExit(
+      f"--summarize: {dirs} were run with vocabularies of {vocabs} pieces; perplexities do not "
+      "compare across vocabularies: summarize runs of one vocabulary."
+    )
   sizes = {json.dumps(r["sizes"], sort_keys=True) for r in records}
   if len(sizes) > 1:
     raise SystemExit(f"--summarize: {dirs} were run at different sizes; summarize one size.")

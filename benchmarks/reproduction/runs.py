@@ -35,7 +35,9 @@ def make_config(name: str, s: modes.Sizes, out: str, sqrt_paths: str, seed: int 
     "routing.seed": seed,
     "mesh.cpu_devices": modes.CPU_DEVICES,
     "log_every_steps": s.inner_steps,
-    "ckpt.every_steps": s.inner_steps,
+    # Only the checkpoints evaluate_run reads (and the last): a synchronous save of every outer
+    # step was a third of the small paths' wall time (py-spy on θ̄; docs/results/capacity.md).
+    "ckpt.every_steps": s.eval_every * s.inner_steps,
     "ckpt.async_save": False,
     "eval.every_steps": s.inner_steps,
     "eval.batches": 2,
