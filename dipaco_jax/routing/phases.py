@@ -26,6 +26,7 @@ from dipaco_jax.core import topology as topo_lib
 from dipaco_jax.data import shard_cache
 from dipaco_jax.errors import ConfigError
 from dipaco_jax.io import files
+from dipaco_jax.io import lock
 from dipaco_jax.io import progress
 from dipaco_jax.routing import assignment as assign_lib
 from dipaco_jax.routing import features as features_lib
@@ -390,8 +391,14 @@ def route_run(config, workdir: str, *, process_index: int = 0, num_processes: in
 
   In an offline job of `num_processes` processes, each writes the shards of its 1/N of
   the documents; process 0 fits the router first (the others wait for it), then joins
-  the parts once all are done and writes the report.
+  the parts once all are done and writes the report. Process 0 holds the workdir's lock
+  (io/lock.py): not while a trainer or another command writes it.
   """
+  with lock.workdir(workdir, "route", enabled=process_index == 0):
+    return _route_run(config, workdir, process_index, num_processes)
+
+
+def _route_run(config, workdir: str, process_index: int, num_processes: int) -> str:
   topo = topo_lib.from_config(config)
   kind = config.routing.router
   extractor = features_lib.extractor_from_config(config) if kind != "random" else None

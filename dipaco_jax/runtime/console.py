@@ -8,6 +8,8 @@ Lines go to stderr of process 0, between progress-bar redraws (io/progress.py).
 
 import math
 import os
+import shlex
+import sys
 from typing import Any
 
 import jax
@@ -138,6 +140,26 @@ def complete_line(config, workdir: str, step: int) -> str:
     f"{workdir} already stopped at step {step}, its config.stop_at_step, {quality}; "
     "--config.stop_at_step=-1 trains on to the end."
   )
+
+
+def rerun_command() -> str:
+  """This command as the user gave it, when it is the trainer's CLI; else a description."""
+  if sys.argv and sys.argv[0].endswith(os.path.join("dipaco_jax", "main.py")):
+    return shlex.join(["python", "-m", "dipaco_jax.main", *sys.argv[1:]])
+  return "the same command (the same config and workdir)"
+
+
+def interrupted_line(config, workdir: str, step: int | None) -> str:
+  """One line after Ctrl-C: the step reached, the last checkpoint, the command that resumes."""
+  saved = checkpoint.steps(workdir)
+  total = stop_step(config)
+  reached = "before its first step" if not step else f"at inner step {step} of {total}"
+  kept = (
+    f"its last checkpoint, step {saved[-1]}, is intact and the run resumes from it"
+    if saved
+    else "no checkpoint was saved yet, so the run starts again from step 0"
+  )
+  return f"stopped by Ctrl-C {reached}: {kept}; to go on, run {rerun_command()}"
 
 
 def say(lines: list[str] | str) -> None:

@@ -15,3 +15,19 @@ def run(config, workdir: str) -> dict:
   from dipaco_jax.runtime.elastic import driver  # pylint: disable=g-import-not-at-top
 
   return driver.run(config, workdir)
+
+
+def steps_done(workdir: str, config) -> int | None:
+  """Inner steps every worker has done (whole phases accepted), from the run's storage."""
+  from dipaco_jax.core import topology  # pylint: disable=g-import-not-at-top
+  from dipaco_jax.runtime.elastic import coordinator  # pylint: disable=g-import-not-at-top
+
+  try:
+    done = coordinator.read_results(workdir)
+  except Exception:  # pylint: disable=broad-except  # Only said on the way out.
+    return None
+  W, T = topology.from_config(config).num_workers, config.dipaco.outer_steps
+  t = 0
+  while t < T and all(f"{t}/{w}" in done for w in range(W)):
+    t += 1
+  return t * config.dipaco.inner_steps
