@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import struct
+import uuid
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -205,7 +206,7 @@ class ShardSet:
         raise damaged(where, self.shard_dir, f"no valid {e} entry") from None
       if any(n != W for n in counts.values()):
         raise damaged(where, self.shard_dir, f"{counts} entries for {W} workers")
-      if self.meta and W != self.meta.get("num_workers"):
+      if "num_workers" in self.meta and W != self.meta["num_workers"]:
         raise damaged(
           where, self.shard_dir, f"{W} workers, {root / META} says {self.meta.get('num_workers')}"
         )
@@ -258,6 +259,7 @@ def _local_copy(remote_file: str) -> str:
   local = os.path.join(CACHE_DIR, key, os.path.basename(remote_file))
   if not os.path.exists(local):
     os.makedirs(os.path.dirname(local), exist_ok=True)
-    epath.Path(remote_file).copy(local + ".tmp", overwrite=True)
-    os.replace(local + ".tmp", local)  # atomic: a half-copied file is never mistaken for whole
+    tmp = f"{local}.{uuid.uuid4().hex}.tmp"  # Its own: runs on one host copy it at once.
+    epath.Path(remote_file).copy(tmp, overwrite=True)
+    os.replace(tmp, local)  # atomic: a half-copied file is never mistaken for whole
   return local

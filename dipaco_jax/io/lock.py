@@ -85,10 +85,13 @@ def _describe(h: dict | None) -> str:
   )
 
 
-def _open(path: str, what: str) -> int:
-  """The lock file's descriptor (made if missing); LockError if it cannot be opened."""
+def _open(path: str, what: str) -> tuple[int, bool]:
+  """The lock file's descriptor and whether this made it; LockError if it cannot be opened."""
   try:
-    return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+      return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), True
+    except FileExistsError:
+      return os.open(path, os.O_RDWR), False
   except OSError as e:
     raise LockError(
       f"{what}'s lock file {path} cannot be opened ({e.strerror}): if no command is using "
@@ -107,7 +110,7 @@ def _no_locks(path: str, e: OSError) -> LockError:
 def _try(path: str, what: str, wait: bool) -> int | None:
   """flock()s the lock file at `path`: its descriptor, or None when another holds it (no wait)."""
   while True:
-    fd = _open(path, what)
+    fd, made = _open(path, what)
     try:
       fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
     except BlockingIOError:
@@ -115,6 +118,8 @@ def _try(path: str, what: str, wait: bool) -> int | None:
       return None
     except OSError as e:
       os.close(fd)
+      if made:  # Nothing is left behind by a lock that cannot be taken.
+        os.unlink(path)
       if e.errno in _NO_LOCKS:
         raise _no_locks(path, e) from None
       raise

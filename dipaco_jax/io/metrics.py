@@ -65,8 +65,7 @@ def _records(path: epath.Path, last_part: bool) -> tuple[list[dict], bool]:
         else str(e)
       )
       raise errors.DamagedFileError(
-        f"{path} line {i + 1} is damaged ({problem}); remove that line (or move {path} "
-        "aside) to go on: the other records are kept."
+        f"{path} line {i + 1}: {problem}; remove that line to go on (the other records are kept)."
       ) from None
   return out, False
 

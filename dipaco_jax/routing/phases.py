@@ -415,27 +415,28 @@ def _route_run(config, workdir: str, process_index: int, num_processes: int) -> 
   data_lib.check_shard_dir(config.data, topo.num_workers, directory, assign)
   if fitted and process_index == 0:
     pr.router.save(router_dir(workdir, 0))
-  # One process: the shard cache as in training (data/shard_cache.py); a job of N shares none.
-  cache = config.data.shard_cache if num_processes == 1 else shard_cache.OFF
-  shard_cache.fetch(cache, config.data, topo.num_workers, directory, assign)
-  data_lib.write_shard_part(
-    config.data,
-    topo.num_workers,
-    directory,
-    assign=assign,
-    part=process_index,
-    num_parts=num_processes,
-  )
-  if process_index > 0:
-    return (
-      f"process {process_index} of {num_processes}: its part of {directory} is written; "
-      "process 0 joins the parts and writes the report."
+  with data_lib.one_writer(directory, num_processes):  # A shard dir shared with another run.
+    # One process: the shard cache as in training (data/shard_cache.py); a job of N shares none.
+    cache = config.data.shard_cache if num_processes == 1 else shard_cache.OFF
+    shard_cache.fetch(cache, config.data, topo.num_workers, directory, assign)
+    data_lib.write_shard_part(
+      config.data,
+      topo.num_workers,
+      directory,
+      assign=assign,
+      part=process_index,
+      num_parts=num_processes,
     )
-  data_lib.wait_for_parts(directory, num_processes)
-  shard_set = data_lib.finish_shards(
-    config.data, topo.num_workers, directory, assign=assign, num_parts=num_processes
-  )
-  shard_cache.store(cache, config.data, topo.num_workers, directory, assign)
+    if process_index > 0:
+      return (
+        f"process {process_index} of {num_processes}: its part of {directory} is written; "
+        "process 0 joins the parts and writes the report."
+      )
+    data_lib.wait_for_parts(directory, num_processes)
+    shard_set = data_lib.finish_shards(
+      config.data, topo.num_workers, directory, assign=assign, num_parts=num_processes
+    )
+    shard_cache.store(cache, config.data, topo.num_workers, directory, assign)
   if not files.is_remote(directory):  # Shards written before: each file opens with its count.
     for split in shard_set.splits:
       for w in range(shard_set.num_workers):

@@ -47,6 +47,7 @@ from dipaco_jax.runtime import shard_plan
 from dipaco_jax.runtime.elastic import coordinator as coord_lib
 from dipaco_jax.runtime.elastic import executor as exec_lib
 from dipaco_jax.runtime.elastic import grid as grid_lib
+from dipaco_jax.runtime.elastic import reaper
 from dipaco_jax.runtime.elastic import repair
 from dipaco_jax.runtime.elastic import storage
 from dipaco_jax.runtime.elastic import worker as worker_lib
@@ -374,9 +375,14 @@ def start_local_ray(num_cpus: int, **kwargs) -> None:
   RuntimeError if Ray did not keep the node on loopback (a Ray version whose
   settings changed: nothing is left running).
   """
+  import psutil  # pylint: disable=g-import-not-at-top
   import ray  # pylint: disable=g-import-not-at-top
 
   _private_token()
+  # Its session files (sockets, logs) in a folder of this command's, owner-only, removed with
+  # the cluster; the watcher (reaper.py) ends the cluster's processes when this one ends.
+  temp = reaper.temp_dir()
+  before = {p.pid for p in psutil.Process().children()}
   with _loopback_node(ray):
     ray.init(
       address="local",
@@ -385,17 +391,29 @@ def start_local_ray(num_cpus: int, **kwargs) -> None:
       _node_ip_address=LOOPBACK,
       log_to_driver=False,
       _system_config=LOCAL_RAY_SYSTEM_CONFIG,
+      _temp_dir=temp,
       **kwargs,
     )
+  reaper.start(temp, before)
   node, gcs = ray.util.get_node_ip_address(), ray.get_runtime_context().gcs_address
   if not (is_loopback(node) and is_loopback(gcs.rsplit(":", 1)[0])):
-    ray.shutdown()
+    stop_local_ray()
     raise RuntimeError(
       f"Ray {ray.__version__} started the local cluster on {node} (GCS {gcs}), not on "
       f"{LOOPBACK}: its services would listen beyond this machine. driver._loopback_node "
       "needs the Ray version's own setting for this."
     )
   _private_token()  # Ray may have written it (a token file it found missing after all).
+
+
+def stop_local_ray() -> None:
+  """Ends the cluster start_local_ray started: Ray's shutdown, then its watcher's sweep."""
+  import ray  # pylint: disable=g-import-not-at-top
+
+  try:
+    ray.shutdown()
+  finally:
+    reaper.stop()
 
 
 def _worker_cpus(worker_resources: str) -> float:
@@ -810,10 +828,14 @@ def run(config, workdir: str) -> dict:
   finally:
     if task_log is not None:
       task_log.close()
-    for a in actors:
-      ray.kill(a, no_restart=True)
+    try:
+      for a in actors:
+        ray.kill(a, no_restart=True)
+    except Exception:  # pylint: disable=broad-except  # Ctrl-C reached the cluster too.
+      if not started:
+        raise
     if started:
-      ray.shutdown()
+      stop_local_ray()
 
 
 def _prepare(config, workdir: str, grid: grid_lib.Grid):

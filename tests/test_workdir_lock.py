@@ -1,0 +1,230 @@
+"""The workdir lock (io/lock.py): a live command's workdir is never touched by a second one.
+
+A holder is a real process (a child that takes the lock and sleeps, or a real trainer);
+the second command stops in one line before it writes anything; a holder killed with
+SIGKILL leaves a lock file that the next command takes over with one INFO line.
+"""
+
+import errno
+import fcntl
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+from etils import epath
+
+from dipaco_jax import evaluate
+from dipaco_jax import saved_config
+from dipaco_jax import train
+from dipaco_jax.io import checkpoint
+from dipaco_jax.io import lock
+from dipaco_jax.routing import phases
+
+import helpers
+
+_HOLD = (
+  "import sys, time\n"
+  "from dipaco_jax.io import lock\n"
+  "with lock.workdir(sys.argv[1], sys.argv[2]):\n"
+  "  print('held', flush=True)\n"
+  "  time.sleep(600)\n"
+)
+
+
+def _holder(workdir, command="train") -> subprocess.Popen:
+  """A child process holding `workdir`'s lock as `command` until it is killed."""
+  child = subprocess.Popen(
+    [sys.executable, "-c", _HOLD, str(workdir), command],
+    cwd=helpers.ROOT,
+    env={**os.environ, "PYTHONPATH": helpers.ROOT},
+    stdout=subprocess.PIPE,
+    text=True,
+  )
+  assert child.stdout.readline().strip() == "held"
+  return child
+
+
+def _kill(child: subprocess.Popen) -> None:
+  child.send_signal(signal.SIGKILL)
+  child.wait()
+
+
+def test_a_live_holder_refuses_every_writer_in_one_line_and_nothing_is_touched(tmp_path):
+  w = tmp_path / "run"
+  child = _holder(w)
+  try:
+    (w / "config.json").write_text("{}")  # A file of the live run: never moved, never read.
+    before = helpers.tree_bytes(w)
+    holder = json.loads((w / lock.LOCK_FILE).read_text())
+    assert holder["pid"] == child.pid and holder["command"] == "train"
+    want = (
+      f"{w} is in use by train (pid {child.pid} on {holder['host']}, since {holder['since']}): "
+      f"wait for it to end, stop it (kill {child.pid}), or give another --workdir; nothing in "
+      "it was changed."
+    )
+    # Either runtime, any field (a longer run set aside the live run's files before), route
+    # and evaluate: refused before anything is read or written.
+    cfg = lambda **kw: helpers.micro_config(**{"model.vocab_size": 8192, **kw})
+    cfgs = [cfg(), cfg(**{"dipaco.outer_steps": 5, "model.d_model": 48})]
+    cfgs.append(cfg(**{"dipaco.mode": "elastic"}))
+    for cfg in cfgs:
+      with pytest.raises(lock.WorkdirBusyError) as e:
+        train.train_and_evaluate(cfg, str(w))
+      assert str(e.value) == want
+    with pytest.raises(lock.WorkdirBusyError, match="in use by train"):
+      phases.route_run(cfgs[0], str(w))
+    with pytest.raises(lock.WorkdirBusyError, match="in use by train"):
+      evaluate.evaluate_and_write(cfgs[0], str(w))
+    assert helpers.tree_bytes(w) == before
+  finally:
+    _kill(child)
+
+
+def test_a_lock_left_by_a_killed_process_is_taken_over_with_one_info_line(tmp_path, caplog):
+  w = tmp_path / "run"
+  child = _holder(w, "route")
+  _kill(child)  # SIGKILL: no cleanup ran; the kernel dropped its flock.
+  assert json.loads((w / lock.LOCK_FILE).read_text())["pid"] == child.pid
+  with caplog.at_level(logging.INFO):
+    with lock.workdir(str(w), "train"):
+      assert json.loads((w / lock.LOCK_FILE).read_text())["pid"] == os.getpid()
+      with lock.workdir(str(w), "evaluate"):  # Re-entrant: the same process holds it.
+        pass
+      assert (w / lock.LOCK_FILE).exists()
+  said = [r.getMessage() for r in caplog.records if "took over" in r.getMessage()]
+  assert len(said) == 1 and said[0].startswith(f"{w}: took over the lock of route (pid {child.pid}")
+  assert said[0].endswith("which is no longer running.")
+  assert not (w / lock.LOCK_FILE).exists()  # Removed as it lets go.
+
+
+def test_a_command_that_stops_leaves_no_lock_and_no_folder_it_made(tmp_path):
+  w = tmp_path / "new" / "run"
+  with pytest.raises(RuntimeError):
+    with lock.workdir(str(w), "train"):
+      assert (w / lock.LOCK_FILE).exists()
+      raise RuntimeError("bad input")
+  assert not (tmp_path / "new").exists()
+  (tmp_path / "kept").mkdir()
+  with lock.workdir(str(tmp_path / "kept"), "train"):
+    (tmp_path / "kept" / "config.json").write_text("{}")
+  assert os.listdir(tmp_path / "kept") == ["config.json"]
+
+
+def test_an_unopenable_lock_file_and_a_filesystem_without_locks_are_one_line(
+  tmp_path, monkeypatch, caplog
+):
+  w = tmp_path / "run"
+  (w / lock.LOCK_FILE).mkdir(parents=True)  # Not a file: cannot be opened (even by root).
+  with pytest.raises(lock.LockError) as e:
+    with lock.workdir(str(w), "train"):
+      pass
+  assert str(e.value) == (
+    f"the workdir {w}'s lock file {w / lock.LOCK_FILE} cannot be opened (Is a directory): if "
+    f"no command is using {w}, remove it (rm -r {w / lock.LOCK_FILE}) and rerun."
+  )
+  (w / lock.LOCK_FILE).rmdir()
+
+  def no_locks(fd, op):
+    raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+  monkeypatch.setattr(fcntl, "flock", no_locks)
+  with pytest.raises(lock.LockError, match=r"has no file locks \(No locks available\).*"):
+    with lock.workdir(str(w), "train"):
+      pass
+  assert os.listdir(w) == []
+  monkeypatch.setenv(lock.ENV, "off")  # The documented way on such a filesystem.
+  with caplog.at_level(logging.WARNING):
+    with lock.workdir(str(w), "train"):
+      assert not (w / lock.LOCK_FILE).exists()
+
+
+def test_an_object_store_workdir_takes_no_lock(caplog):
+  with caplog.at_level(logging.INFO):
+    with lock.workdir("gs://bucket/run", "train"):
+      pass
+  assert any("no lock keeps a second command off it" in r.getMessage() for r in caplog.records)
+
+
+def test_setting_an_earlier_attempt_aside_keeps_the_lock_in_place(tmp_path):
+  w = tmp_path / "run"
+  old = helpers.micro_config(**{"model.d_model": 48})
+  with lock.workdir(str(w), "train"):
+    saved_config.write(epath.Path(w), old)
+    saved_config.set_aside_earlier_attempt(epath.Path(w), helpers.micro_config())
+    assert sorted(os.listdir(w)) == ["earlier_attempt_1", lock.LOCK_FILE]
+    assert os.listdir(w / "earlier_attempt_1") == ["config.json"]
+
+
+def test_waiters_on_a_shared_cache_lock_take_it_one_at_a_time(tmp_path):
+  """Two processes and this one on one cache lock: never two holders at once."""
+  path = str(tmp_path / "cache" / ".fill.lock")
+  code = (
+    "import sys, time\n"
+    "from dipaco_jax.io import lock\n"
+    "with lock.exclusive(sys.argv[1], 'the cache'):\n"
+    "  open(sys.argv[2], 'a').write('in\\n'); time.sleep(0.5)\n"
+    "  open(sys.argv[2], 'a').write('out\\n')\n"
+  )
+  log = tmp_path / "log"
+  env = {**os.environ, "PYTHONPATH": helpers.ROOT}
+  kids = [
+    subprocess.Popen([sys.executable, "-c", code, path, str(log)], cwd=helpers.ROOT, env=env)
+    for _ in range(2)
+  ]
+  time.sleep(0.3)
+  with lock.exclusive(path, "the cache"):
+    log.open("a").write("in\nout\n")
+  assert [k.wait() for k in kids] == [0, 0]
+  assert log.read_text() == "in\nout\n" * 3  # Never "in" twice in a row.
+  assert not os.path.exists(path)
+
+
+# The flags of one small run (tests/helpers.py's SMALL_RUN on a sixteenth of the corpus).
+_RUN = ["--config=configs/tiny.py", *helpers.SMALL_RUN, "--config.data.subsample=16"]
+
+
+def _main(workdir, *flags, **kw) -> subprocess.Popen:
+  return subprocess.Popen(
+    [sys.executable, "-m", "dipaco_jax.main", f"--workdir={workdir}", *_RUN, *flags],
+    cwd=helpers.ROOT,
+    env={**os.environ, "PYTHONPATH": helpers.ROOT, "JAX_PLATFORMS": "cpu"},
+    stderr=subprocess.PIPE,
+    text=True,
+    **kw,
+  )
+
+
+@pytest.mark.slow
+def test_two_trainers_on_one_workdir_leave_the_first_whole_and_refuse_the_second(tmp_path):
+  """The audit's case: a second trainer with more outer steps once moved the first's files."""
+  first = _main(tmp_path / "run")
+  lock_file = tmp_path / "run" / lock.LOCK_FILE
+  while not lock_file.exists() or not lock_file.read_text():  # Held from the first thing on.
+    assert first.poll() is None, first.stderr.read()[-3000:]
+    time.sleep(0.05)
+  second = _main(tmp_path / "run", "--config.dipaco.outer_steps=5", "--verbosity=-1")
+  _, err = second.communicate(timeout=600)
+  assert first.poll() is None, "the first run ended before the second was refused: no test"
+  lines = [l for l in err.splitlines() if l.strip() and not l.startswith(("I1", "W1"))]
+  assert second.returncode == 1, err[-3000:]
+  assert len(lines) == 1 and lines[0].startswith(
+    f"WorkdirBusyError: {tmp_path / 'run'} is in use by train (pid {first.pid} on "
+  ), lines
+  assert first.wait(timeout=600) == 0, first.stderr.read()[-3000:]
+  # Whole: the bytes of the same run alone, one record per logged step, nothing set aside.
+  alone = _main(tmp_path / "alone")
+  assert alone.wait(timeout=600) == 0, alone.stderr.read()[-3000:]
+  a, b = (checkpoint.restore_numpy(str(tmp_path / d)) for d in ("run", "alone"))
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  steps = [json.loads(l)["step"] for l in (tmp_path / "run" / "metrics.jsonl").open()]
+  assert steps == [2, 4, 6]
+  assert sorted(os.listdir(tmp_path / "run")) == sorted(os.listdir(tmp_path / "alone"))
+  assert not lock_file.exists()
