@@ -72,10 +72,11 @@ def _train(config, workdir: str) -> dict[str, Any]:
     else:
       result = spmd.run(config, workdir)
   except KeyboardInterrupt as e:  # The runtime's own cleanup (the save in flight) is done.
-    step = getattr(e, "step", None)  # The spmd loop's; the elastic pool's is in its storage.
-    if step is None and config.dipaco.mode == "elastic":
-      step = elastic.steps_done(workdir, config)
-    raise errors.Interrupted(console.interrupted_line(config, workdir, step)) from None
+    if config.dipaco.mode == "elastic":  # Its progress is its storage's.
+      line = console.interrupted_line(config, workdir, elastic.progress_line(workdir, config))
+    else:
+      line = console.interrupted_line(config, workdir, getattr(e, "step", None))
+    raise errors.Interrupted(line) from None
   if not result.get("stopped"):  # The elastic driver's planned stop (faults) resumes later.
     console.say(console.end_lines(config, workdir))
   return result

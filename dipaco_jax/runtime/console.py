@@ -149,17 +149,25 @@ def rerun_command() -> str:
   return "the same command (the same config and workdir)"
 
 
-def interrupted_line(config, workdir: str, step: int | None) -> str:
-  """One line after Ctrl-C: the step reached, the last checkpoint, the command that resumes."""
+def interrupted_line(config, workdir: str, reached: int | str | None) -> str:
+  """One line after Ctrl-C: the step reached, what is kept, the command that resumes.
+
+  `reached`: the spmd loop's inner step (None: before its first), or the elastic
+  pool's progress (elastic.progress_line).
+  """
+  if isinstance(reached, str):
+    return (
+      f"stopped by Ctrl-C with {reached}: the run resumes from them; to go on, run "
+      f"{rerun_command()}"
+    )
   saved = checkpoint.steps(workdir)
-  total = stop_step(config)
-  reached = "before its first step" if not step else f"at inner step {step} of {total}"
+  at = "before its first step" if not reached else f"at inner step {reached} of {stop_step(config)}"
   kept = (
     f"its last checkpoint, step {saved[-1]}, is intact and the run resumes from it"
     if saved
     else "no checkpoint was saved yet, so the run starts again from step 0"
   )
-  return f"stopped by Ctrl-C {reached}: {kept}; to go on, run {rerun_command()}"
+  return f"stopped by Ctrl-C {at}: {kept}; to go on, run {rerun_command()}"
 
 
 def say(lines: list[str] | str) -> None:
