@@ -1,8 +1,10 @@
-"""The workdir lock (io/lock.py): a live command's workdir is never touched by a second one.
+"""The workdir lock (io/lock.py) and Ctrl-C: a live run is never touched, a stopped one resumes.
 
 A holder is a real process (a child that takes the lock and sleeps, or a real trainer);
 the second command stops in one line before it writes anything; a holder killed with
-SIGKILL leaves a lock file that the next command takes over with one INFO line.
+SIGKILL leaves a lock file that the next command takes over with one INFO line. A
+trainer stopped by Ctrl-C says in one line where, that its checkpoint is intact and
+the command that resumes it; both real trainers end with the bytes of the run alone.
 """
 
 import errno
@@ -10,6 +12,8 @@ import fcntl
 import json
 import logging
 import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -19,6 +23,7 @@ import jax
 import numpy as np
 import pytest
 from etils import epath
+from test_failures import message_lines
 
 from dipaco_jax import evaluate
 from dipaco_jax import saved_config
@@ -186,45 +191,97 @@ def test_waiters_on_a_shared_cache_lock_take_it_one_at_a_time(tmp_path):
   assert not os.path.exists(path)
 
 
-# The flags of one small run (tests/helpers.py's SMALL_RUN on a sixteenth of the corpus).
-_RUN = ["--config=configs/tiny.py", *helpers.SMALL_RUN, "--config.data.subsample=16"]
+# One small run (tests/helpers.py's SMALL_RUN on a sixteenth of the corpus), 24 steps long so
+# that a second command or a Ctrl-C lands while it trains.
+_RUN = [
+  "--config=configs/tiny.py",
+  *helpers.SMALL_RUN,
+  "--config.data.subsample=16",
+  "--config.dipaco.outer_steps=12",
+  "--config.ckpt.every_steps=4",
+  "--config.eval.every_steps=8",
+]
+_ENV = {**os.environ, "PYTHONPATH": helpers.ROOT, "JAX_PLATFORMS": "cpu", "DIPACO_PROGRESS": "0"}
 
 
 def _main(workdir, *flags, **kw) -> subprocess.Popen:
   return subprocess.Popen(
     [sys.executable, "-m", "dipaco_jax.main", f"--workdir={workdir}", *_RUN, *flags],
     cwd=helpers.ROOT,
-    env={**os.environ, "PYTHONPATH": helpers.ROOT, "JAX_PLATFORMS": "cpu"},
+    env=_ENV,
     stderr=subprocess.PIPE,
     text=True,
     **kw,
   )
 
 
+def _same_state(a, b) -> None:
+  x, y = (checkpoint.restore_numpy(str(d)) for d in (a, b))
+  for u, v in zip(jax.tree.leaves(x), jax.tree.leaves(y), strict=True):
+    np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+
+
+@pytest.fixture(scope="module")
+def alone(tmp_path_factory):
+  """The small run, uninterrupted and alone: what the others must end as, bit for bit."""
+  workdir = tmp_path_factory.mktemp("alone") / "run"
+  run = _main(workdir)
+  assert run.wait(timeout=900) == 0, run.stderr.read()[-3000:]
+  return workdir
+
+
+def _wait_for(path, run: subprocess.Popen) -> None:
+  while not path.exists():
+    assert run.poll() is None, run.stderr.read()[-3000:]
+    time.sleep(0.05)
+
+
 @pytest.mark.slow
-def test_two_trainers_on_one_workdir_leave_the_first_whole_and_refuse_the_second(tmp_path):
+def test_two_trainers_on_one_workdir_leave_the_first_whole_and_refuse_the_second(alone, tmp_path):
   """The audit's case: a second trainer with more outer steps once moved the first's files."""
   first = _main(tmp_path / "run")
   lock_file = tmp_path / "run" / lock.LOCK_FILE
-  while not lock_file.exists() or not lock_file.read_text():  # Held from the first thing on.
-    assert first.poll() is None, first.stderr.read()[-3000:]
-    time.sleep(0.05)
-  second = _main(tmp_path / "run", "--config.dipaco.outer_steps=5", "--verbosity=-1")
+  _wait_for(lock_file, first)  # Held from the first thing the trainer does on.
+  second = _main(tmp_path / "run", "--config.dipaco.outer_steps=15", "--verbosity=-1")
   _, err = second.communicate(timeout=600)
   assert first.poll() is None, "the first run ended before the second was refused: no test"
-  lines = [l for l in err.splitlines() if l.strip() and not l.startswith(("I1", "W1"))]
+  lines = message_lines(err)
   assert second.returncode == 1, err[-3000:]
   assert len(lines) == 1 and lines[0].startswith(
     f"WorkdirBusyError: {tmp_path / 'run'} is in use by train (pid {first.pid} on "
   ), lines
-  assert first.wait(timeout=600) == 0, first.stderr.read()[-3000:]
-  # Whole: the bytes of the same run alone, one record per logged step, nothing set aside.
-  alone = _main(tmp_path / "alone")
-  assert alone.wait(timeout=600) == 0, alone.stderr.read()[-3000:]
-  a, b = (checkpoint.restore_numpy(str(tmp_path / d)) for d in ("run", "alone"))
-  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  assert first.wait(timeout=900) == 0, first.stderr.read()[-3000:]
+  # Whole: the bytes of the same run alone, each logged step once, nothing set aside.
+  _same_state(tmp_path / "run", alone)
   steps = [json.loads(l)["step"] for l in (tmp_path / "run" / "metrics.jsonl").open()]
-  assert steps == [2, 4, 6]
-  assert sorted(os.listdir(tmp_path / "run")) == sorted(os.listdir(tmp_path / "alone"))
-  assert not lock_file.exists()
+  assert steps == [json.loads(l)["step"] for l in (alone / "metrics.jsonl").open()]
+  names = lambda d: sorted(n for n in os.listdir(d) if not n.startswith("events.out"))
+  assert names(tmp_path / "run") == names(alone) and lock.LOCK_FILE not in names(alone)
+
+
+@pytest.mark.slow
+def test_ctrl_c_is_one_line_the_last_checkpoint_is_intact_and_its_command_resumes(alone, tmp_path):
+  w = tmp_path / "run"
+  run = _main(w, "--verbosity=-1", start_new_session=True)
+  _wait_for(w / "checkpoints" / "4", run)  # Finished steps only appear under their number.
+  os.killpg(run.pid, signal.SIGINT)  # What a terminal's Ctrl-C sends: the whole group.
+  _, err = run.communicate(timeout=600)
+  assert run.returncode == 130, err[-3000:]
+  lines = message_lines(err)
+  assert len(lines) == 1, lines
+  m = re.fullmatch(
+    r"Interrupted: stopped by Ctrl-C at inner step (\d+) of 24: its last checkpoint, step "
+    r"(\d+), is intact and the run resumes from it; to go on, run (python -m dipaco_jax\.main .+)",
+    lines[0],
+  )
+  assert m, lines[0]
+  reached, saved = int(m[1]), int(m[2])
+  assert saved == checkpoint.steps(str(w))[-1] and 4 <= saved <= reached < 24
+  checkpoint.restore_numpy(str(w))  # Intact: every row matches its checksum.
+  command = shlex.split(m[3])
+  assert command[3:] == [f"--workdir={w}", *_RUN, "--verbosity=-1"], command
+  rerun = subprocess.run(
+    [sys.executable, *command[1:]], cwd=helpers.ROOT, env=_ENV, capture_output=True, text=True
+  )
+  assert rerun.returncode == 0, rerun.stderr[-3000:]
+  _same_state(w, alone)

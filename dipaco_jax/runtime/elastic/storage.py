@@ -174,7 +174,7 @@ def damaged(path: epath.Path, reason: str) -> errors.DamagedFileError:
 
 def _read_bytes(path: epath.Path) -> bytes:
   try:
-    return path.read_bytes()
+    return epath.Path(path).read_bytes()
   except FileNotFoundError:
     raise damaged(path, "missing") from None
 
