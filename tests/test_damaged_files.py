@@ -406,7 +406,11 @@ def test_a_router_pair_that_disagrees_is_one_line_with_the_move(tmp_path):
   fix = f"move {d} aside (mv {d} {d}.damaged) and rerun to fit it again"
   for edit, reason in [
     ({"feature_dim": 3}, "it says 3 features and 4 paths, router.npz holds 2 and 4"),
-    ({"grid": [2]}, "it says 2 features and 4 paths, router.npz holds 2 and 2"),
+    (
+      {"grid": [2]},
+      'router.json and router.npz do not fit: ValueError("a kmeans router for '
+      "grid 2 needs arrays {'centroids': (2, 2)}; got {'centroids': (4, 2)}",
+    ),
     ({"format_version": 0}, "router format 0, this code reads"),
   ]:
     meta.write_text(json.dumps({**good, **edit}))
@@ -551,8 +555,8 @@ TABLE = [
   Row(
     "router.json says another grid than router.npz",
     "route, main, evaluate, serve",
-    "DamagedFileError: router file …/router.json is damaged (it says 2 features and 4 paths, "
-    "router.npz holds 2 and 2); move … aside",
+    "DamagedFileError: router file …/router.json is damaged (router.json and router.npz do "
+    "not fit: … needs arrays {'centroids': (2, 2)}; got {'centroids': (4, 2)} …); move … aside",
     1,
     "every file byte for byte",
     "tests/test_damaged_files.py",
