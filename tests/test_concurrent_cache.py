@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+from failure_rows import Row
 
 import helpers
 
@@ -22,6 +23,7 @@ import sys
 sys.path.insert(0, {tests!r})
 import jax, jax.numpy as jnp
 import helpers
+from failure_rows import Row
 from dipaco_jax.core import topology
 from dipaco_jax.runtime import shard_plan
 from dipaco_jax.runtime.elastic import jit_cache
@@ -72,3 +74,18 @@ def test_three_runs_started_together_on_an_empty_cache_all_succeed_with_the_same
   assert [d for d in os.listdir(cache / "tfds" / "dipaco_embedded") if "incomplete" in d] == []
   left = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs if f.endswith(".lock")]
   assert left == []
+
+
+# The row this file adds to docs/failures.md (tests/test_failure_table.py).
+TABLE = [
+  Row(
+    "three runs started at the same moment on an empty cache",
+    "main (a run's start)",
+    "all succeed: the first prepares the corpus while the others wait; each writes or copies "
+    "the shards; the compilation cache is read whole",
+    0,
+    "the same shards, byte for byte, in every run; one cache entry; no lock file left",
+    "tests/test_concurrent_cache.py",
+    "tolerated",
+  ),
+]

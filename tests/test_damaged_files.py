@@ -260,6 +260,7 @@ def _phase0(wd, grid, rng):
       storage.save_tree(storage.delta_file(wd, w, 1, g), d)
 
 
+@pytest.mark.slow  # ~10 s: the outer step compiled for each group.
 def test_a_module_version_moved_aside_is_rebuilt_to_the_same_bytes(tmp_path):
   cfg = _config(**{"elastic.num_executors": 2})
   grid = grid_lib.Grid(cfg)

@@ -16,6 +16,7 @@ import tempfile
 import time
 
 import pytest
+from failure_rows import Row
 from test_failures import message_lines
 
 from dipaco_jax.runtime.elastic import reaper
@@ -121,3 +122,28 @@ def test_a_killed_or_interrupted_command_leaves_nothing_of_its_cluster(tmp_path)
     lines[0],
   ), lines[0]
   _gone(cluster, folder)
+
+
+# The rows this file adds to docs/failures.md (tests/test_failure_table.py).
+TABLE = [
+  Row(
+    "the elastic command killed (SIGKILL)",
+    "main (elastic)",
+    "(killed: no line) its Ray cluster (GCS, raylet, agents, actors) is gone within seconds, "
+    "none of it listens, its owner-only session folder is removed",
+    -9,
+    "the rerun takes the lock over and resumes from the stored tasks",
+    "tests/test_ray_hygiene.py",
+    "tolerated",
+  ),
+  Row(
+    "Ctrl-C during an elastic run",
+    "main (elastic)",
+    "Interrupted: stopped by Ctrl-C with A of 16 tasks accepted (every worker past inner step S "
+    "of 6), each one's outputs stored whole: the run resumes from them; to go on, run python -m "
+    "dipaco_jax.main …",
+    130,
+    "the stored tasks; the cluster and its folder are gone",
+    "tests/test_ray_hygiene.py",
+  ),
+]

@@ -23,6 +23,7 @@ import jax
 import numpy as np
 import pytest
 from etils import epath
+from failure_rows import Row
 from test_failures import message_lines
 
 from dipaco_jax import evaluate
@@ -285,3 +286,93 @@ def test_ctrl_c_is_one_line_the_last_checkpoint_is_intact_and_its_command_resume
   )
   assert rerun.returncode == 0, rerun.stderr[-3000:]
   _same_state(w, alone)
+
+
+# The rows this file adds to docs/failures.md (tests/test_failure_table.py).
+_T = "tests/test_workdir_lock.py"
+_BUSY = (
+  "WorkdirBusyError: WORKDIR is in use by train (pid N on HOST, since T): wait for it to end, "
+  "stop it (kill N), or give another --workdir; nothing in it was changed."
+)
+_WHOLE = "the live run's every file; a real second trainer: the first ends as the run alone, bits"
+TABLE = [
+  Row("a second trainer, the same command, on a live workdir", "main", _BUSY, 1, _WHOLE, _T),
+  Row(
+    "a second trainer with a larger dipaco.outer_steps on a live workdir",
+    "main",
+    _BUSY,
+    1,
+    _WHOLE,
+    _T,
+  ),
+  Row("a second trainer of another model on a live workdir", "main", _BUSY, 1, _WHOLE, _T),
+  Row("an elastic trainer on a live spmd workdir", "main (elastic)", _BUSY, 1, _WHOLE, _T),
+  Row("route on a live workdir", "route", _BUSY, 1, _WHOLE, _T),
+  Row("evaluate on a live workdir", "evaluate", _BUSY, 1, _WHOLE, _T),
+  Row(
+    "a lock left by a SIGKILLed command",
+    "main, route, evaluate",
+    "INFO: WORKDIR: took over the lock of route (pid N on HOST, since T), which is no longer "
+    "running.",
+    0,
+    "the command runs; the lock file is removed at its end",
+    _T,
+    "tolerated",
+  ),
+  Row(
+    "a lock file that cannot be opened (a folder in its place)",
+    "main, route, evaluate",
+    "LockError: the workdir WORKDIR's lock file WORKDIR/lock.json cannot be opened (Is a "
+    "directory): if no command is using WORKDIR, remove it (rm -r WORKDIR/lock.json) and rerun.",
+    1,
+    "nothing written (the workdir's files byte for byte)",
+    _T,
+  ),
+  Row(
+    "a workdir on a filesystem without locks",
+    "main, route, evaluate",
+    "LockError: the filesystem of WORKDIR has no file locks (No locks available), so two "
+    "commands on it cannot be kept apart: use a folder on a local disk, or set "
+    "DIPACO_LOCKS=off to run without locks …",
+    1,
+    "nothing written, no folder made",
+    _T,
+  ),
+  Row(
+    "DIPACO_LOCKS=off on a filesystem without locks",
+    "main, route, evaluate",
+    "WARNING: DIPACO_LOCKS=off: no locks are taken (a workdir or cache is yours).",
+    0,
+    "the command runs",
+    _T,
+    "tolerated",
+  ),
+  Row(
+    "a gs:// workdir (no locks on an object store)",
+    "main, route, evaluate",
+    "INFO: gs://…: no lock keeps a second command off it (docs/storage.md).",
+    0,
+    "the command runs; the limit is documented",
+    _T,
+    "tolerated",
+  ),
+  Row(
+    "a shared cache lock held by one process while two others wait",
+    "corpus, shards",
+    "each waits (INFO: waiting for … to finish …), then finds the cache filled",
+    0,
+    "one holder at a time, the lock file removed",
+    _T,
+    "tolerated",
+  ),
+  Row(
+    "Ctrl-C while training (spmd)",
+    "main",
+    "Interrupted: stopped by Ctrl-C at inner step S of N: its last checkpoint, step K, is "
+    "intact and the run resumes from it; to go on, run python -m dipaco_jax.main …",
+    130,
+    "the checkpoint restores with every checksum; the printed command ends as the run alone, "
+    "bit for bit",
+    _T,
+  ),
+]

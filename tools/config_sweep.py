@@ -9,15 +9,13 @@ size, the config goes through what a command does before it trains:
 
   1. config_check.validate (every command's first step);
   2. the recipe on the mesh: Experiment(config) (grid, model, shardings, jitted
-     programs) and the inner step's shapes (`jax.eval_shape` on [W, B, T] batches);
-  3. (--data) the data path's derived sizes on a real shard dir: the feed, the
-     validation batches, the routing prefix.
+     programs) and the inner step's shapes (`jax.eval_shape` on [W, B, T] batches).
 
 An outcome is "ok" (it runs), "refused" (a ConfigError/UserError: one line), or
 "traceback" (anything else: a bug). tests/test_config_derived.py holds each
 traceback this found to its one line.
 
-    python tools/config_sweep.py [--pairs] [--data] [--out FILE.json]
+    python tools/config_sweep.py [--pairs] [--out FILE.json]
 """
 
 import argparse
