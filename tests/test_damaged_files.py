@@ -26,6 +26,7 @@ from dipaco_jax import errors
 from dipaco_jax import serve
 from dipaco_jax import train
 from dipaco_jax.io import checkpoint
+from dipaco_jax.routing import rerouting
 from dipaco_jax.routing import router as router_lib
 from dipaco_jax.runtime.elastic import coordinator as coord_lib
 from dipaco_jax.runtime.elastic import errors as elastic_errors
@@ -48,9 +49,9 @@ def _truncate(path):
 
 
 def _flip(path):
-  """One byte of an array's data (npz) or one digit of a JSON item's value changed."""
+  """One digit of a JSON item's value changed, or one byte of an array's data (7.0s) flipped."""
   data = bytearray(open(path, "rb").read())
-  if str(path).endswith(".npz"):
+  if not str(path).endswith(".json"):
     data[data.index(_SEVEN) + 2] ^= 0x01
   else:
     i = data.index(b'"json"')
@@ -310,11 +311,8 @@ def test_a_tasks_outputs_moved_aside_take_it_off_the_queue_so_it_runs_again(tmp_
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
   """A micro run of 2 outer steps (checkpoints 2 and 4, early stopping's set) and its config."""
-  wd = tmp_path_factory.mktemp("trained") / "run"
-  shards = tmp_path_factory.mktemp("shards")
-  cfg = helpers.micro_config(
-    **{"model.vocab_size": 8192, "data.shard_dir": str(shards), "early_stopping.enabled": True}
-  )
+  wd = tmp_path_factory.mktemp("trained") / "run"  # Its shards in it: a copy is a whole run.
+  cfg = helpers.micro_config(**{"model.vocab_size": 8192, "early_stopping.enabled": True})
   train.train_and_evaluate(cfg, str(wd))
   assert checkpoint.steps(str(wd)) == [2, 4]
   return cfg, wd
@@ -327,14 +325,10 @@ def _copy(trained, tmp_path):
 
 
 def _longer(cfg):
-  return helpers.micro_config(
-    **{
-      "model.vocab_size": 8192,
-      "data.shard_dir": cfg.data.shard_dir,
-      "early_stopping.enabled": True,
-      "dipaco.outer_steps": 3,
-    }
-  )
+  """The run's config with one more outer step: a resume that reads everything."""
+  del cfg
+  over = {"model.vocab_size": 8192, "early_stopping.enabled": True, "dipaco.outer_steps": 3}
+  return helpers.micro_config(**over)
 
 
 def _refused(fn, cls=errors.UserError):
@@ -365,16 +359,7 @@ def test_metrics_jsonl_damaged_mid_file_stops_the_resume_naming_its_line(trained
 @pytest.mark.slow
 def test_a_shard_split_meta_deleted_or_disagreeing_is_one_line(trained, tmp_path):
   cfg, w = _copy(trained, tmp_path)
-  shards = tmp_path / "shards"
-  shutil.copytree(cfg.data.shard_dir, shards)
-  cfg = helpers.micro_config(
-    **{
-      "model.vocab_size": 8192,
-      "data.shard_dir": str(shards),
-      "early_stopping.enabled": True,
-      "dipaco.outer_steps": 3,
-    }
-  )
+  shards = w / "shards"
   meta = shards / "train" / "meta.json"
   good = meta.read_text()
   fix = f"move {shards} aside (mv {shards} {shards}.damaged) and rerun"
@@ -393,7 +378,7 @@ def test_a_shard_split_meta_deleted_or_disagreeing_is_one_line(trained, tmp_path
     meta.write_text(good)
     edit()
     before = helpers.tree_bytes(tmp_path)
-    msg = _refused(lambda: train.train_and_evaluate(cfg, str(w)), errors.DamagedFileError)
+    msg = _refused(lambda: train.train_and_evaluate(_longer(cfg), str(w)), errors.DamagedFileError)
     assert msg.startswith(f"shard file {meta} is damaged ({reason}); {fix}"), msg
     assert helpers.tree_bytes(tmp_path) == before
 
@@ -419,6 +404,22 @@ def test_a_router_pair_that_disagrees_is_one_line_with_the_move(tmp_path):
     msg = _refused(lambda: router_lib.Router.load(str(d)), errors.DamagedFileError)
     assert msg.startswith(f"router file {meta} is damaged ({reason}") and fix in msg, msg
     assert helpers.tree_bytes(tmp_path) == before
+
+
+@pytest.mark.parametrize("damage", ["truncated", "one byte flipped"])
+def test_a_damaged_transformer_rerouter_is_one_line_with_the_move(tmp_path, damage):
+  d = str(tmp_path / "rerouters_step4" / "transformer")
+  rerouting.save_transformer({"w": np.full(16, 7.0, np.float32)}, d)
+  assert rerouting.load_transformer(d)["w"].tolist() == [7.0] * 16
+  path = os.path.join(d, rerouting.PARAMS_FILE)
+  (_truncate if damage == "truncated" else _flip)(path)
+  before = helpers.tree_bytes(tmp_path)
+  msg = _refused(lambda: rerouting.load_transformer(d), errors.DamagedFileError)
+  assert msg == (
+    f"re-router file {path} is damaged (its crc32 does not match); move {d} aside (mv {d} "
+    f"{d}.damaged) and rerun evaluate: it fits the transformer re-router again."
+  ), msg
+  assert helpers.tree_bytes(tmp_path) == before
 
 
 def _drop_item(w, step: int, item: str):

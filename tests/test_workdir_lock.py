@@ -22,10 +22,12 @@ import time
 import jax
 import numpy as np
 import pytest
+from absl import flags
 from etils import epath
 from failure_rows import Row
 from test_failures import message_lines
 
+from dipaco_jax import cli
 from dipaco_jax import evaluate
 from dipaco_jax import saved_config
 from dipaco_jax import train
@@ -166,6 +168,22 @@ def test_setting_an_earlier_attempt_aside_keeps_the_lock_in_place(tmp_path):
     saved_config.set_aside_earlier_attempt(epath.Path(w), helpers.micro_config())
     assert sorted(os.listdir(w)) == ["earlier_attempt_1", lock.LOCK_FILE]
     assert os.listdir(w / "earlier_attempt_1") == ["config.json"]
+
+
+def test_ctrl_c_in_any_other_command_is_one_line_with_status_130(capsys):
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS.mark_as_parsed()
+
+  def main(argv):
+    raise KeyboardInterrupt
+
+  with pytest.raises(SystemExit) as e:
+    cli.guard(main)(["evaluate"])
+  assert e.value.code == 130
+  assert capsys.readouterr().err == (
+    "Interrupted: stopped by Ctrl-C: every file is written whole, so nothing written is "
+    "damaged; rerun the same command to do it again.\n"
+  )
 
 
 def test_waiters_on_a_shared_cache_lock_take_it_one_at_a_time(tmp_path):
