@@ -220,14 +220,17 @@ _RUN = [
   "--config.ckpt.every_steps=4",
   "--config.eval.every_steps=8",
 ]
-_ENV = {**os.environ, "PYTHONPATH": helpers.ROOT, "JAX_PLATFORMS": "cpu", "DIPACO_PROGRESS": "0"}
+
+
+def _env() -> dict:
+  return {**os.environ, "PYTHONPATH": helpers.ROOT, "JAX_PLATFORMS": "cpu", "DIPACO_PROGRESS": "0"}
 
 
 def _main(workdir, *flags, **kw) -> subprocess.Popen:
   return subprocess.Popen(
     [sys.executable, "-m", "dipaco_jax.main", f"--workdir={workdir}", *_RUN, *flags],
     cwd=helpers.ROOT,
-    env=_ENV,
+    env=_env(),
     stderr=subprocess.PIPE,
     text=True,
     **kw,
@@ -300,7 +303,7 @@ def test_ctrl_c_is_one_line_the_last_checkpoint_is_intact_and_its_command_resume
   command = shlex.split(m[3])
   assert command[3:] == [f"--workdir={w}", *_RUN, "--verbosity=-1"], command
   rerun = subprocess.run(
-    [sys.executable, *command[1:]], cwd=helpers.ROOT, env=_ENV, capture_output=True, text=True
+    [sys.executable, *command[1:]], cwd=helpers.ROOT, env=_env(), capture_output=True, text=True
   )
   assert rerun.returncode == 0, rerun.stderr[-3000:]
   _same_state(w, alone)
