@@ -222,15 +222,17 @@ _RUN = [
 ]
 
 
-def _env() -> dict:
-  return {**os.environ, "PYTHONPATH": helpers.ROOT, "JAX_PLATFORMS": "cpu", "DIPACO_PROGRESS": "0"}
+def _env(cache) -> dict:
+  """The runs' environment: one cache folder for this file's runs (the corpus prepared once)."""
+  env = {**os.environ, "PYTHONPATH": helpers.ROOT, "JAX_PLATFORMS": "cpu", "DIPACO_PROGRESS": "0"}
+  return {**env, "DIPACO_CACHE_DIR": str(cache)}
 
 
-def _main(workdir, *flags, **kw) -> subprocess.Popen:
+def _main(workdir, cache, *flags, **kw) -> subprocess.Popen:
   return subprocess.Popen(
     [sys.executable, "-m", "dipaco_jax.main", f"--workdir={workdir}", *_RUN, *flags],
     cwd=helpers.ROOT,
-    env=_env(),
+    env=_env(cache),
     stderr=subprocess.PIPE,
     text=True,
     **kw,
@@ -244,10 +246,15 @@ def _same_state(a, b) -> None:
 
 
 @pytest.fixture(scope="module")
-def alone(tmp_path_factory):
+def cache(tmp_path_factory):
+  return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="module")
+def alone(tmp_path_factory, cache):
   """The small run, uninterrupted and alone: what the others must end as, bit for bit."""
   workdir = tmp_path_factory.mktemp("alone") / "run"
-  run = _main(workdir)
+  run = _main(workdir, cache)
   assert run.wait(timeout=900) == 0, run.stderr.read()[-3000:]
   return workdir
 
@@ -259,12 +266,14 @@ def _wait_for(path, run: subprocess.Popen) -> None:
 
 
 @pytest.mark.slow
-def test_two_trainers_on_one_workdir_leave_the_first_whole_and_refuse_the_second(alone, tmp_path):
+def test_two_trainers_on_one_workdir_leave_the_first_whole_and_refuse_the_second(
+  alone, cache, tmp_path
+):
   """The audit's case: a second trainer with more outer steps once moved the first's files."""
-  first = _main(tmp_path / "run")
+  first = _main(tmp_path / "run", cache)
   lock_file = tmp_path / "run" / lock.LOCK_FILE
   _wait_for(lock_file, first)  # Held from the first thing the trainer does on.
-  second = _main(tmp_path / "run", "--config.dipaco.outer_steps=15", "--verbosity=-1")
+  second = _main(tmp_path / "run", cache, "--config.dipaco.outer_steps=15", "--verbosity=-1")
   _, err = second.communicate(timeout=600)
   assert first.poll() is None, "the first run ended before the second was refused: no test"
   lines = message_lines(err)
@@ -282,9 +291,11 @@ def test_two_trainers_on_one_workdir_leave_the_first_whole_and_refuse_the_second
 
 
 @pytest.mark.slow
-def test_ctrl_c_is_one_line_the_last_checkpoint_is_intact_and_its_command_resumes(alone, tmp_path):
+def test_ctrl_c_is_one_line_the_last_checkpoint_is_intact_and_its_command_resumes(
+  alone, cache, tmp_path
+):
   w = tmp_path / "run"
-  run = _main(w, "--verbosity=-1", start_new_session=True)
+  run = _main(w, cache, "--verbosity=-1", start_new_session=True)
   _wait_for(w / "checkpoints" / "4", run)  # Finished steps only appear under their number.
   os.killpg(run.pid, signal.SIGINT)  # What a terminal's Ctrl-C sends: the whole group.
   _, err = run.communicate(timeout=600)
@@ -303,7 +314,11 @@ def test_ctrl_c_is_one_line_the_last_checkpoint_is_intact_and_its_command_resume
   command = shlex.split(m[3])
   assert command[3:] == [f"--workdir={w}", *_RUN, "--verbosity=-1"], command
   rerun = subprocess.run(
-    [sys.executable, *command[1:]], cwd=helpers.ROOT, env=_env(), capture_output=True, text=True
+    [sys.executable, *command[1:]],
+    cwd=helpers.ROOT,
+    env=_env(cache),
+    capture_output=True,
+    text=True,
   )
   assert rerun.returncode == 0, rerun.stderr[-3000:]
   _same_state(w, alone)
