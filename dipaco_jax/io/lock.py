@@ -107,12 +107,12 @@ def _no_locks(path: str, e: OSError) -> LockError:
   )
 
 
-def _try(path: str, what: str, wait: bool) -> int | None:
-  """flock()s the lock file at `path`: its descriptor, or None when another holds it (no wait)."""
+def _try(path: str, what: str) -> int | None:
+  """flock()s the lock file at `path`: its descriptor, or None when another process holds it."""
   while True:
     fd, made = _open(path, what)
     try:
-      fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
       os.close(fd)
       return None
@@ -204,7 +204,7 @@ def workdir(path: str, command: str, *, enabled: bool = True) -> Iterator[None]:
     return
   made = _made_dirs(path)
   try:
-    fd = _try(lock_path, f"the workdir {path}", wait=False)
+    fd = _try(lock_path, f"the workdir {path}")
     if fd is None:
       holder = _read_holder(lock_path)
       raise WorkdirBusyError(
@@ -258,7 +258,7 @@ def exclusive(path: str, what: str, *, wait_line_s: float = 60.0) -> Iterator[No
   os.makedirs(os.path.dirname(path), exist_ok=True)
   fd, said = None, 0.0
   while fd is None:
-    fd = _try(path, what, wait=False)
+    fd = _try(path, what)
     if fd is None:
       if time.monotonic() - said >= wait_line_s:
         said = time.monotonic()
