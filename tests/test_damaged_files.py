@@ -487,7 +487,7 @@ TABLE = [
     f"{'it' if not aside else os.path.relpath(aside, storage.ROOT)} aside (mv …) and rerun "
     f"the same command: {action}",
     1,
-    "every file byte for byte (read only); the rerun writes the same bytes",
+    "every file byte for byte (the read changes nothing)",
     "tests/test_damaged_files.py",
   )
   for f, _, d, aside, action in CASES
