@@ -15,7 +15,7 @@ An outcome is "ok" (it runs), "refused" (a ConfigError/UserError: one line), or
 "traceback" (anything else: a bug). tests/test_config_derived.py holds each
 traceback this found to its one line.
 
-    python tools/config_sweep.py [--pairs] [--out FILE.json]
+    python tools/config_sweep.py [--pairs [--values=1,2,3,7]] [--out FILE.json]
 """
 
 import argparse
@@ -155,6 +155,7 @@ def run(over: dict) -> tuple[str, str]:
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--pairs", action="store_true", help="also every pair of SIZES fields")
+  p.add_argument("--values", default="1,2,3,7", help="--pairs: each size field's values")
   p.add_argument("--out", default="", help="write every outcome here (JSON)")
   args = p.parse_args()
   fields = {
@@ -162,7 +163,8 @@ def main() -> None:
   }
   trials = [{k: v} for k, f in fields.items() for v in candidates(k, f)]
   if args.pairs:
-    small = {k: [v for v in candidates(k, fields[k]) if v in (1, 2, 3, 7)] for k in SIZES}
+    values = {int(v) for v in args.values.split(",")}
+    small = {k: [v for v in candidates(k, fields[k]) if v in values] for k in SIZES}
     for a, b in itertools.combinations(SIZES, 2):
       trials += [{a: x, b: y} for x in small[a] for y in small[b]]
   out = []
