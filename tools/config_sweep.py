@@ -154,14 +154,14 @@ def run(over: dict) -> tuple[str, str]:
 
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--pairs", action="store_true", help="also every pair of SIZES fields")
+  p.add_argument("--pairs", action="store_true", help="every pair of SIZES fields, not each field")
   p.add_argument("--values", default="1,2,3,7", help="--pairs: each size field's values")
   p.add_argument("--out", default="", help="write every outcome here (JSON)")
   args = p.parse_args()
   fields = {
     k: f for k, f in schema.declared().items() if k not in SKIP and not k.startswith(SKIP_SECTIONS)
   }
-  trials = [{k: v} for k, f in fields.items() for v in candidates(k, f)]
+  trials = [] if args.pairs else [{k: v} for k, f in fields.items() for v in candidates(k, f)]
   if args.pairs:
     values = {int(v) for v in args.values.split(",")}
     small = {k: [v for v in candidates(k, fields[k]) if v in values] for k in SIZES}
