@@ -1,11 +1,12 @@
 r"""Every config field at its edge values, alone and in pairs: which ones reach a traceback.
 
-Item 8 of issue 43, found systematically: a value each field's own rule accepts may
+Derived sizes, found systematically: a value each field's own rule accepts may
 still not fit the sizes the recipe and the data path derive from several fields.
 For every declared field (config/sections.py), each value of a few that its rule
 accepts (0, 1, 2, 3, 7, large; each choice; tuples cut and doubled) on the small
-base config below, and for every pair of size fields that feed the same derived
-size, the config goes through what a command does before it trains:
+base config below (or, with --pairs, every pair of values of two size fields that
+feed derived sizes together), the config goes through what a command does before
+it trains:
 
   1. config_check.validate (every command's first step);
   2. the recipe on the mesh: Experiment(config) (grid, model, shardings, jitted
