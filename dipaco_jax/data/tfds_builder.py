@@ -13,6 +13,7 @@ import tensorflow_datasets as tfds
 
 from dipaco_jax.data import corpus
 from dipaco_jax.io import files
+from dipaco_jax.io import lock
 
 
 def default_data_dir() -> str:
@@ -57,10 +58,20 @@ class DipacoEmbedded(tfds.core.GeneratorBasedBuilder):
 
 
 def prepare(data_dir: str | None = None) -> tfds.core.DatasetBuilder:
-  """Returns the builder, preparing it into data_dir first if that was not done yet (cached)."""
-  builder = DipacoEmbedded(data_dir=data_dir or default_data_dir())
-  if not builder.is_prepared():
-    corpus.check_files()
-    tfds.disable_progress_bar()
-    builder.download_and_prepare(file_format="tfrecord")
+  """Returns the builder, preparing it into data_dir first if that was not done yet (cached).
+
+  Runs started together on an empty cache prepare it once: the first holds a lock
+  (io/lock.py) while it writes, the others wait and then find it prepared (tfds would
+  otherwise rename each one's copy onto the same name: all but one fail).
+  """
+  data_dir = data_dir or default_data_dir()
+  builder = DipacoEmbedded(data_dir=data_dir)
+  if builder.is_prepared():
+    return builder
+  with lock.exclusive(os.path.join(data_dir, f".{builder.name}.lock"), "the prepared corpus"):
+    builder = DipacoEmbedded(data_dir=data_dir)  # Prepared meanwhile by the lock's last holder?
+    if not builder.is_prepared():
+      corpus.check_files()
+      tfds.disable_progress_bar()
+      builder.download_and_prepare(file_format="tfrecord")
   return builder
