@@ -10,11 +10,13 @@ import os
 import numpy as np
 import tensorflow_datasets as tfds
 from absl import logging
+from etils import epath
 
 from dipaco_jax.data import corpus
 from dipaco_jax.io import files
 
 FILE_FORMAT = "array_record"
+_PREPARED = ("dataset_info.json", "features.json")  # tfds's marks of a prepared version.
 
 
 def default_data_dir() -> str:
@@ -72,7 +74,10 @@ class DipacoEmbedded(tfds.core.GeneratorBasedBuilder):
 def prepare(data_dir: str | None = None) -> tfds.core.DatasetBuilder:
   """Returns the builder, preparing it into data_dir first if that was not done yet (cached)."""
   builder = DipacoEmbedded(data_dir=data_dir or default_data_dir())
-  if not builder.is_prepared():
+  # What builder.is_prepared() checks, without its warning that the version folder (made by the
+  # constructor) "has no dataset_info.json" on every first run.
+  done = all((epath.Path(builder.data_dir) / f).exists() for f in _PREPARED)  # gs:// too
+  if not done:
     corpus.check_files()
     tfds.disable_progress_bar()
     logging.info("preparing the embedded corpus once (no download) in %s", builder.data_dir)
