@@ -40,6 +40,7 @@ from dipaco_jax.core import topology as topo_lib
 from dipaco_jax.core.path_params import load as load_path_params
 from dipaco_jax.data import vocab as vocab_lib
 from dipaco_jax.io import checkpoint
+from dipaco_jax.runtime import console
 from dipaco_jax.types import PyTree
 
 flags.adopt_module_key_flags(cli)  # --help lists --config, --workdir, --verbose_errors.
@@ -241,6 +242,25 @@ class PathServer:
     return out
 
 
+# Below this many parameters a path continues text with its most frequent pieces (spaces,
+# "the", punctuation) rather than sentences: configs/tiny.py's 1.5M-parameter paths do. Models
+# of a few million parameters write sentences only on a narrow corpus (TinyStories-like).
+SMALL_MODEL_PARAMS = 10_000_000
+
+
+def small_model_note(config) -> str | None:
+  """What generate's output says of a path too small to write text, or None."""
+  n = console.params_per_path(config)
+  if n >= SMALL_MODEL_PARAMS:
+    return None
+  return (
+    f"this path has {n / 1e6:.2f}M parameters: a model under {SMALL_MODEL_PARAMS // 10**6}M "
+    "continues text with its most frequent pieces (spaces, common words), not sentences, so "
+    "this output shows the pipeline works, not what DiPaCo writes; --mode=score gives its "
+    "perplexity, and a path of ~100M parameters (configs/dense_150m.py) writes text."
+  )
+
+
 def serve(
   config,
   workdir: str,
@@ -274,9 +294,11 @@ def serve(
   else:
     raise errors.ArgumentError(f"mode={mode!r}: use 'generate' or 'score'.")
   out = [{k: v for k, v in o.items() if k != "tokens"} for o in out]  # Text for the console.
+  note = small_model_note(config) if mode == "generate" else None
+  extra = {"loaded": server.load_info, **({"note": note} if note else {})}
   if len(out) == 1:
-    return json.dumps({**out[0], "loaded": server.load_info}, indent=1)
-  return json.dumps({"results": out, "loaded": server.load_info}, indent=1)
+    return json.dumps({**out[0], **extra}, indent=1)
+  return json.dumps({"results": out, **extra}, indent=1)
 
 
 def main(argv):

@@ -412,7 +412,9 @@ class RoutingConfig(f.Section):
     'Phase-0 shards: "random" (i.i.d.) | "kmeans" | "product_kmeans".',
   )
   prefix_len: int = f.field(
-    32, count, "Tokens the router reads (paper: 32); excluded from routed perplexity."
+    32,
+    count,
+    "Tokens the router reads (paper: 32); left out of evaluate's prefix-excluded perplexity.",
   )
   feature_batch_size: int = f.field(
     64, count, "Documents per θ̄ feature batch (jit, over local devices)."
