@@ -249,3 +249,20 @@ def test_a_trained_runs_paths_load_with_transformers_and_route_as_serve_does(tra
   some = [t[:300] for t in texts("validation", 10)]
   # The README's θ̄ features (torch) and the router's arrays pick the path serve picks (JAX).
   assert [ns["route"](t) for t in some] == [server.route(t) for t in some]
+
+
+def test_the_command_lists_its_flags_and_wants_one_of_path_or_all(tmp_path):
+  run = lambda *a: subprocess.run(
+    [sys.executable, "-m", "dipaco_jax.export", *a],
+    capture_output=True,
+    text=True,
+    cwd=helpers.ROOT,
+  )
+  shown = run("--help").stdout
+  for flag in ("--path", "--[no]all", "--out", "--step", "--workdir", "--config"):
+    assert f"  {flag}" in shown, flag
+  args = ["--config=configs/tiny.py", f"--workdir={tmp_path}", f"--out={tmp_path}/o"]
+  r = run(*args, "--all", "--path=1")
+  assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+  assert "give --path=P (repeatable) or --all, one of the two" in r.stderr
+  assert sorted(os.listdir(tmp_path)) == []

@@ -3,7 +3,7 @@
   python tools/make_evaluate_notebook.py                          # cells only (no outputs)
   python tools/make_evaluate_notebook.py --execute --workdir=DIR  # with DIR's outputs (committed)
 
-The committed notebook carries the outputs of the tiny run (configs/tiny.py, then
+The committed notebook carries the outputs of a tiny run (configs/tiny.py with model.mlp=swiglu, then
 `python -m dipaco_jax.evaluate --workdir=DIR`); tests/test_notebook.py runs it in CI, from a
 fresh kernel outside the clone, on an empty WORKDIR that its training cell fills.
 Edit the cells here, never the .ipynb.
@@ -67,8 +67,9 @@ on Colab). `TRAIN_OVERRIDES` shortens it, e.g.
 SwiGLU MLP instead of the config's GELU, so that the last cell can export a path as a Hugging
 Face Llama checkpoint and load it back with `transformers`.
 
-The outputs below are the tiny run's (`configs/tiny.py` with `model.mlp=swiglu`, 500 inner steps
-on a 2-core CPU, then `python -m dipaco_jax.evaluate`).""",
+The outputs below are a tiny run's (`configs/tiny.py` with `model.mlp=swiglu`, stopped after 200
+of its 500 inner steps with `config.stop_at_step=200` on a 2-core CPU, then
+`python -m dipaco_jax.evaluate`).""",
   ),
   (
     "code",
