@@ -3,9 +3,10 @@
   python tools/make_evaluate_notebook.py                          # cells only (no outputs)
   python tools/make_evaluate_notebook.py --execute --workdir=DIR  # with DIR's outputs (committed)
 
-The committed notebook carries the outputs of a tiny run (configs/tiny.py with model.mlp=swiglu, then
-`python -m dipaco_jax.evaluate --workdir=DIR`); tests/test_notebook.py runs it in CI, from a
-fresh kernel outside the clone, on an empty WORKDIR that its training cell fills.
+The committed notebook carries the outputs of a tiny run (configs/tiny.py with
+model.mlp=swiglu, then `python -m dipaco_jax.evaluate --workdir=DIR`); tests/test_notebook.py
+runs it in CI, from a fresh kernel outside the clone, on an empty WORKDIR that its training cell
+fills.
 Edit the cells here, never the .ipynb.
 """
 
