@@ -178,6 +178,12 @@ def _check_relations(c) -> None:
       "the grid: give each document at most as many shards as there are paths."
     )
   m = c.model
+  width = int(m.d_model * m.mlp_ratio)  # ModelConfig.mlp_dim: the sizes the model derives.
+  if width < 1:
+    raise ConfigError(
+      f"config.model.mlp_ratio={m.mlp_ratio} gives an MLP of width int(d_model x mlp_ratio) = "
+      f"{width} at model.d_model={m.d_model}: raise mlp_ratio to at least {1 / m.d_model:.3g}."
+    )
   if m.positions == "rope" and m.head_dim % 2:
     raise ConfigError(
       f"config.model.head_dim={m.head_dim} is odd: RoPE rotates pairs of "

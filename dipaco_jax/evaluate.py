@@ -39,6 +39,7 @@ from dipaco_jax.config import sections
 from dipaco_jax.core import experiment as exp_lib
 from dipaco_jax.io import checkpoint as ckpt_lib
 from dipaco_jax.io import files
+from dipaco_jax.io import lock
 from dipaco_jax.io import progress
 from dipaco_jax.routing import report as report_lib
 from dipaco_jax.routing import rerouting
@@ -473,7 +474,15 @@ def specialisation(
 
 
 def evaluate_and_write(config, workdir: str, step: int | None = None) -> str:
-  """Evaluates the store (and the early-stopping set when saved); writes <workdir>/eval/."""
+  """Evaluates the store (and the early-stopping set when saved); writes <workdir>/eval/.
+
+  Holds the workdir's lock (io/lock.py): not while a trainer or route writes it.
+  """
+  with lock.workdir(workdir, "evaluate"):
+    return _evaluate_and_write(config, workdir, step)
+
+
+def _evaluate_and_write(config, workdir: str, step: int | None) -> str:
   out = files.path(workdir) / EVAL_DIR
   files.check_writable(out, "evaluate's reports")  # Before minutes of evaluation.
   run = load_run(config, workdir, step)

@@ -32,7 +32,7 @@ SQRT_MODES = ("multiply", "divide", "none")  # √P_{l,e} rescale of Δ (paper �
 COMPRESSIONS = ("none", "bf16", "int8", "fp4", "topk2")  # Δ_w on the wire (core/compression.py).
 INITS = ("shared", "independent")  # Every module from one θ̄, or each its own.
 MODES = ("spmd", "elastic")
-TASKS = ("dipaco_embedded", "c4_en")  # The seqio tasks data/tasks.py registers.
+TASKS = ("dipaco_embedded", "c4_en")  # data/tasks.py reads both (c4_en through seqio).
 # The tfds dataset the c4_en task reads: the version of the public prepared copy
 # (gs://allennlp-tensorflow-datasets/c4/en/3.0.1, docs/data.md).
 C4_TFDS_NAME = "c4/en:3.0.1"

@@ -13,6 +13,7 @@ from dipaco_jax.data.batcher import synthetic_batch
 from dipaco_jax.data.document import Document
 from dipaco_jax.data.prepare import check_shard_dir
 from dipaco_jax.data.prepare import finish_shards
+from dipaco_jax.data.prepare import one_writer
 from dipaco_jax.data.prepare import prepare_shards
 from dipaco_jax.data.prepare import wait_for_parts
 from dipaco_jax.data.prepare import write_shard_part
@@ -29,6 +30,7 @@ __all__ = [
   "ShardSet",
   "check_shard_dir",
   "finish_shards",
+  "one_writer",
   "iter_documents",
   "prepare_shards",
   "random_assignment",

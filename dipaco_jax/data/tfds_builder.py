@@ -14,6 +14,7 @@ from etils import epath
 
 from dipaco_jax.data import corpus
 from dipaco_jax.io import files
+from dipaco_jax.io import lock
 
 FILE_FORMAT = "array_record"
 _PREPARED = ("dataset_info.json", "features.json")  # tfds's marks of a prepared version.
@@ -72,14 +73,26 @@ class DipacoEmbedded(tfds.core.GeneratorBasedBuilder):
 
 
 def prepare(data_dir: str | None = None) -> tfds.core.DatasetBuilder:
-  """Returns the builder, preparing it into data_dir first if that was not done yet (cached)."""
-  builder = DipacoEmbedded(data_dir=data_dir or default_data_dir())
-  # What builder.is_prepared() checks, without its warning that the version folder (made by the
-  # constructor) "has no dataset_info.json" on every first run.
-  done = all((epath.Path(builder.data_dir) / f).exists() for f in _PREPARED)  # gs:// too
-  if not done:
-    corpus.check_files()
-    tfds.disable_progress_bar()
-    logging.info("preparing the embedded corpus once (no download) in %s", builder.data_dir)
-    builder.download_and_prepare(file_format=FILE_FORMAT)
+  """Returns the builder, preparing it into data_dir first if that was not done yet (cached).
+
+  Runs started together on an empty cache prepare it once: the first holds a lock
+  (io/lock.py) while it writes, the others wait and then find it prepared (tfds would
+  otherwise rename each one's copy onto the same name: all but one fail).
+  """
+  data_dir = data_dir or default_data_dir()
+  builder = DipacoEmbedded(data_dir=data_dir)
+  if _prepared(builder):
+    return builder
+  with lock.exclusive(os.path.join(data_dir, f".{builder.name}.lock"), "the prepared corpus"):
+    builder = DipacoEmbedded(data_dir=data_dir)  # Prepared meanwhile by the lock's last holder?
+    if not _prepared(builder):
+      corpus.check_files()
+      tfds.disable_progress_bar()
+      logging.info("preparing the embedded corpus once (no download) in %s", builder.data_dir)
+      builder.download_and_prepare(file_format=FILE_FORMAT)
   return builder
+
+
+def _prepared(builder) -> bool:
+  """tfds's marks of a prepared version: is_prepared() without its warning on every first run."""
+  return all((epath.Path(builder.data_dir) / f).exists() for f in _PREPARED)  # gs:// too
