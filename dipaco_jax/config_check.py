@@ -253,6 +253,9 @@ def _check_relations(c) -> None:
 def _check_run_inputs(c) -> None:
   """θ̄ given and present; the tokenizer's size against model.vocab_size."""
   # pylint: disable=g-import-not-at-top
+  from etils import epath
+
+  from dipaco_jax.config import sections
   from dipaco_jax.data import vocab
   from dipaco_jax.io import theta
 
@@ -284,7 +287,8 @@ def _check_run_inputs(c) -> None:
       "shards (or unset it for <workdir>/shards)."
     )
   if c.dipaco.init_from:  # Its params' shapes are checked where they are read (io/theta.py).
-    theta.check_source(c.dipaco.init_from)
+    theta.check_source(c.dipaco.init_from, sections.ModelConfig.of(c))
+    theta.check_tokenizer(c.dipaco.init_from, epath.Path(path).read_bytes(), path)
 
 
 def load(path: str, **overrides) -> ml_collections.ConfigDict:

@@ -1,4 +1,4 @@
-"""Routed evaluation: one path per sequence (or per W-token chunk), prefix excluded.
+"""Routed evaluation, one path per sequence (or per W-token chunk): prefix-excluded perplexity.
 
     python -m dipaco_jax.evaluate --workdir=DIR [--config.eval.rerouters=linear,transformer]
 
@@ -244,7 +244,7 @@ def evaluate(
   block: int = 128,
   per_sequence: bool = False,
 ) -> dict:
-  """Routed perplexity once per sequence and per W, per-path and own-shard losses.
+  """The prefix-excluded perplexity, routed once per sequence and per W; per-path, own-shard losses.
 
   per_sequence (needs oracle, which scores every path on every sequence): the report also
   holds `per_sequence`, numpy arrays in sequence order: `nll` [N, P] (each path's summed
@@ -407,7 +407,7 @@ def to_markdown(rep: dict) -> str:
     f"{rep['phase']}), {rep['num_sequences']} sequences of <= {rep['seq_len']} tokens, "
     f"{rep['scored_tokens']} scored tokens (first {rep['prefix_len']} excluded)",
     "",
-    "| routing | ppl | loss | path switches / seq |",
+    "| routing | prefix-excluded ppl | loss | path switches / seq |",
     "|---|---:|---:|---:|",
   ]
   for k, v in rep["ppl"].items():

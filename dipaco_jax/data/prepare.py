@@ -49,12 +49,18 @@ def split_policy(policy: str, split: str) -> str:
   return policy
 
 
+# How the embedded corpus is read (data/embedded.py): SentencePiece's own ids, which break ties
+# between equal-scoring pieces of a run of repeated characters otherwise than tf_text's
+# (seqio's, before): shards of the two never pass for each other.
+EMBEDDED_READER = "spm"
+
+
 def source_name(data_cfg) -> str:
   """The documents' source: C4's tfds name and version, or the embedded corpus's manifest hash."""
   if data_cfg.task == "c4_en":
     return data_cfg.tfds_name
   with open(corpus.MANIFEST_PATH, "rb") as f:
-    return f"{data_cfg.task}:{hashlib.sha256(f.read()).hexdigest()[:12]}"
+    return f"{data_cfg.task}:{hashlib.sha256(f.read()).hexdigest()[:12]}:{EMBEDDED_READER}"
 
 
 def shard_config(data_cfg, num_workers: int, assign: assign_lib.Assignment) -> dict:

@@ -72,7 +72,7 @@ def _records(path: epath.Path, last_part: bool) -> tuple[list[dict], bool]:
 
 # Record keys renamed since: a log written before reads with today's names (the same numbers).
 # The trainer's routed validation counts every token, the routing prefix included; its names
-# say so, apart from `evaluate`'s routed perplexity, which excludes the prefix.
+# say so, apart from `evaluate`'s prefix-excluded perplexity.
 RENAMED_KEYS = {
   "val_loss_routed": "val_loss_routed_all_tokens",
   "val_perplexity_routed": "val_perplexity_routed_all_tokens",

@@ -83,7 +83,7 @@ def _quality(record: dict[str, Any], *, short: bool = False) -> str:
       if short
       else (
         f"{ppl} (every token, the routing prefix included, each scored by its document's path; "
-        "`evaluate` reports routed perplexity without the prefix)"
+        "`evaluate` reports the prefix-excluded perplexity)"
       )
     )
   if "val_loss_mean" in record:
