@@ -266,6 +266,7 @@ def _wait_for(path, run: subprocess.Popen) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.ci  # CI runs it: the end-to-end check of what it guards.
 def test_two_trainers_on_one_workdir_leave_the_first_whole_and_refuse_the_second(
   alone, cache, tmp_path
 ):
