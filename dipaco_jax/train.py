@@ -38,8 +38,14 @@ def _final_metrics(workdir: str, step: int) -> dict[str, Any]:
   return {"step": step}
 
 
-def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
-  """Trains (or resumes) the run in `workdir`; returns the final metrics."""
+def train_and_evaluate(config, workdir: str, faults=None) -> dict[str, Any]:
+  """Trains (or resumes) the run in `workdir`; returns the final metrics.
+
+  faults: what to inject into an elastic run (runtime/faults.Faults; tests and
+  benchmarks only, never a config field); None for a run.
+  """
+  if faults is not None and config.dipaco.mode != "elastic":
+    raise ValueError("faults= injects into the elastic pool; the spmd loop takes none.")
   config_check.validate(config)
   elastic.check_workdir_mode(workdir, config.dipaco.mode)
   path = epath.Path(workdir)
@@ -54,7 +60,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     saved_config.set_aside_earlier_attempt(path, config)
   console.say(console.start_lines(config, workdir, saved[-1] if saved else 0))
   if config.dipaco.mode == "elastic":  # The Ray worker pool.
-    result = elastic.run(config, workdir)
+    result = elastic.run(config, workdir, faults)
   else:
     result = spmd.run(config, workdir)
   if not result.get("stopped"):  # The elastic driver's planned stop (faults) resumes later.

@@ -951,13 +951,13 @@ def test_elastic_matches_spmd_and_survives_kills(tmp_path, ray_cluster):
   # then the same command again: the clean run's bytes. Workers dispatch ahead here (the
   # TPU/GPU default; the clean run reads every step): the same steps, the same bytes.
   faulty = str(tmp_path / "faulty")
-  slow = {"faults.step_delay_s": (0.5, 0.5), "dispatch_ahead": "on"}
+  slow, delay = {"dispatch_ahead": "on"}, {"step_delay_s": (0.5, 0.5)}
   first = train.train_and_evaluate(
-    cfg(**{"faults.worker_kills": 1, "faults.stop_after_tasks": 4, **slow}), faulty
+    cfg(**slow), faulty, faults_lib.Faults(worker_kills=1, stop_after_tasks=4, **delay)
   )
   assert first["stopped"] and first["status"]["done"] >= 4
   out = train.train_and_evaluate(
-    cfg(**{"faults.worker_kills": 3, "faults.executor_kills": 2, **slow}), faulty
+    cfg(**slow), faulty, faults_lib.Faults(worker_kills=3, executor_kills=2, **delay)
   )
   assert out["step"] == 4 and out["status"]["done"] == 12
   kills = first["status"]["worker_kills"] + out["status"]["worker_kills"]
@@ -1005,10 +1005,9 @@ def test_quorum_end_to_end_with_a_slow_worker(tmp_path, ray_cluster):
     **{
       "data.shard_dir": str(tmp_path / "shards"),
       "elastic.quorum": 0.5,
-      "faults.step_delay_s": (0.0, 3.0),
     }
   )
-  out = train.train_and_evaluate(cfg, wd)
+  out = train.train_and_evaluate(cfg, wd, faults_lib.Faults(step_delay_s=(0.0, 3.0)))
   assert out["step"] == 4 and out["status"]["done"] == 12
   assert np.isfinite(out["train_loss_mean"])
   grid = grid_lib.Grid(cfg)
@@ -1062,15 +1061,16 @@ def test_the_commands_own_cluster_listens_on_loopback_only_and_keeps_its_token_p
     "early_stopping.enabled": False,
     "dipaco.mode": "elastic",
     "elastic.num_workers": 1,
-    "faults.stop_after_tasks": 1,
     "data.shard_dir": str(tmp_path / "shards"),
   }
   code = (
     "import sys; sys.path.insert(0, sys.argv[1])\n"
     "import helpers\n"
     "from dipaco_jax import train\n"
+    "from dipaco_jax.runtime import faults\n"
     "import json\n"
-    "out = train.train_and_evaluate(helpers.micro_config(**json.loads(sys.argv[2])), sys.argv[3])\n"
+    "cfg = helpers.micro_config(**json.loads(sys.argv[2]))\n"
+    "out = train.train_and_evaluate(cfg, sys.argv[3], faults.Faults(stop_after_tasks=1))\n"
     "assert out['stopped'], out\n"
   )
   test_dir = os.path.dirname(os.path.abspath(__file__))
@@ -1123,13 +1123,12 @@ def test_a_task_timeout_shorter_than_the_task_stops_the_run(tmp_path, ray_cluste
       "ckpt.every_steps": 20,
       "elastic.num_workers": 1,
       "elastic.task_timeout_s": 6.0,
-      "faults.step_delay_s": (1.0,),
     }
   )
   wd = str(tmp_path / "run")
   t0 = time.time()
   with pytest.raises(elastic_errors.ElasticConfigError) as e:
-    train.train_and_evaluate(cfg, wd)
+    train.train_and_evaluate(cfg, wd, faults_lib.Faults(step_delay_s=(1.0,)))
   wall = time.time() - t0
   msg = str(e.value)
   assert msg.startswith("config.elastic.task_timeout_s=6"), msg
@@ -1238,12 +1237,12 @@ def _reshard_matches_spmd_and_survives_kills(tmp_path, monkeypatch, stack):
   # Seed 2 draws, of 2 kills each: the 1st invocation's dispatches 0 (killed mid-write) and 1
   # (at a random moment), the 2nd's dispatch 0 (task (1, ·): the new phase's first, mid-write),
   # the 3rd's dispatch 0 (mid-write) and 5.
-  slow = {"faults.step_delay_s": (0.3, 0.3), "dispatch_ahead": "on"}
-  kw = {"faults.worker_kills": 2, "faults.seed": 2, **slow}
-  first = train.train_and_evaluate(cfg(**{"faults.stop_after_tasks": 4, **kw}), faulty)
-  second = train.train_and_evaluate(cfg(**{"faults.stop_after_tasks": 2, **kw}), faulty)
+  slow = cfg(dispatch_ahead="on")
+  kw = {"worker_kills": 2, "seed": 2, "step_delay_s": (0.3, 0.3)}
+  first = train.train_and_evaluate(slow, faulty, faults_lib.Faults(stop_after_tasks=4, **kw))
+  second = train.train_and_evaluate(slow, faulty, faults_lib.Faults(stop_after_tasks=2, **kw))
   assert first["stopped"] and second["stopped"] and second["status"]["reshards"] == [1]
-  last = train.train_and_evaluate(cfg(**{**kw, "faults.executor_kills": 1}), faulty)
+  last = train.train_and_evaluate(slow, faulty, faults_lib.Faults(executor_kills=1, **kw))
   assert last["step"] == 4 and last["status"]["done"] == 12
   kills = [r["status"]["worker_kills"] for r in (first, second, last)]
   assert sum(kills) >= 3, kills

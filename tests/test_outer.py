@@ -1,6 +1,6 @@
 """The outer step, against values worked out by hand, in each of its forms.
 
-Every hand-derived test runs the spmd program (`outer.sharded_outer_step`, here
+Every hand-derived test runs the spmd program (`outer_layouts.sharded_outer_step`, here
 on a one-device mesh) and the numpy oracle (tests/outer_oracle.py); the
 executor's `module_outer_step` has its own hand-derived test, and the sharded
 program on real meshes is held against the oracle at the end.
@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 from dipaco_jax.config import sections
 from dipaco_jax.core import experiment
 from dipaco_jax.core import outer
+from dipaco_jax.core import outer_layouts
 from dipaco_jax.core import paths
 from dipaco_jax.core import sharding
 from dipaco_jax.core import topology
@@ -59,7 +60,7 @@ def _sharded_on_one_device(store, opt_state, params_W, alpha_W, *, topo, cfg):
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), sharding.AXES)
   rep = lambda t: jax.tree.map(lambda _: P(), t)
   specs = (rep(store), rep(opt_state), rep(params_W))
-  fn = outer.sharded_outer_step(topo, cfg, outer.optimizer(cfg), mesh, specs)
+  fn = outer_layouts.sharded_outer_step(topo, cfg, outer.optimizer(cfg), mesh, specs)
   return jax.jit(fn)(store, opt_state, params_W, jnp.asarray(alpha_W, jnp.float32))
 
 

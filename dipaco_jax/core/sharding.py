@@ -71,6 +71,16 @@ def check_batch_divides(batch_size: int, data_axis: int) -> None:
     )
 
 
+def check_microbatches(batch_size: int, microbatches: int, data_axis: int) -> None:
+  """inner.microbatches splits every path's batch into microbatches the 'data' axis divides."""
+  if batch_size % (microbatches * data_axis):
+    raise MeshError(
+      f"config.inner.microbatches={microbatches} does not split config.data.batch_size="
+      f"{batch_size} into equal microbatches over the 'data' mesh axis ({data_axis}): choose a "
+      "divisor of batch_size / mesh.data."
+    )
+
+
 def make_mesh(mesh_cfg, num_workers: int, devices=None) -> Mesh:
   """Builds the mesh; the 'path' axis (over DCN on multislice) must divide W.
 
