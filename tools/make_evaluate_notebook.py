@@ -168,6 +168,7 @@ from dipaco_jax.config import schema
 from dipaco_jax.io import metrics
 from dipaco_jax.runtime import early_stopping
 from dipaco_jax.routing import report as router_report
+from dipaco_jax.routing import specialisation
 
 plt.rcParams["figure.dpi"] = 100
 plt.rcParams["font.size"] = 9
@@ -317,7 +318,7 @@ shards no pattern beyond noise. See `docs/routing.md` (reading the specialisatio
   (
     "code",
     """spec = evaluate.specialisation(run, rep)  # From the scores above: nothing is scored again.
-display(Markdown(router_report.specialisation_to_markdown(spec, PATHS)))
+display(Markdown(specialisation.to_markdown(spec, PATHS)))
 grid = spec.centred_matrix
 lim = max(float(np.nanmax(np.abs(grid))), 1e-6)
 plt.figure(figsize=(0.9 * P + 3, 0.7 * P + 2))
