@@ -1,16 +1,19 @@
 """config_check: every field has a rule, dataclasses take every field, the Python API refuses."""
 
 import dataclasses
+import json
 import os
 
 import pytest
 
 from dipaco_jax import config_check
 from dipaco_jax import errors
+from dipaco_jax import saved_config
 from dipaco_jax import train
 from dipaco_jax.config import schema
 from dipaco_jax.config import sections
 from dipaco_jax.runtime import dispatch
+from dipaco_jax.runtime import faults
 
 import helpers
 
@@ -105,6 +108,17 @@ def test_derived_values_replace_fields():
     ),
     ({"elastic.late_deltas": "later"}, r"late_deltas='later' is invalid: .* 'next', 'drop'"),
     (
+      {"elastic.worker_resources": '{"TPU": "four"}'},
+      r"worker_resources='\{\"TPU\": \"four\"\}' is invalid: it must be a JSON object of Ray",
+    ),
+    ({"elastic.worker_resources": "[4]"}, r"worker_resources='\[4\]' is invalid"),
+    (
+      {"inner.microbatches": 3},
+      r"config.inner.microbatches=3 does not split config.data.batch_size=8 into equal "
+      r"microbatches over the 'data' mesh axis \(1\)",
+    ),
+    ({"faults.worker_kills": 1}, r"config.faults.worker_kills is not a config field: fault inj"),
+    (
       {"model.weight_grads": "input_first", "model.remat": "save_matmuls"},
       r"config.model.weight_grads='input_first' with config.model.remat='save_matmuls': .* "
       r"every matmul would be recomputed; use remat='save_matmuls_except_mlp_in'",
@@ -192,3 +206,21 @@ def test_the_trainer_validates_before_it_touches_the_workdir(tmp_path):
   with pytest.raises(ConfigError, match="config.outer.momentum=1.0"):
     train.train_and_evaluate(c, str(workdir))
   assert not workdir.exists()
+
+
+def test_a_saved_config_json_with_the_old_faults_section_still_reads(tmp_path):
+  # Runs started before fault injection left the config wrote a "faults" section in their
+  # config.json: evaluate, serve and a resume read it as before, without that section.
+  saved = json.loads(schema.base().to_json_best_effort())
+  saved["faults"] = {"worker_kills": 0, "executor_kills": 0, "seed": 0, "step_delay_s": []}
+  (tmp_path / "config.json").write_text(json.dumps(saved))
+  assert saved_config.load(str(tmp_path)).to_dict() == schema.base().to_dict()
+
+
+def test_faults_are_the_elastic_pools_test_hook(tmp_path):
+  with pytest.raises(ValueError, match="faults= injects into the elastic pool"):
+    train.train_and_evaluate(helpers.micro_config(), str(tmp_path), faults.Faults(seed=1))
+  assert not os.listdir(tmp_path)
+  over, got = faults.from_overrides({"faults.worker_kills": 2, "inner.lr": 0.1})
+  assert over == {"inner.lr": 0.1} and got == faults.Faults(worker_kills=2)
+  assert faults.from_overrides({"inner.lr": 0.1}) == ({"inner.lr": 0.1}, None)
