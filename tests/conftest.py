@@ -1,9 +1,18 @@
-"""Test setup: 4 fake CPU devices so meshes with a 'path' axis exist."""
+"""Test setup: 4 fake CPU devices so meshes with a 'path' axis exist.
+
+tests/ mirrors the package (core/, io/, runtime/, routing/, data/, ...); the shared
+helpers beside this file (helpers.py, routing_testlib.py, outer_oracle.py) import as
+top-level modules from every subfolder.
+"""
 
 import atexit
 import os
 import shutil
+import sys
 import tempfile
+
+# The shared helpers, whichever folder a test sits in (and under any --import-mode).
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 # Must happen before jax is imported anywhere in the test process.
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):

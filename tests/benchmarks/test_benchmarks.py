@@ -10,7 +10,7 @@ import pytest
 
 import helpers
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = helpers.ROOT
 KEYS = (
   "dipaco_vs_plain_tokens_ratio",
   "inner_flops_fraction_of_gemm_peak",
@@ -21,7 +21,7 @@ KEYS = (
 )
 
 # A child process runs the benchmark end to end: outside the fast suite (-m "not slow").
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.cli]
 
 
 def run_benchmark(script: str, out, *args: str, timeout: int = 240) -> tuple[str, dict]:

@@ -10,7 +10,7 @@ import pytest
 
 import helpers
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = helpers.ROOT
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import noise_scale  # pylint: disable=g-import-not-at-top,wrong-import-position
 
@@ -50,6 +50,7 @@ def test_bad_inputs():
     noise_scale.from_gradients(np.ones((1, 3)), np.ones(1))
 
 
+@pytest.mark.cli
 @pytest.mark.slow  # a 2-step run, then the tool as a user runs it: ~40 s
 def test_the_command_on_a_trained_run_writes_its_report(tmp_path):
   workdir = tmp_path / "run"

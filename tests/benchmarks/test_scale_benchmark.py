@@ -8,10 +8,12 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import helpers
+
+ROOT = helpers.ROOT
 
 # A child process runs the benchmark end to end: outside the fast suite (-m "not slow").
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.cli]
 
 
 def _positive(row: dict, keys) -> None:

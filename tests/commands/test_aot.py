@@ -27,7 +27,7 @@ from dipaco_jax.core import sharding  # pylint: disable=g-import-not-at-top,wron
 
 import helpers  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.aot]
 
 
 def _check(result, steps=("inner", "outer", "eval")):
@@ -120,6 +120,7 @@ def test_bad_input_is_refused_with_one_clear_error():
     aot.Report(config_check.load(tiny, **{"inner.microbatches": 3}), "v5e:2x2", 2)
 
 
+@pytest.mark.cli
 def test_cli_reports_bad_topology_in_one_line():
   out = subprocess.run(
     [sys.executable, "-m", "dipaco_jax.aot", "--config=configs/tiny.py", "--topology=v5e-16"],

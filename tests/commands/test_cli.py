@@ -445,6 +445,7 @@ def _command(module: str, *args: str) -> subprocess.CompletedProcess:
   )
 
 
+@pytest.mark.cli
 @pytest.mark.slow
 @pytest.mark.parametrize(
   "module,extra", [("main", []), ("route", []), ("evaluate", []), ("serve", ["--text=hi"])]
@@ -462,6 +463,7 @@ def test_every_command_prints_one_line(module, extra, tmp_path):
   assert not workdir.exists()
 
 
+@pytest.mark.cli
 @pytest.mark.slow
 @pytest.mark.parametrize(
   "module,extra", [("route", []), ("evaluate", []), ("serve", ["--text=hi"])]
@@ -477,6 +479,7 @@ def test_route_evaluate_serve_read_the_saved_config(module, extra, saved_run):
   ]
 
 
+@pytest.mark.cli
 @pytest.mark.slow
 @pytest.mark.parametrize(
   "module,want",
@@ -485,7 +488,7 @@ def test_route_evaluate_serve_read_the_saved_config(module, extra, saved_run):
     ("route", ["--config", "--workdir", "--verbose_errors"]),
     ("evaluate", ["--config", "--workdir", "--step"]),
     ("serve", ["--config", "--workdir", "--text", "--mode", "--max_new_tokens"]),
-    ("aot", ["--config", "--topology", "--slices", "--out"]),
+    pytest.param("aot", ["--config", "--topology", "--slices", "--out"], marks=pytest.mark.aot),
     ("data", ["--stats", "--task", "--tfds_data_dir", "--vocab_path"]),
   ],
 )
@@ -497,6 +500,7 @@ def test_every_command_help_lists_its_flags(module, want):
   assert not missing, r.stdout
 
 
+@pytest.mark.cli
 @pytest.mark.slow
 def test_verbose_errors_shows_the_traceback(tmp_path):
   r = _command(
@@ -519,6 +523,7 @@ def _last_line(stderr: str) -> str:
   return [l for l in stderr.splitlines() if l.strip()][-1]
 
 
+@pytest.mark.cli
 @pytest.mark.slow
 def test_a_diverged_run_and_a_damaged_checkpoint_stop_in_one_line(tmp_path):
   workdir = tmp_path / "run"

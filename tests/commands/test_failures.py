@@ -520,9 +520,14 @@ def run_case(case: Case, tmp_path, request, monkeypatch=None, capsys=None):
 
 
 def _params(cases):
-  return [
-    pytest.param(c, id=c.name, marks=[pytest.mark.slow] if c.run or c.child else []) for c in cases
-  ]
+  """Each case with what it needs: a child process (cli), the trained run (slow), libtpu (aot)."""
+
+  def marks(c):
+    need = [pytest.mark.slow] if c.run or c.child else []
+    need += [pytest.mark.cli] if c.run or c.child else []
+    return need + ([pytest.mark.aot] if c.entry == "aot" else [])
+
+  return [pytest.param(c, id=c.name, marks=marks(c)) for c in cases]
 
 
 @pytest.mark.parametrize("case", _params(FAILURES))
@@ -564,6 +569,8 @@ def test_verbose_errors_raises_the_error_and_a_bug_keeps_its_traceback(
   assert capsys.readouterr().err == ""
 
 
+@pytest.mark.cli
+@pytest.mark.aot
 @pytest.mark.slow
 def test_aot_verbose_errors_shows_the_traceback():
   r = command(
@@ -574,6 +581,7 @@ def test_aot_verbose_errors_shows_the_traceback():
   assert message_lines(r.stderr)[-1] == "AotError: --slices=0: must be >= 1."
 
 
+@pytest.mark.cli
 @pytest.mark.slow
 def test_serving_past_the_trained_length_warns_in_one_line_and_answers(trained):
   """Within the learned positions (24) but past data.seq_len (16): the output and one warning."""
@@ -601,6 +609,7 @@ def test_serving_past_the_trained_length_warns_in_one_line_and_answers(trained):
   ), lines
 
 
+@pytest.mark.cli
 @pytest.mark.slow
 def test_resuming_without_config_json_warns_and_saves_it(trained, tmp_path):
   """Accepted: the checkpoint's shapes are still checked; one warning, config.json written."""

@@ -14,7 +14,6 @@ store starts at 0.
 import jax
 import jax.numpy as jnp
 import numpy as np
-import outer_oracle
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -27,6 +26,7 @@ from dipaco_jax.core import sharding
 from dipaco_jax.core import topology
 
 import helpers
+import outer_oracle
 
 TOPO = topology.build(("embed,head", "block_0"), (1, 2), 1, replicas=2)
 

@@ -18,7 +18,7 @@ from dipaco_jax.runtime.elastic import errors as elastic_errors
 
 import helpers
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+sys.path.insert(0, os.path.join(helpers.ROOT, "benchmarks"))
 import stream_link  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 
 # Store groups embed [1, 8192, 32] (1 MiB), block_0 [2, ...] (76 KiB), head [1, 32]: the split

@@ -3,8 +3,6 @@
 import os
 
 import pytest
-from test_data_tasks import data_cfg
-from test_data_tasks import write_fake_c4
 
 from dipaco_jax.config import schema
 from dipaco_jax.data import shard_cache
@@ -13,6 +11,8 @@ from dipaco_jax.data import vocab
 from dipaco_jax.runtime import shard_plan
 
 import helpers
+from test_tasks import data_cfg
+from test_tasks import write_fake_c4
 
 
 def run_config(tfds_dir: str, cache: str, **data):

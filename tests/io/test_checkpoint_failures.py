@@ -195,6 +195,7 @@ def _can_mount_tmpfs(tmp_path) -> bool:
   return probe.returncode == 0
 
 
+@pytest.mark.cli
 @pytest.mark.slow
 def test_a_full_disk_stops_the_run_in_one_line_and_the_rerun_resumes(runs, tmp_path):
   if not _can_mount_tmpfs(tmp_path):

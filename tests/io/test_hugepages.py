@@ -47,6 +47,7 @@ def test_thp_setting_is_read_from_the_kernel_file(tmp_path):
   assert not hugepages._thp_enabled(str(tmp_path / "missing"))  # pylint: disable=protected-access
 
 
+@pytest.mark.cli
 def test_a_command_restarts_once_with_the_tunable():
   # The child prints its tunables after maybe_reexec: set once, by exactly one restart.
   code = (

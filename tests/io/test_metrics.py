@@ -292,8 +292,7 @@ def test_the_training_start_imports_no_tensorflow(tmp_path):
     "log.close()\n"
     "print(sorted(m for m in sys.modules if m.split('.')[0] in ('tensorflow', 'seqio')))\n"
   )
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  env = {**os.environ, "PYTHONPATH": root, "JAX_PLATFORMS": "cpu"}
+  env = {**os.environ, "PYTHONPATH": helpers.ROOT, "JAX_PLATFORMS": "cpu"}
   out = subprocess.run(
     [sys.executable, "-c", code, str(tmp_path)], env=env, capture_output=True, text=True
   )

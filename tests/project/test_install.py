@@ -68,6 +68,7 @@ def _messages(stderr: str) -> list[str]:
   return [l for l in stderr.splitlines() if l.strip() and not _RECORD.match(l)]
 
 
+@pytest.mark.cli
 @pytest.mark.slow
 def test_the_readme_command_runs_from_a_wheel_in_an_empty_directory(tmp_path):
   site = _install(tmp_path)

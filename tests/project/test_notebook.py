@@ -203,6 +203,7 @@ SHORT_RUN = {
 }
 
 
+@pytest.mark.cli
 @pytest.mark.slow
 def test_evaluate_notebook_trains_and_evaluates_from_a_fresh_kernel_outside_the_clone(
   tmp_path, monkeypatch

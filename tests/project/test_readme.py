@@ -78,6 +78,7 @@ def test_the_readme_states_the_tiny_runs_figures():
 # an idle 2-core CPU, for CI's budget): the run is deterministic and stopping changes no step,
 # so a change to what the command runs moves its first figures too. The steps 200-500 are
 # re-measured with the whole run (`tiny_run_drift` on its workdir) when the README is updated.
+@pytest.mark.cli
 @pytest.mark.slow
 def test_the_tiny_run_measures_the_readmes_figures(tmp_path):
   workdir = str(tmp_path / "tiny")

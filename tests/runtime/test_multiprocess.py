@@ -25,7 +25,7 @@ from helpers import ROOT
 
 # Three runs of two trainer processes and one of one process: minutes, outside the fast suite
 # (-m "not slow").
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 # Float tolerance: the outer step's cross-path sum runs through gloo across
 # processes instead of in one XLA program, so the summation order may differ.

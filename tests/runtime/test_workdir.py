@@ -73,6 +73,7 @@ def test_theta_of_another_model_is_refused_naming_a_leaf(dense, shard_dir, tmp_p
   assert _untouched(workdir)
 
 
+@pytest.mark.cli
 def test_an_earlier_attempt_that_saved_nothing_never_blocks_the_corrected_command(
   shard_dir, tmp_path
 ):
