@@ -26,7 +26,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache for the session, this process's and its children's (the CLI
 # runs): the tests compile the same tiny programs many times over (2.4x faster on
-# tests/test_workdir.py). Cold at each session start, so no entry outlives its code.
+# tests/runtime/test_workdir.py). Cold at each session start, so no entry outlives its code.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   _JAX_CACHE = tempfile.mkdtemp(prefix="dipaco_tests_jax_cache_")
   atexit.register(shutil.rmtree, _JAX_CACHE, ignore_errors=True)

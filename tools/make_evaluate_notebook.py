@@ -4,7 +4,7 @@
   python tools/make_evaluate_notebook.py --execute --workdir=DIR  # with DIR's outputs (committed)
 
 The committed notebook carries the outputs of the tiny run (configs/tiny.py, then
-`python -m dipaco_jax.evaluate --workdir=DIR`); tests/test_notebook.py runs it in CI, from a
+`python -m dipaco_jax.evaluate --workdir=DIR`); tests/project/test_notebook.py runs it in CI, from a
 fresh kernel outside the clone, on an empty WORKDIR that its training cell fills.
 Edit the cells here, never the .ipynb.
 """

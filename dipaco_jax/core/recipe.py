@@ -13,7 +13,7 @@ over the workers (`jax.vmap`) and jits them with shardings, and runs the outer
 step as one program over the mesh (`outer_program`); the elastic worker jits the
 same single-path step for its one path and the executors jit `module_outer_step`.
 Neither builds a model or an optimizer, so a field of those sections reaches both
-runtimes the same way (tests/test_runtimes.py holds every field to that).
+runtimes the same way (tests/runtime/test_runtimes.py holds every field to that).
 """
 # pylint: disable=invalid-name
 

@@ -179,7 +179,7 @@ def test_generate_batch_groups_texts_by_their_routed_path(saved, monkeypatch):
   assert [o["path"] for o in out] == [shared] * 3 + others
   assert sorted(loads) == sorted({shared, *others})  # Each path's params read once.
   for text, got in zip(texts, out):
-    # Alone, each text gives the same (tests/test_decoding.py: the same as the old full-forward
+    # Alone, each text gives the same (tests/core/test_decoding.py: the same as the old full-forward
     # loop too).
     assert server.generate(text, max_new_tokens=5) == got
     assert got["new_tokens"] == len(got["tokens"]) == 5  # This micro model never picks EOS here.

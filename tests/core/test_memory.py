@@ -2,7 +2,7 @@
 
 Gradient accumulation (inner.microbatches), the chunked cross-entropy
 (model.loss_chunk), remat policies (model.remat) and FSDP (mesh.fsdp) against the
-plain computation (the attention kernels: tests/test_attention.py).
+plain computation (the attention kernels: tests/core/test_attention.py).
 """
 
 import dataclasses
