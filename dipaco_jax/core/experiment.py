@@ -15,7 +15,6 @@ from jax.sharding import PartitionSpec as P
 
 from dipaco_jax.core import exchange as exchange_lib
 from dipaco_jax.core import guard as guard_lib
-from dipaco_jax.core import outer_layouts
 from dipaco_jax.core import paths as paths_lib
 from dipaco_jax.core import recipe as recipe_lib
 from dipaco_jax.core import sharding
@@ -53,7 +52,7 @@ class Experiment:
     abstract = jax.eval_shape(r.init_state, jax.random.key(0), None)
     specs = self._state_specs(abstract)
     if r.compressed:  # Blocks must not straddle the devices that code their parts.
-      outer_layouts.check_block(abstract.params, specs.params, self.mesh.shape, r.outer_cfg)
+      sharding.check_block(abstract.params, specs.params, self.mesh.shape, r.outer_cfg)
     self.state_sharding = sharding.named(self.mesh, specs)
     self.abstract_state = jax.tree.map(
       lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, self.state_sharding

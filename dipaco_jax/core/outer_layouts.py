@@ -37,52 +37,6 @@ from dipaco_jax.core import compression as comp
 from dipaco_jax.core import outer
 from dipaco_jax.core import sharding
 from dipaco_jax.core import topology as topo_lib
-from dipaco_jax.errors import ConfigError
-from dipaco_jax.types import PyTree
-
-
-def check_block(params: PyTree, specs: PyTree, shape, cfg) -> None:
-  """ConfigError unless each device's part of a last axis split over 'model' holds whole blocks.
-
-  (Or over 'data', with FSDP.)
-  A worker codes its Δ_w where it lies, each device its own part of a leaf: the blocks
-  are the whole leaf's (an elastic worker's) only where no block straddles two parts.
-  params: [W, ...] leaves (shapes), specs: their PartitionSpecs, shape: the mesh's.
-  """
-  if cfg.compression in ("none", "bf16"):
-    return
-  block, bad, parts_all = cfg.compression_block, None, []
-  flat = jax.tree_util.tree_flatten_with_path(params)[0]
-  for (kp, x), spec in zip(
-    flat, jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, PartitionSpec))
-  ):
-    # Axes of one device split nothing: the leaf's row is whole there (padded as any row).
-    axes = [a for a in _last_axes(spec, x.ndim) if a != "path" and shape[a] > 1]
-    if not axes:
-      continue
-    n = x.shape[-1]
-    part = n // int(np.prod([shape[a] for a in axes]))
-    parts_all.append(part)
-    if bad is None and part % comp.block_size(n, block):
-      bad = (jax.tree_util.keystr(kp), n, "x".join(f"'{a}'" for a in axes), part)
-  if bad is None:
-    return
-  g = int(np.gcd.reduce(parts_all))
-  fit = max(d for d in range(1, min(block, g) + 1) if g % d == 0)
-  leaf, n, axes, part = bad
-  raise ConfigError(
-    f"config.outer.compression_block={block} puts a block across devices: {leaf}'s last axis "
-    f"({n}) is split over {axes} into parts of {part}; choose a block that divides every "
-    f"such part, e.g. config.outer.compression_block={fit}."
-  )
-
-
-def _last_axes(spec, ndim: int) -> tuple:
-  """The mesh axes splitting a leaf's last axis (as `as_rows` sees it: none for a 1-D leaf)."""
-  if ndim < 2 or len(spec) < ndim or spec[ndim - 1] is None:
-    return ()
-  e = spec[ndim - 1]
-  return tuple(e) if isinstance(e, tuple) else (e,)
 
 
 def _data_part(x: jax.Array, dim: int, ndata: int) -> jax.Array:
@@ -306,7 +260,7 @@ def _downlink_here(old, new, spec, cfg, shape):
   float32 update is gathered along that axis, coded whole, and this device takes its
   part; the wire is then None (the rebuilt params cross instead: the same numbers).
   """
-  axes = _last_axes(spec, old.ndim)
+  axes = sharding.last_axes(spec, old.ndim)
   parts = int(np.prod([shape[a] for a in axes])) if axes else 1
   kind, block = cfg.compression, cfg.compression_block
   n = comp.as_rows(old).shape[-1]
@@ -355,23 +309,17 @@ def sharded_outer_step(
 ):
   """The outer step over `mesh` (a shard_map), its collectives across 'path' written out.
 
-  specs: the PartitionSpecs of (store, outer_opt, params). Each store leaf runs on
-  its layout (the module docstring); the same `weights`, `average` and `apply` as
-  `outer.module_outer_step` and the one-device formula, only the order of the sums
-  may differ. `tx`: the outer optimizer (`outer.optimizer(cfg)`, the recipe's).
+  specs: the PartitionSpecs of (store, outer_opt, params); each store leaf runs on its
+  layout (the module docstring). tx: the outer optimizer (`outer.optimizer(cfg)`). The
+  same `weights`, `average` and `apply` as `outer.module_outer_step` and the one-device
+  formula: only the order of the sums may differ. groups: the store groups this step
+  syncs (a fragment of outer.fragments), None for all; another group crosses nothing and
+  keeps its modules, momentum, workers' params, residuals, and stays out of the ‖Δ‖ metric.
 
-  groups: the store groups this step syncs (a fragment of outer.fragments,
-  core/streaming.py), None for all. Another group crosses nothing: its modules and
-  momentum stay (masked out of the optimizer's step), its workers keep their own params
-  (and residuals), and its ‖Δ‖ is not in the metrics.
-
-  With `cfg.compression` other than "none" the program takes two more inputs and
-  returns one more output: (store, opt, params, α, ef, start) -> (store, opt, params,
-  metrics, ef). ef: each worker's error-feedback residual (params-shaped, float32; {}
-  without feedback); start: each worker's params at the phase's start (its modules:
-  `paths.assemble(store)`), from which a worker of the split layout forms its own Δ_w.
-  The update comes back compressed too (`outer.downlink`: old + decode(C(update)) on the
-  store and at every worker).
+  Compressed (`cfg.compression` != "none"): (store, opt, params, α, ef, start) -> (store,
+  opt, params, metrics, ef), ef each worker's error-feedback residual ({} without feedback),
+  start each worker's phase-start params (`paths.assemble(store)`); the update comes back
+  coded too (`outer.downlink`, on the store and at every worker).
   """
   store_specs, opt_specs, param_specs = specs
   compressed = cfg.compression != "none"
