@@ -20,7 +20,8 @@ raises or returns no ConfigDict (config_check.run_config_file runs it first), a
 workdir or output path that is a file or unwritable, a grid or mesh that cannot
 work, a missing or damaged input file, an empty shard, a diverged run) prints
 one line to stderr and exits with status 1; --verbose_errors shows its
-traceback. Any other exception is a bug and keeps its traceback.
+traceback. Ctrl-C is one line too, with exit status 130. Any other exception
+is a bug and keeps its traceback.
 Each entry module calls `flags.adopt_module_key_flags(cli)` so that its --help
 lists --config, --workdir and --verbose_errors beside its own flags.
 """
@@ -158,6 +159,14 @@ def guard(main: Callable[[list[str]], Any]) -> Callable[[list[str]], Any]:
     quiet_libraries(_LIBRARY_LOG_LEVEL.value)
     try:
       return main(argv)
+    except KeyboardInterrupt:  # Ctrl-C outside training (which says more: train.py).
+      fail(
+        errors.Interrupted(
+          "stopped by Ctrl-C: every file is written whole, so nothing written is damaged; "
+          "rerun the same command to do it again."
+        ),
+        _VERBOSE.value,
+      )
     except Exception as e:  # pylint: disable=broad-except
       if not is_user_error(e):
         raise

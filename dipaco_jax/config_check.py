@@ -178,6 +178,12 @@ def _check_relations(c) -> None:
       "the grid: give each document at most as many shards as there are paths."
     )
   m = c.model
+  width = int(m.d_model * m.mlp_ratio)  # ModelConfig.mlp_dim: the sizes the model derives.
+  if width < 1:
+    raise ConfigError(
+      f"config.model.mlp_ratio={m.mlp_ratio} gives an MLP of width int(d_model x mlp_ratio) = "
+      f"{width} at model.d_model={m.d_model}: raise mlp_ratio to at least {1 / m.d_model:.3g}."
+    )
   if m.positions == "rope" and m.head_dim % 2:
     raise ConfigError(
       f"config.model.head_dim={m.head_dim} is odd: RoPE rotates pairs of "
@@ -242,6 +248,9 @@ def _check_relations(c) -> None:
 def _check_run_inputs(c) -> None:
   """θ̄ given and present; the tokenizer's size against model.vocab_size."""
   # pylint: disable=g-import-not-at-top
+  from etils import epath
+
+  from dipaco_jax.config import sections
   from dipaco_jax.data import vocab
   from dipaco_jax.io import theta
 
@@ -273,7 +282,8 @@ def _check_run_inputs(c) -> None:
       "shards (or unset it for <workdir>/shards)."
     )
   if c.dipaco.init_from:  # Its params' shapes are checked where they are read (io/theta.py).
-    theta.check_source(c.dipaco.init_from)
+    theta.check_source(c.dipaco.init_from, sections.ModelConfig.of(c))
+    theta.check_tokenizer(c.dipaco.init_from, epath.Path(path).read_bytes(), path)
 
 
 def load(path: str, **overrides) -> ml_collections.ConfigDict:

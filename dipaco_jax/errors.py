@@ -28,6 +28,12 @@ class DamagedFileError(UserError):
   """A file the run wrote cannot be read (truncated or corrupted); the message names it."""
 
 
+class Interrupted(UserError):
+  """Ctrl-C (SIGINT) stopped a command: where it stopped and how to go on; exit status 130."""
+
+  exit_code = 130  # 128 + SIGINT, as a shell reports a command it interrupted.
+
+
 class ArgumentError(UserError, ValueError):
   """A bad argument (a command's flag, a text to serve): names it, what it must be, the fix.
 
@@ -50,11 +56,11 @@ def is_user_error(e: BaseException) -> bool:
 
 
 def fail(e: BaseException, verbose: bool) -> NoReturn:
-  """Prints a user error's one line and exits 1; with `verbose`, re-raises it."""
+  """Prints a user error's one line and exits 1 (Interrupted: 130); with `verbose`, re-raises it."""
   if verbose:
     raise e
   print(one_line(e), file=sys.stderr, flush=True)
-  sys.exit(1)
+  sys.exit(getattr(e, "exit_code", 1))
 
 
 def one_line(e: BaseException) -> str:

@@ -1,4 +1,4 @@
-"""Routed evaluation: one path per sequence (or per W-token chunk), prefix excluded.
+"""Routed evaluation, one path per sequence (or per W-token chunk): prefix-excluded perplexity.
 
     python -m dipaco_jax.evaluate --workdir=DIR [--config.eval.rerouters=linear,transformer]
 
@@ -39,6 +39,7 @@ from dipaco_jax.config import sections
 from dipaco_jax.core import experiment as exp_lib
 from dipaco_jax.io import checkpoint as ckpt_lib
 from dipaco_jax.io import files
+from dipaco_jax.io import lock
 from dipaco_jax.io import progress
 from dipaco_jax.routing import report as report_lib
 from dipaco_jax.routing import rerouting
@@ -244,7 +245,7 @@ def evaluate(
   block: int = 128,
   per_sequence: bool = False,
 ) -> dict:
-  """Routed perplexity once per sequence and per W, per-path and own-shard losses.
+  """The prefix-excluded perplexity, routed once per sequence and per W; per-path, own-shard losses.
 
   per_sequence (needs oracle, which scores every path on every sequence): the report also
   holds `per_sequence`, numpy arrays in sequence order: `nll` [N, P] (each path's summed
@@ -407,7 +408,7 @@ def to_markdown(rep: dict) -> str:
     f"{rep['phase']}), {rep['num_sequences']} sequences of <= {rep['seq_len']} tokens, "
     f"{rep['scored_tokens']} scored tokens (first {rep['prefix_len']} excluded)",
     "",
-    "| routing | ppl | loss | path switches / seq |",
+    "| routing | prefix-excluded ppl | loss | path switches / seq |",
     "|---|---:|---:|---:|",
   ]
   for k, v in rep["ppl"].items():
@@ -449,7 +450,15 @@ def specialisation(
 
 
 def evaluate_and_write(config, workdir: str, step: int | None = None) -> str:
-  """Evaluates the store (and the early-stopping set when saved); writes <workdir>/eval/."""
+  """Evaluates the store (and the early-stopping set when saved); writes <workdir>/eval/.
+
+  Holds the workdir's lock (io/lock.py): not while a trainer or route writes it.
+  """
+  with lock.workdir(workdir, "evaluate"):
+    return _evaluate_and_write(config, workdir, step)
+
+
+def _evaluate_and_write(config, workdir: str, step: int | None) -> str:
   out = files.path(workdir) / EVAL_DIR
   files.check_writable(out, "evaluate's reports")  # Before minutes of evaluation.
   run = load_run(config, workdir, step)

@@ -17,6 +17,7 @@ from etils import epath
 from dipaco_jax import errors
 from dipaco_jax.config import schema
 from dipaco_jax.io import files
+from dipaco_jax.io import lock
 
 FILE = files.CONFIG_FILE
 
@@ -207,8 +208,8 @@ def set_aside_earlier_attempt(workdir: epath.Path, config) -> None:
   n = 1 + sum(1 for p in workdir.glob("earlier_attempt_*"))
   aside = workdir / f"earlier_attempt_{n}"
   aside.mkdir()
-  for entry in workdir.iterdir():
-    if not entry.name.startswith("earlier_attempt_"):
+  for entry in workdir.iterdir():  # No other command runs here: this one holds lock.json.
+    if not entry.name.startswith("earlier_attempt_") and entry.name != lock.LOCK_FILE:
       entry.rename(aside / entry.name)
   logging.warning(
     "%s held an earlier attempt of another config that saved no checkpoint; its files are "

@@ -18,7 +18,6 @@ are decoded together (--batch_size at a time, KV cache).
 # pylint: disable=invalid-name
 
 import dataclasses
-import functools
 import hashlib
 import json
 from typing import Any, Callable
@@ -38,8 +37,10 @@ from dipaco_jax.config import sections
 from dipaco_jax.core import decoding
 from dipaco_jax.core import model as model_lib
 from dipaco_jax.core import topology as topo_lib
+from dipaco_jax.core.path_params import load as load_path_params
 from dipaco_jax.data import vocab as vocab_lib
 from dipaco_jax.io import checkpoint
+from dipaco_jax.runtime import console
 from dipaco_jax.types import PyTree
 
 flags.adopt_module_key_flags(cli)  # --help lists --config, --workdir, --verbose_errors.
@@ -70,57 +71,6 @@ for _flag, _ok, _need in (
   (_BATCH, lambda v: v >= 1, "decode at least 1 text at a time: give --batch_size >= 1"),
 ):
   flags.register_validator(_flag, _ok, _need)
-
-
-def load_path_params(
-  workdir: str, config, path: int, *, source: str = "store", step: int | None = None
-) -> tuple[PyTree, dict]:
-  """Path `path`'s params (no leading axis) and what was read: from the store or best set.
-
-  Both come from one checkpoint step (the latest by default): the best set
-  saved with it holds each worker's best params as of that step.
-  """
-  topo = topo_lib.from_config(config)
-  if not 0 <= path < topo.num_paths:
-    raise errors.ArgumentError(
-      f"path {path} is not in this grid (paths 0-{topo.num_paths - 1}): give --path in that "
-      "range, or leave it out for the routed path."
-    )
-  if source not in ("store", "best"):
-    raise errors.ArgumentError(
-      f"source={source!r}: use 'store' (trained modules) or 'best' (per-path early stopping)."
-    )
-  theta = jax.eval_shape(
-    functools.partial(model_lib.init_params, sections.ModelConfig.of(config)), jax.random.key(0)
-  )
-  step = checkpoint.latest_step(workdir) if step is None else step
-  worker = int(np.flatnonzero(topo.path_of_worker == path)[0])
-  if source == "store":
-    row = {
-      s.name: checkpoint.Row(int(s.module_of_worker[worker]), s.num_modules)
-      for s in topo.store_groups()
-    }
-    rows = {"store": {g: jax.tree.map(lambda _, g=g: row[g], sub) for g, sub in theta.items()}}
-  else:
-    if checkpoint.read_best_records(workdir, step) is None:
-      raise checkpoint.NoCheckpointError(
-        f"checkpoint step {step} of {workdir} holds no early-stopping set: train with "
-        "config.early_stopping.enabled=True (the set is saved with every checkpoint after "
-        "the first evaluation)."
-      )
-    rows = jax.tree.map(lambda _: checkpoint.Row(worker, topo.num_workers), theta)
-  before = checkpoint.bytes_read()
-  arrays = checkpoint.read_rows(workdir, step, "state" if source == "store" else "best", rows)
-  params = arrays["store"] if source == "store" else arrays
-  flat = jax.tree.leaves(params)
-  info = {
-    "step": step,
-    "source": source,
-    "arrays": len(flat),
-    "bytes": int(sum(a.nbytes for a in flat)),
-    "bytes_read": checkpoint.bytes_read() - before,
-  }
-  return params, info
 
 
 @dataclasses.dataclass
@@ -292,6 +242,25 @@ class PathServer:
     return out
 
 
+# Below this many parameters a path continues text with its most frequent pieces (spaces,
+# "the", punctuation) rather than sentences: configs/tiny.py's 1.5M-parameter paths do. Models
+# of a few million parameters write sentences only on a narrow corpus (TinyStories-like).
+SMALL_MODEL_PARAMS = 10_000_000
+
+
+def small_model_note(config) -> str | None:
+  """What generate's output says of a path too small to write text, or None."""
+  n = console.params_per_path(config)
+  if n >= SMALL_MODEL_PARAMS:
+    return None
+  return (
+    f"this path has {n / 1e6:.2f}M parameters: a model under {SMALL_MODEL_PARAMS // 10**6}M "
+    "continues text with its most frequent pieces (spaces, common words), not sentences, so "
+    "this output shows the pipeline works, not what DiPaCo writes; --mode=score gives its "
+    "perplexity, and a path of ~100M parameters (configs/dense_150m.py) writes text."
+  )
+
+
 def serve(
   config,
   workdir: str,
@@ -325,9 +294,11 @@ def serve(
   else:
     raise errors.ArgumentError(f"mode={mode!r}: use 'generate' or 'score'.")
   out = [{k: v for k, v in o.items() if k != "tokens"} for o in out]  # Text for the console.
+  note = small_model_note(config) if mode == "generate" else None
+  extra = {"loaded": server.load_info, **({"note": note} if note else {})}
   if len(out) == 1:
-    return json.dumps({**out[0], "loaded": server.load_info}, indent=1)
-  return json.dumps({"results": out, "loaded": server.load_info}, indent=1)
+    return json.dumps({**out[0], **extra}, indent=1)
+  return json.dumps({"results": out, **extra}, indent=1)
 
 
 def main(argv):

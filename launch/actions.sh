@@ -88,6 +88,10 @@ create_resource() {
   ((INTERNAL_IP)) && extra+=(--internal-ips)
   ((SPOT)) && extra+=(--spot)
   ((PREEMPTIBLE)) && extra+=(--preemptible)
+  ((RESERVED)) && extra+=(--reserved)
+  ((GUARANTEED)) && extra+=(--guaranteed)
+  [[ -n $VALID_UNTIL_DURATION ]] && extra+=("--valid-until-duration=$VALID_UNTIL_DURATION")
+  [[ -n $VALID_UNTIL_TIME ]] && extra+=("--valid-until-time=$VALID_UNTIL_TIME")
   if uses_queued_resource; then
     if ((NODE_COUNT > 1)); then
       # The prefix is the default anyway; naming it keeps the node names certain.
@@ -362,4 +366,33 @@ watch_polls() {
     if ((DRY_RUN || (MAX_POLLS && poll >= MAX_POLLS))); then break; fi
     sleep "$POLL_SECONDS"
   done
+}
+
+# The TPU chips of one host of ACCELERATOR_TYPE: Ray's TPU resource, GKE's google.com/tpu (v4
+# and v5p sizes count cores, two per chip; single-host v5e/v6e slices have 1, 4 or 8 chips,
+# larger ones 4 per host).
+chips_per_host() {
+  local gen=${ACCELERATOR_TYPE%-*} size=${ACCELERATOR_TYPE##*-} chips max=8
+  case $gen in
+    v4 | v5p) chips=$((size / 2)) max=4 ;;
+    *) chips=$size ;;
+  esac
+  if ((chips > max)); then chips=4; fi
+  echo "$chips"
+}
+
+# The lines that put the code in NODE_DIR/dipaco_jax.new (a git clone, or the tarball at CODE_URL).
+fetch_code_lines() {
+  local new="$NODE_DIR/dipaco_jax.new"
+  echo "rm -rf $(shell_quote "$new")"
+  if [[ -n $REPO_URL ]]; then
+    shell_join git clone --depth=1 "--branch=$BRANCH" "$REPO_URL" "$new"
+    echo
+  else
+    shell_join gcloud storage cp "$CODE_URL" "$NODE_DIR/code.tar.gz"
+    echo
+    echo "mkdir -p $(shell_quote "$new")"
+    shell_join tar -xzf "$NODE_DIR/code.tar.gz" -C "$new"
+    echo
+  fi
 }

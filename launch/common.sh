@@ -21,6 +21,10 @@ _FLAGS=(
   "node-count|NODE_COUNT|str|1|slices; N > 1 makes a multislice queued resource"
   "queued|QUEUED|bool|0|use a queued resource even for a single slice"
   "spot|SPOT|bool|0|Spot TPUs (cheaper, preemptible at any time)"
+  "reserved|RESERVED|bool|0|queued resource from the project's reservation (queued resources only)"
+  "guaranteed|GUARANTEED|bool|0|queued resource that is never preempted (queued resources only)"
+  "valid-until-duration|VALID_UNTIL_DURATION|str||queued resource request expires if not filled within this long, e.g. 6h or 2d"
+  "valid-until-time|VALID_UNTIL_TIME|str||queued resource request expires if not filled by this time (RFC 3339, e.g. 2026-12-01T09:00:00Z)"
   "preemptible|PREEMPTIBLE|bool|0|legacy preemptible TPU VM (TPU VMs only; prefer --spot)"
   "service-account|SERVICE_ACCOUNT|str||create.sh: the TPU VMs' service account (default: the project's Compute Engine default); project.sh: the account to grant the bucket to"
   "internal-ip|INTERNAL_IP|bool|0|TPU VMs without external IPs (create --internal-ips); ssh/scp reach them by internal IP, so run the scripts inside the VPC"
@@ -64,8 +68,10 @@ _FLAGS=(
   "head-address|HEAD_ADDRESS|str||ray_workers.sh, ray_watch.sh: host (IP or DNS name) the pool joins (default: the head VM's internal IP)"
   "ray-port|RAY_PORT|str|6379|ray_*.sh: the head's Ray port (GCS)"
   "network|NETWORK|str|default|ray_*.sh: VPC network of the head, the pool and the firewall rule"
-  "node-dir|NODE_DIR|str|/opt/dipaco|ray_*.sh: code, venv and logs on each Ray node (absolute)"
-  "code-url|CODE_URL|str||ray_*.sh: gs:// object of the code the Ray nodes install at boot (default: WORKDIR/code/dipaco_jax.tar.gz)"
+  "node-dir|NODE_DIR|str|/opt/dipaco|ray_*.sh, gke.sh: code and venv on each Ray node or GKE pod (absolute)"
+  "code-url|CODE_URL|str||ray_*.sh, gke.sh: gs:// object of the code the Ray nodes or GKE pods install when they start (default: WORKDIR/code/dipaco_jax.tar.gz)"
+  "cluster|CLUSTER|str||gke.sh: the GKE cluster (in --zone) with a TPU node pool per slice and JobSet installed"
+  "image|IMAGE|str|gcr.io/google.com/cloudsdktool/google-cloud-cli:slim|gke.sh: the pods' container image (needs bash, curl and gcloud)"
 )
 
 # Known slice sizes (the number after the dash) and default software version per generation.
@@ -200,6 +206,7 @@ validate_resource() {
   if ((PREEMPTIBLE)) && uses_queued_resource; then
     die "--preemptible is for single TPU VMs; queued resources (--node-count > 1, --queued) take --spot"
   fi
+  validate_queueing
   _is_count "$POLL_SECONDS" || die "--poll-seconds=$POLL_SECONDS: need a whole number of seconds"
   _is_count "$MAX_POLLS" || die "--max-polls=$MAX_POLLS: need a whole number (0: poll forever)"
   _is_count "$MAX_FAILURES" || die "--max-failures=$MAX_FAILURES: need a whole number"
@@ -223,6 +230,28 @@ validate_train() {
 }
 
 uses_queued_resource() { ((NODE_COUNT > 1 || QUEUED)); }
+
+# The queued resource's capacity (--spot, --reserved, --guaranteed: one at most) and how long its
+# request waits (--valid-until-duration or --valid-until-time); each queued-only flag is refused
+# for a single TPU VM, which `tpu-vm create` makes at once or not at all.
+validate_queueing() {
+  local queued_only=""
+  ((SPOT + RESERVED + GUARANTEED < 2)) ||
+    die "--spot, --reserved and --guaranteed each name the capacity to use: pick one"
+  ((RESERVED)) && queued_only=--reserved
+  ((GUARANTEED)) && queued_only=--guaranteed
+  [[ -n $VALID_UNTIL_DURATION ]] && queued_only=--valid-until-duration
+  [[ -n $VALID_UNTIL_TIME ]] && queued_only=--valid-until-time
+  if [[ -n $queued_only ]] && ! uses_queued_resource; then
+    die "$queued_only is a queued resource's: add --queued (or --node-count > 1)"
+  fi
+  [[ -z $VALID_UNTIL_DURATION || -z $VALID_UNTIL_TIME ]] ||
+    die "--valid-until-duration and --valid-until-time both set the expiry: pick one"
+  [[ -z $VALID_UNTIL_DURATION || $VALID_UNTIL_DURATION =~ ^([0-9]+[dhms])+$ ]] ||
+    die "--valid-until-duration=$VALID_UNTIL_DURATION: need a duration like 6h, 2d or 1h30m"
+  [[ -z $VALID_UNTIL_TIME || $VALID_UNTIL_TIME =~ ^[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}(:[0-9]{2}(\.[0-9]+)?)?(Z|[+-][0-9]{2}:[0-9]{2})$ ]] ||
+    die "--valid-until-time=$VALID_UNTIL_TIME: need an RFC 3339 time like 2026-12-01T09:00:00Z"
+}
 
 # The TPU VM node names: NAME, or NAME-0 .. NAME-<N-1> for a multislice queued resource.
 node_names() {

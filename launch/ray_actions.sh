@@ -38,18 +38,6 @@ validate_ray() {
   RAY_TAG="$NAME-ray"
 }
 
-# Ray's TPU resource of one host of ACCELERATOR_TYPE: its chips (v4 and v5p sizes count cores,
-# two per chip; single-host v5e/v6e slices have 1, 4 or 8 chips, larger ones 4 per host).
-chips_per_host() {
-  local gen=${ACCELERATOR_TYPE%-*} size=${ACCELERATOR_TYPE##*-} chips max=8
-  case $gen in
-    v4 | v5p) chips=$((size / 2)) max=4 ;;
-    *) chips=$size ;;
-  esac
-  if ((chips > max)); then chips=4; fi
-  echo "$chips"
-}
-
 # Chips in the whole pool: one worker actor each (elastic workers run a path on one device).
 pool_chips() {
   local gen=${ACCELERATOR_TYPE%-*} size=${ACCELERATOR_TYPE##*-}
@@ -112,22 +100,6 @@ ensure_firewall() {
 
 # --- the startup script ------------------------------------------------------------------------
 
-# The lines that put the code in NODE_DIR/dipaco_jax.new (a git clone, or the tarball at CODE_URL).
-_fetch_lines() {
-  local new="$NODE_DIR/dipaco_jax.new"
-  echo "rm -rf $(shell_quote "$new")"
-  if [[ -n $REPO_URL ]]; then
-    shell_join git clone --depth=1 "--branch=$BRANCH" "$REPO_URL" "$new"
-    echo
-  else
-    shell_join gcloud storage cp "$CODE_URL" "$NODE_DIR/code.tar.gz"
-    echo
-    echo "mkdir -p $(shell_quote "$new")"
-    shell_join tar -xzf "$NODE_DIR/code.tar.gz" -C "$new"
-    echo
-  fi
-}
-
 # Prints the startup script of a Ray node: `head` (ray start --head on its internal IP) or
 # `worker` (joins HEAD_ADDRESS:RAY_PORT advertising its TPU chips). GCE runs it as root on every
 # boot, so a re-created spot VM installs and joins with no operator; systemd restarts Ray when it
@@ -153,7 +125,7 @@ ray_startup_script() {
 set -euo pipefail
 export HOME=/root
 mkdir -p $(shell_quote "$NODE_DIR")
-$(_fetch_lines)
+$(fetch_code_lines)
 $(shell_join "${install[@]}")
 cat >$(shell_quote "$NODE_DIR/ray_start.sh") <<'START'
 #!/bin/bash

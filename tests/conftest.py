@@ -1,8 +1,9 @@
 """Test setup: 4 fake CPU devices so meshes with a 'path' axis exist.
 
 tests/ mirrors the package (core/, io/, runtime/, routing/, data/, ...); the shared
-helpers beside this file (helpers.py, routing_testlib.py, outer_oracle.py) import as
-top-level modules from every subfolder.
+helpers beside this file (helpers.py, routing_testlib.py, outer_oracle.py,
+failure_rows.py) import as top-level modules from every subfolder, and so does every
+test file (its name is unique across the folders): a file may use another's cases.
 """
 
 import atexit
@@ -11,8 +12,15 @@ import shutil
 import sys
 import tempfile
 
-# The shared helpers, whichever folder a test sits in (and under any --import-mode).
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# The shared helpers and the test files, whichever folder a test sits in (and under any
+# --import-mode): docs/failures.md's table reads every file's cases, and a file may reuse
+# another's (test_failures.message_lines, test_damaged_files's damage).
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [_TESTS] + sorted(
+  d
+  for d, _, files in os.walk(_TESTS)
+  if d != _TESTS and any(f.startswith("test_") and f.endswith(".py") for f in files)
+)
 
 # Must happen before jax is imported anywhere in the test process.
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):

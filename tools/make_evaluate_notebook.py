@@ -3,9 +3,10 @@
   python tools/make_evaluate_notebook.py                          # cells only (no outputs)
   python tools/make_evaluate_notebook.py --execute --workdir=DIR  # with DIR's outputs (committed)
 
-The committed notebook carries the outputs of the tiny run (configs/tiny.py, then
-`python -m dipaco_jax.evaluate --workdir=DIR`); tests/project/test_notebook.py runs it in CI, from a
-fresh kernel outside the clone, on an empty WORKDIR that its training cell fills.
+The committed notebook carries the outputs of a tiny run (configs/tiny.py with
+model.mlp=swiglu, then `python -m dipaco_jax.evaluate --workdir=DIR`);
+tests/project/test_notebook.py runs it in CI, from a fresh kernel outside the clone, on an empty
+WORKDIR that its training cell fills.
 Edit the cells here, never the .ipynb.
 """
 
@@ -63,9 +64,12 @@ run (no `config.json`), the training cell trains `CONFIG` there first, as
 inside the package: no clone needed). The tiny run (500 inner steps) took {TRAIN_TIME}; a
 Colab CPU runtime (2 vCPUs) should take about as long (an estimate from that timing, not measured
 on Colab). `TRAIN_OVERRIDES` shortens it, e.g.
-`{{"dipaco.outer_steps": 2}}` for 100 steps.
+`{{"model.mlp": "swiglu", "dipaco.outer_steps": 2}}` for 100 steps; its default trains Llama's
+SwiGLU MLP instead of the config's GELU, so that the last cell can export a path as a Hugging
+Face Llama checkpoint and load it back with `transformers`.
 
-The outputs below are the tiny run's (`configs/tiny.py`, 500 inner steps on a 2-core CPU, then
+The outputs below are a tiny run's (`configs/tiny.py` with `model.mlp=swiglu`, stopped after 200
+of its 500 inner steps with `config.stop_at_step=200` on a 2-core CPU, then
 `python -m dipaco_jax.evaluate`).""",
   ),
   (
@@ -80,17 +84,21 @@ REPO_URL = "%s"  #@param {type:"string"}
 # What the training cell trains when WORKDIR holds no run: a config file (configs/NAME.py is
 # the package's own) and {"section.field": value} overrides, as --config.section.field=value.
 CONFIG = "configs/tiny.py"  #@param {type:"string"}
-TRAIN_OVERRIDES = "{}"  #@param {type:"string"}
+# model.mlp="swiglu": Llama's MLP, so the export cell can write the run as Llama checkpoints.
+TRAIN_OVERRIDES = "{\\"model.mlp\\": \\"swiglu\\"}"  #@param {type:"string"}
 MAX_DOCS = 0  #@param {type:"integer"}
 # Evaluation overrides of the run's config, e.g. {"routing.prefix_len": 32}.
 OVERRIDES = "{}"  #@param {type:"string"}
+# Where the export cell writes path 0 as a Hugging Face Llama checkpoint (a local folder).
+EXPORT_DIR = "/tmp/dipaco_tiny_hf"  #@param {type:"string"}
 
 WORKDIR = os.environ.get("DIPACO_NB_WORKDIR", WORKDIR)
 REPO_URL = os.environ.get("DIPACO_NB_REPO_URL", REPO_URL)
 CONFIG = os.environ.get("DIPACO_NB_CONFIG", CONFIG)
 TRAIN_OVERRIDES = json.loads(os.environ.get("DIPACO_NB_TRAIN_OVERRIDES", TRAIN_OVERRIDES))
 MAX_DOCS = int(os.environ.get("DIPACO_NB_MAX_DOCS", MAX_DOCS))  # Validation docs (0 = all).
-OVERRIDES = json.loads(os.environ.get("DIPACO_NB_OVERRIDES", OVERRIDES))"""
+OVERRIDES = json.loads(os.environ.get("DIPACO_NB_OVERRIDES", OVERRIDES))
+EXPORT_DIR = os.environ.get("DIPACO_NB_EXPORT_DIR", EXPORT_DIR)"""
     % REPO_URL,
   ),
   (
@@ -343,6 +351,46 @@ else:
   print("best step per worker:", meta["step"])
   print(f"routed ppl, once per sequence: final {rep['ppl']['once']:.3f}, "
         f"per-path early stopping {best['ppl']['once']:.3f}")""",
+  ),
+  (
+    "md",
+    """## Export a path to Hugging Face and load it with `transformers`
+
+`python -m dipaco_jax.export` writes paths as Llama checkpoints (`config.json`,
+`model.safetensors`, the SentencePiece tokenizer), the router beside them and a README on routing
+an input. A run with Llama's architecture exports (RMSNorm, RoPE, SwiGLU); a GELU run is
+refused in one line. `transformers` (Colab has it; locally the `hf` extra) then loads path 0,
+and its logits on a text are the JAX path's.""",
+  ),
+  (
+    "code",
+    """out = os.path.join(EXPORT_DIR, f"step_{run.step}")
+cmd = ["-m", "dipaco_jax.export", f"--workdir={WORKDIR}", "--path=0", f"--out={out}"]
+if os.path.exists(os.path.join(out, "README.md")):
+  print(f"{out} holds this step's export: loading it")
+else:
+  print("exporting: python", " ".join(cmd), flush=True)
+  done = subprocess.run([sys.executable, *cmd], capture_output=True, text=True)
+  print((done.stdout + done.stderr).strip())
+if os.path.exists(os.path.join(out, "README.md")):
+  import torch
+  import transformers
+
+  from dipaco_jax.core import model as model_lib
+  from dipaco_jax.core import path_params
+
+  model = transformers.LlamaForCausalLM.from_pretrained(f"{out}/path_0", dtype=torch.float32)
+  tok = transformers.AutoTokenizer.from_pretrained(f"{out}/path_0")
+  ids = tok("It is a truth universally acknowledged, that", return_tensors="pt")["input_ids"]
+  with torch.no_grad():
+    theirs = model.eval()(ids).logits[0].numpy()
+  params, _ = path_params.load(WORKDIR, config, 0)
+  apply = model_lib.Transformer(run.exp.model_cfg).apply
+  ours = np.asarray(apply({"params": params}, ids.numpy()))[0]
+  print(f"transformers' LlamaForCausalLM logits vs the JAX path's: max |difference| "
+        f"{np.abs(theirs - ours).max():.1e} over {theirs.size} logits")
+  new = model.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1]:]
+  print("transformers continues the text with:", repr(tok.decode(new)))""",
   ),
 ]
 

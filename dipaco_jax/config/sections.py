@@ -32,7 +32,7 @@ SQRT_MODES = ("multiply", "divide", "none")  # √P_{l,e} rescale of Δ (paper �
 COMPRESSIONS = ("none", "bf16", "int8", "fp4", "topk2")  # Δ_w on the wire (core/compression.py).
 INITS = ("shared", "independent")  # Every module from one θ̄, or each its own.
 MODES = ("spmd", "elastic")
-TASKS = ("dipaco_embedded", "c4_en")  # The seqio tasks data/tasks.py registers.
+TASKS = ("dipaco_embedded", "c4_en")  # data/tasks.py reads both (c4_en through seqio).
 # The tfds dataset the c4_en task reads: the version of the public prepared copy
 # (gs://allennlp-tensorflow-datasets/c4/en/3.0.1, docs/data.md).
 C4_TFDS_NAME = "c4/en:3.0.1"
@@ -412,7 +412,9 @@ class RoutingConfig(f.Section):
     'Phase-0 shards: "random" (i.i.d.) | "kmeans" | "product_kmeans".',
   )
   prefix_len: int = f.field(
-    32, count, "Tokens the router reads (paper: 32); excluded from routed perplexity."
+    32,
+    count,
+    "Tokens the router reads (paper: 32); left out of evaluate's prefix-excluded perplexity.",
   )
   feature_batch_size: int = f.field(
     64, count, "Documents per θ̄ feature batch (jit, over local devices)."

@@ -29,10 +29,14 @@ from dipaco_jax.config import sections
 
 STUCK_MARGIN = 0.01  # Nats: a loss this close to ln V counts as "at" it.
 
-_LOWER_LR = (
-  "Lower config.inner.lr, raise config.inner.warmup_steps or set "
-  "config.inner.clip_norm, then rerun the same command to resume"
-)
+INNER_LR = "config.inner.lr"  # The inner LR field(s) a stop names (Muon's too: Recipe.guard).
+
+
+def _lower_lr(lr: str) -> str:
+  return (
+    f"Lower {lr}, raise config.inner.warmup_steps or set config.inner.clip_norm, then rerun "
+    "the same command to resume"
+  )
 
 
 def all_finite(tree) -> jax.Array:
@@ -61,6 +65,7 @@ class DivergenceGuard:
     labels: list[str],
     kept: str = "no checkpoint was saved",
     fetch=jax.device_get,
+    lr: str = INNER_LR,
   ):
     """The rules over workers `labels`.
 
@@ -68,7 +73,7 @@ class DivergenceGuard:
     brings a phase's reference norms ({group: norms}) to this host (the spmd loop's gathers
     across processes); None: they are read where they are (one process, e.g. an elastic task).
     """
-    self.cfg, self.labels, self.kept, self.fetch = cfg, labels, kept, fetch
+    self.cfg, self.labels, self.kept, self.fetch, self.lr = cfg, labels, kept, fetch, lr
     self.ln_v = float(np.log(vocab_size))
     self.warmup, self.H = warmup_steps, inner_steps
     self._reference = {}  # Inner phase -> (its start step, {group: norms [W]}).
@@ -106,7 +111,7 @@ class DivergenceGuard:
       self._stop(
         NonFiniteLossError,
         f"non-finite training loss at step {step} on paths {self._paths(bad_W)}",
-        _LOWER_LR,
+        _lower_lr(self.lr),
       )
     self._check_norms(step, norms)
     if not self.cfg.stuck_steps:
@@ -122,7 +127,7 @@ class DivergenceGuard:
           f"training loss stayed at or above ln V = {self.ln_v:.3f} (uniform prediction; "
           f"mean {np.max(mean_W):.3f}) over steps {step - n + 1}-{step} "
           f"on paths {self._paths(bad_W)}, after warmup",
-          "Check config.inner.lr (too high blows the model up, too low never leaves "
+          f"Check {self.lr} (too high blows the model up, too low never leaves "
           "ln V) and start again in a new --workdir, or raise config.guard.stuck_steps",
         )
 
@@ -149,7 +154,7 @@ class DivergenceGuard:
         f"parameter norm of {groups[g]} grew {ratio_GxW[g, w]:.3g}x since step {start} "
         f"(to {norm_GxW[g, w]:.3g}) on paths {self._paths(bad_GxW.any(0))} at step {step}, "
         f"over config.guard.max_param_norm_ratio={ratio_max:g}",
-        _LOWER_LR,
+        _lower_lr(self.lr),
       )
 
   def not_finite(self, step: int) -> None:
@@ -157,5 +162,5 @@ class DivergenceGuard:
     self._stop(
       NonFiniteLossError,
       f"non-finite parameters after step {step}",
-      "Lower config.inner.lr or config.outer.lr, then rerun the same command to resume",
+      f"Lower {self.lr} or config.outer.lr, then rerun the same command to resume",
     )

@@ -324,6 +324,8 @@ class Recipe:
 
   def guard(self, labels: list[str], **kw) -> guard_lib.DivergenceGuard:
     """The divergence guard over workers `labels` (config.guard's thresholds)."""
+    if self.inner_cfg.optimizer == "muon":  # Its stops name both LRs: either may be the cause.
+      kw.setdefault("lr", "config.inner.lr (AdamW's leaves) or config.inner.muon_lr (Muon's)")
     return guard_lib.DivergenceGuard(
       self.guard_cfg,
       vocab_size=self.model_cfg.vocab_size,

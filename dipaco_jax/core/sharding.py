@@ -46,9 +46,14 @@ class MeshError(ConfigError):
 
 
 def _num_slices(devices: Sequence[Any], requested: int) -> int:
-  if requested > 0:
-    return requested
-  return len({getattr(d, "slice_index", 0) for d in devices})
+  """The slices the devices form; a requested count they do not form is refused (MeshError)."""
+  found = len({getattr(d, "slice_index", 0) for d in devices})
+  if requested > 0 and requested != found:
+    raise MeshError(
+      f"config.mesh.num_slices={requested} but the {len(devices)} {devices[0].platform} devices "
+      f"form {found} slice(s): set num_slices={found}, or 0 to take it from the devices."
+    )
+  return found
 
 
 def check_path_axis(path: int, num_workers: int) -> None:

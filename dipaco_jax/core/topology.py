@@ -147,7 +147,13 @@ def _parse_paths(specs: Sequence[str], ks: Sequence[int]) -> np.ndarray:
     )
   rows = []
   for s in specs:
-    ids = [int(x) for x in str(s).split("-")]
+    try:
+      ids = [int(x) for x in str(s).split("-")]
+    except ValueError:
+      raise TopologyError(
+        f"config.dipaco.paths has path {s!r}: write each path as its module ids, one per level, "
+        "joined by '-' (e.g. '0-1')."
+      ) from None
     if len(ids) != len(ks):
       raise TopologyError(
         f"path '{s}' names {len(ids)} modules but the grid has {len(ks)} "

@@ -1,6 +1,7 @@
-"""Data layer: embedded corpus, seqio/tfds front end, per-path shards and packed batches.
+"""Data layer: embedded corpus, tfds/seqio front end, per-path shards and packed batches.
 
-Everything here but `iter_documents` runs without TensorFlow: the trainer reads shards with numpy.
+Nothing here imports TensorFlow but the c4_en task's reader (data/c4.py, the `c4` extra): the
+embedded corpus is read through tfds's array_record files and the trainer reads shards with numpy.
 """
 
 from dipaco_jax.config import sections
@@ -12,6 +13,7 @@ from dipaco_jax.data.batcher import synthetic_batch
 from dipaco_jax.data.document import Document
 from dipaco_jax.data.prepare import check_shard_dir
 from dipaco_jax.data.prepare import finish_shards
+from dipaco_jax.data.prepare import one_writer
 from dipaco_jax.data.prepare import prepare_shards
 from dipaco_jax.data.prepare import wait_for_parts
 from dipaco_jax.data.prepare import write_shard_part
@@ -28,6 +30,7 @@ __all__ = [
   "ShardSet",
   "check_shard_dir",
   "finish_shards",
+  "one_writer",
   "iter_documents",
   "prepare_shards",
   "random_assignment",
@@ -49,7 +52,7 @@ def iter_documents(
   part: int = 0,
   num_parts: int = 1,
 ):
-  """Streams tokenized documents of a seqio task split (imports TensorFlow on first use).
+  """Streams tokenized documents of a task split (c4_en imports seqio and TensorFlow).
 
   part i of num_parts N: the documents of the split's i-th contiguous 1/N (tfds.even_splits).
   """

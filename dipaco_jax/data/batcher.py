@@ -19,6 +19,7 @@ from typing import Sequence
 
 import numpy as np
 
+from dipaco_jax.data.shards import EmptyShardError
 from dipaco_jax.data.shards import ShardSet
 
 STATE_VERSION = 2  # 2: keys name workers.
@@ -185,9 +186,11 @@ class WorkerBatcher:
       if holdout is not None:
         docs = _Subset(docs, holdout.indices(len(docs), worker, seed))
       if not len(docs):
-        raise ValueError(
-          f"Worker {worker} has an empty {split!r} shard in {shard_set.shard_dir}; "
-          "it cannot feed a batch (it was written with empty_policy='allow')."
+        raise EmptyShardError(
+          f"Worker {worker} has an empty {split!r} shard in {shard_set.shard_dir}"
+          + (" once early stopping's held-out documents are set aside" if holdout else "")
+          + "; it cannot feed a batch: fewer workers, a smaller config.data.subsample, or "
+          "config.data.empty_shard_policy='error' (refused when the shards are written)."
         )
       if interleave == 1:
         self._streams.append(_WorkerStream(docs, worker, seed, shuffle, repeat))

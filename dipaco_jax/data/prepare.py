@@ -5,7 +5,9 @@ every process calls `write_shard_part(..., part=i, num_parts=N)`, then process 0
 `finish_shards(..., num_parts=N)` once every part is done (a barrier, or `wait_for_parts`).
 """
 
+import contextlib
 import hashlib
+import os
 import sys
 import time
 
@@ -19,6 +21,7 @@ from dipaco_jax.data import shards
 from dipaco_jax.data import vocab
 from dipaco_jax.errors import ConfigError
 from dipaco_jax.io import files
+from dipaco_jax.io import lock
 
 # Fields of the shard dir's meta.json that must match the run's config for the dir to be reused.
 MATCH_FIELDS = (
@@ -46,12 +49,18 @@ def split_policy(policy: str, split: str) -> str:
   return policy
 
 
+# How the embedded corpus is read (data/embedded.py): SentencePiece's own ids, which break ties
+# between equal-scoring pieces of a run of repeated characters otherwise than tf_text's
+# (seqio's, before): shards of the two never pass for each other.
+EMBEDDED_READER = "spm"
+
+
 def source_name(data_cfg) -> str:
   """The documents' source: C4's tfds name and version, or the embedded corpus's manifest hash."""
   if data_cfg.task == "c4_en":
     return data_cfg.tfds_name
   with open(corpus.MANIFEST_PATH, "rb") as f:
-    return f"{data_cfg.task}:{hashlib.sha256(f.read()).hexdigest()[:12]}"
+    return f"{data_cfg.task}:{hashlib.sha256(f.read()).hexdigest()[:12]}:{EMBEDDED_READER}"
 
 
 def shard_config(data_cfg, num_workers: int, assign: assign_lib.Assignment) -> dict:
@@ -199,6 +208,22 @@ def finish_shards(
   files.write_json(root / shards.META, meta)  # last: the dir is complete
   (root / PENDING).unlink()
   return shards.ShardSet(shard_dir)
+
+
+@contextlib.contextmanager
+def one_writer(shard_dir: str, num_parts: int = 1):
+  """While one process fills a shard dir, another filling the same one waits (io/lock.py).
+
+  Two runs sharing a data.shard_dir (or a route and a run) would write the same part
+  files at once; the second finds the dir complete once the first lets go. A job of
+  N processes writes its parts together by design, and gs:// has no locks: no lock.
+  """
+  if num_parts > 1 or files.is_remote(shard_dir):
+    yield
+    return
+  folder, name = os.path.split(os.path.abspath(shard_dir))
+  with lock.exclusive(os.path.join(folder, f".{name}.lock"), f"writing the shards {shard_dir}"):
+    yield
 
 
 def prepare_shards(data_cfg, num_workers: int, shard_dir: str, *, assign=None) -> shards.ShardSet:

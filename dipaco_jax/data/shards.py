@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import struct
+import uuid
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -49,7 +50,7 @@ class EmptyShardError(errors.UserError, ValueError):
   """Some worker received no document."""
 
 
-class IncompleteShardsError(errors.UserError):
+class IncompleteShardsError(errors.UserError, ValueError):
   """Some process's part of a split has no done-marker (still running, or it crashed)."""
 
 
@@ -173,9 +174,11 @@ class ShardSet:
       for split in corpus.SPLITS
       if (root / split / META).exists()
     }
+    self.meta = read_json(root / META, shard_dir) if (root / META).exists() else {}
+    self._check_meta(root)
     if not self._splits:
       begun = [s for s in corpus.SPLITS if (root / s / PARTS_DIR).exists()]
-      raise ValueError(
+      raise IncompleteShardsError(
         f"Shard dir {shard_dir} holds no complete split (no <split>/{META}); an interrupted "
         + (
           f"write ({begun[0]} has parts): rerun the same command, the finished parts are kept."
@@ -183,12 +186,32 @@ class ShardSet:
           else "write? Delete it and write it again."
         )
       )
-    num_workers = {m["num_workers"] for m in self._splits.values()}
-    if len(num_workers) != 1:
-      raise ValueError(f"Splits of {shard_dir} disagree on num_workers: {num_workers}.")
-    self.num_workers = num_workers.pop()
-    self.meta = read_json(root / META, shard_dir) if (root / META).exists() else {}
+    self.num_workers = next(iter(self._splits.values()))["num_workers"]
     self._open = {}
+
+  def _check_meta(self, root: epath.Path) -> None:
+    """The splits' meta.json files against each other and the dir's: DamagedFileError if not."""
+    for split in self.meta.get("splits", []):
+      if split not in self._splits:
+        raise damaged(
+          root / split / META, self.shard_dir, f"missing, though {root / META} lists {split!r}"
+        )
+    listed = self.meta.get("tokens", {})
+    for split, m in self._splits.items():
+      where = root / split / META
+      try:
+        W = int(m["num_workers"])
+        counts = {k: len(m[k]) for k in ("tokens", "docs", "files")}
+      except (KeyError, TypeError, ValueError) as e:
+        raise damaged(where, self.shard_dir, f"no valid {e} entry") from None
+      if any(n != W for n in counts.values()):
+        raise damaged(where, self.shard_dir, f"{counts} entries for {W} workers")
+      if "num_workers" in self.meta and W != self.meta["num_workers"]:
+        raise damaged(
+          where, self.shard_dir, f"{W} workers, {root / META} says {self.meta.get('num_workers')}"
+        )
+      if split in listed and list(listed[split]) != list(m["tokens"]):
+        raise damaged(where, self.shard_dir, f"its token counts differ from {root / META}'s")
 
   @property
   def splits(self) -> tuple[str, ...]:
@@ -196,7 +219,7 @@ class ShardSet:
 
   def _split_meta(self, split: str) -> dict:
     if split not in self._splits:
-      raise ValueError(
+      raise IncompleteShardsError(
         f"Shard dir {self.shard_dir} has no complete {split!r} split; it has {self.splits}."
       )
     return self._splits[split]
@@ -236,6 +259,7 @@ def _local_copy(remote_file: str) -> str:
   local = os.path.join(CACHE_DIR, key, os.path.basename(remote_file))
   if not os.path.exists(local):
     os.makedirs(os.path.dirname(local), exist_ok=True)
-    epath.Path(remote_file).copy(local + ".tmp", overwrite=True)
-    os.replace(local + ".tmp", local)  # atomic: a half-copied file is never mistaken for whole
+    tmp = f"{local}.{uuid.uuid4().hex}.tmp"  # Its own: runs on one host copy it at once.
+    epath.Path(remote_file).copy(tmp, overwrite=True)
+    os.replace(tmp, local)  # atomic: a half-copied file is never mistaken for whole
   return local

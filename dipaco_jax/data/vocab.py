@@ -15,7 +15,25 @@ spm.set_min_log_level(1)
 
 # T5 conventions, shared with the T5 32k C4 vocabulary: pad doubles as the BOS of shifted inputs.
 PAD_ID, EOS_ID, UNK_ID = 0, 1, 2
-DEFAULT_VOCAB_PATH = os.path.join(corpus.ASSETS_DIR, "dipaco_spm8k.model")
+# The shipped SentencePiece models of the embedded corpus, by size (tools/train_tokenizer.py):
+# 8k is the default; 1k (2.08 characters per token against 3.19) gives small paths more tokens
+# per parameter from the same text and a smaller embedding (docs/results/capacity.md).
+SHIPPED_VOCABS = {8192: "dipaco_spm8k.model", 1024: "dipaco_spm1k.model"}
+DEFAULT_VOCAB_SIZE = 8192
+
+
+def shipped_path(size: int = DEFAULT_VOCAB_SIZE) -> str:
+  """The shipped model of `size` pieces; one line naming the sizes there are otherwise."""
+  if size not in SHIPPED_VOCABS:
+    raise errors.ConfigError(
+      f"No shipped tokenizer has {size} pieces; the shipped sizes are {sorted(SHIPPED_VOCABS)} "
+      f"(train another with `python tools/train_tokenizer.py --vocab_size={size} --out=FILE` "
+      "and pass it as data.vocab_path)."
+    )
+  return os.path.join(corpus.ASSETS_DIR, SHIPPED_VOCABS[size])
+
+
+DEFAULT_VOCAB_PATH = shipped_path()
 # The T5 32k SentencePiece model for C4 runs (on GCS; copy it next to the data for offline use).
 T5_VOCAB_PATH = "gs://t5-data/vocabs/cc_all.32000/sentencepiece.model"
 

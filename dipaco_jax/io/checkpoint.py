@@ -138,6 +138,8 @@ class Checkpointer:
       data_state = {**data_state, _BEST_RECORDS: records}
       items["best"] = ocp.args.StandardSave(params_W, save_args=module_chunks(params_W))
       trees["best"] = params_W
+    # The items of this step, in the data item: none can then go missing unnoticed (checksums).
+    data_state = {**data_state, layout.SAVED_ITEMS: sorted(trees) + ["data", CHECKSUMS]}
     items["data"] = ocp.args.JsonSave(data_state)
     # This module's row_checksums, looked up at each save: a test replaces it to sum as on hosts.
     items[CHECKSUMS] = ocp.args.JsonSave(checksums.for_save(trees, data_state, row_checksums))
@@ -193,6 +195,7 @@ class Checkpointer:
     checksums.verify_data(self.directory, step, out["data"], sums)
     data_state = dict(out["data"])
     data_state.pop(_BEST_RECORDS, None)
+    data_state.pop(layout.SAVED_ITEMS, None)
     return out["state"], data_state
 
   def restore_best(self, abstract_params: PyTree, step: int | None = None):
@@ -237,7 +240,7 @@ def read_data_state(workdir: str, step: int) -> dict:
     data = json.loads(path.read_text())
     sums = checksums.read(root, step)
   checksums.verify_data(root, step, data, sums)
-  return data
+  return {k: v for k, v in data.items() if k != layout.SAVED_ITEMS}
 
 
 def read_checksums(workdir: str, step: int) -> dict | None:

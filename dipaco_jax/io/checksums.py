@@ -15,9 +15,11 @@ than orbax's own copy), and at read time from the arrays as read, so nothing
 trained on is touched. With several processes each sums the rows it holds and
 one all-gather gives every process every row's sum (a row no single device
 holds whole, a module split over 'path' on an inner dim across hosts, is summed
-and checked part by part, one crc32 per device's part). A step saved before
-checksums existed still loads, unverified (an INFO line says so, once). A
-mismatch is a DamagedCheckpointError (damage.py).
+and checked part by part, one crc32 per device's part). The step's data item lists
+the items saved with it (layout.SAVED_ITEMS), so a step whose checksums item is
+gone is damaged, not unverified; only a step saved before checksums existed (its
+data item lists no items) loads unverified, said once at WARNING. A mismatch is a
+DamagedCheckpointError (damage.py).
 """
 
 import concurrent.futures
@@ -256,9 +258,13 @@ def read(root: epath.Path, step: int) -> dict | None:
   path = root / str(step) / layout.CHECKSUMS / "metadata"
   if path.exists():
     return json.loads(path.read_text())  # Its JSON was checked by damage.reading.
+  if damage.saved_items(root / str(step)) is not None:  # Saved with them: they were removed.
+    raise damage.damaged(
+      root, step, f"{layout.CHECKSUMS}/: missing, though its data item lists it as saved"
+    )
   if str(root) not in _UNVERIFIED:
     _UNVERIFIED.add(str(root))
-    absl_logging.info(
+    absl_logging.warning(
       "checkpoint step %d in %s has no checksums (saved before they were added): "
       "its arrays are read unverified.",
       step,

@@ -59,13 +59,25 @@ def _bad_json(step_dir: epath.Path) -> str | None:
   return None
 
 
+def saved_items(step_dir: epath.Path) -> list[str] | None:
+  """The items the step's data item says were saved with it (None: it predates the list)."""
+  try:
+    items = json.loads((step_dir / "data" / "metadata").read_text()).get(layout.SAVED_ITEMS)
+  except (OSError, ValueError, AttributeError):  # Missing or unreadable: reported on its own.
+    return None
+  return items if isinstance(items, list) else None
+
+
 def _missing_file(step_dir: epath.Path) -> str | None:
   """'<file>: missing' for the first file a finished step must hold and does not."""
+  listed = saved_items(step_dir)
   for item, names in layout.REQUIRED.items():
     item_dir = step_dir / item
     if not item_dir.is_dir():
       if item in layout.ALWAYS_SAVED:
         return f"{item}/: missing"
+      if listed is not None and item in listed:
+        return f"{item}/: missing, though its data item lists it as saved with the step"
       continue
     ocdbt = any(p.name == "d" or p.name.startswith("ocdbt.process_") for p in item_dir.iterdir())
     for name in names:

@@ -22,6 +22,9 @@ REQUIRED = {
   CHECKSUMS: ("metadata",),
 }
 ALWAYS_SAVED = ("state", "data")
+# Key of the data item listing the items of its step: a step missing one of them is damaged,
+# whatever it lacks (the checksums item included). Steps saved before it list none.
+SAVED_ITEMS = "saved_items"
 
 
 def finished_steps(root: epath.Path) -> list[int]:

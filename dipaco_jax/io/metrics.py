@@ -47,24 +47,32 @@ def jsonl_part(workdir: str | os.PathLike, i: int) -> epath.Path:
 
 def _records(path: epath.Path, last_part: bool) -> tuple[list[dict], bool]:
   """A part's records, and whether it ends in a torn record (a write cut short by a stop)."""
-  text = path.read_text()
-  lines = [l for l in text.splitlines() if l.strip()]
+  data = path.read_bytes()  # Line by line: a byte that is not UTF-8 names its line.
+  lines = [l for l in data.split(b"\n") if l.strip()]
   out = []
   for i, line in enumerate(lines):
     try:
-      out.append(json.loads(line))
-    except ValueError as e:
-      if last_part and i == len(lines) - 1 and not text.endswith("\n"):
+      record = json.loads(line.decode())
+      if not isinstance(record, dict) or not isinstance(record.get("step", 0), int):
+        raise ValueError("a record is a JSON object with an integer step")
+      out.append(record)
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, and the check above.
+      if last_part and i == len(lines) - 1 and not data.endswith(b"\n"):
         return out, True
+      problem = (
+        errors.json_problem(e)
+        if isinstance(e, UnicodeDecodeError | json.JSONDecodeError)
+        else str(e)
+      )
       raise errors.DamagedFileError(
-        f"{path} line {i + 1}: {errors.json_problem(e)}; remove that line to go on."
+        f"{path} line {i + 1}: {problem}; remove that line to go on (the other records are kept)."
       ) from None
   return out, False
 
 
 # Record keys renamed since: a log written before reads with today's names (the same numbers).
 # The trainer's routed validation counts every token, the routing prefix included; its names
-# say so, apart from `evaluate`'s routed perplexity, which excludes the prefix.
+# say so, apart from `evaluate`'s prefix-excluded perplexity.
 RENAMED_KEYS = {
   "val_loss_routed": "val_loss_routed_all_tokens",
   "val_perplexity_routed": "val_perplexity_routed_all_tokens",

@@ -26,6 +26,7 @@ from dipaco_jax.core import topology as topo_lib
 from dipaco_jax.data import shard_cache
 from dipaco_jax.errors import ConfigError
 from dipaco_jax.io import files
+from dipaco_jax.io import lock
 from dipaco_jax.io import progress
 from dipaco_jax.routing import assignment as assign_lib
 from dipaco_jax.routing import features as features_lib
@@ -390,8 +391,14 @@ def route_run(config, workdir: str, *, process_index: int = 0, num_processes: in
 
   In an offline job of `num_processes` processes, each writes the shards of its 1/N of
   the documents; process 0 fits the router first (the others wait for it), then joins
-  the parts once all are done and writes the report.
+  the parts once all are done and writes the report. Process 0 holds the workdir's lock
+  (io/lock.py): not while a trainer or another command writes it.
   """
+  with lock.workdir(workdir, "route", enabled=process_index == 0):
+    return _route_run(config, workdir, process_index, num_processes)
+
+
+def _route_run(config, workdir: str, process_index: int, num_processes: int) -> str:
   topo = topo_lib.from_config(config)
   kind = config.routing.router
   extractor = features_lib.extractor_from_config(config) if kind != "random" else None
@@ -408,27 +415,28 @@ def route_run(config, workdir: str, *, process_index: int = 0, num_processes: in
   data_lib.check_shard_dir(config.data, topo.num_workers, directory, assign)
   if fitted and process_index == 0:
     pr.router.save(router_dir(workdir, 0))
-  # One process: the shard cache as in training (data/shard_cache.py); a job of N shares none.
-  cache = config.data.shard_cache if num_processes == 1 else shard_cache.OFF
-  shard_cache.fetch(cache, config.data, topo.num_workers, directory, assign)
-  data_lib.write_shard_part(
-    config.data,
-    topo.num_workers,
-    directory,
-    assign=assign,
-    part=process_index,
-    num_parts=num_processes,
-  )
-  if process_index > 0:
-    return (
-      f"process {process_index} of {num_processes}: its part of {directory} is written; "
-      "process 0 joins the parts and writes the report."
+  with data_lib.one_writer(directory, num_processes):  # A shard dir shared with another run.
+    # One process: the shard cache as in training (data/shard_cache.py); a job of N shares none.
+    cache = config.data.shard_cache if num_processes == 1 else shard_cache.OFF
+    shard_cache.fetch(cache, config.data, topo.num_workers, directory, assign)
+    data_lib.write_shard_part(
+      config.data,
+      topo.num_workers,
+      directory,
+      assign=assign,
+      part=process_index,
+      num_parts=num_processes,
     )
-  data_lib.wait_for_parts(directory, num_processes)
-  shard_set = data_lib.finish_shards(
-    config.data, topo.num_workers, directory, assign=assign, num_parts=num_processes
-  )
-  shard_cache.store(cache, config.data, topo.num_workers, directory, assign)
+    if process_index > 0:
+      return (
+        f"process {process_index} of {num_processes}: its part of {directory} is written; "
+        "process 0 joins the parts and writes the report."
+      )
+    data_lib.wait_for_parts(directory, num_processes)
+    shard_set = data_lib.finish_shards(
+      config.data, topo.num_workers, directory, assign=assign, num_parts=num_processes
+    )
+    shard_cache.store(cache, config.data, topo.num_workers, directory, assign)
   if not files.is_remote(directory):  # Shards written before: each file opens with its count.
     for split in shard_set.splits:
       for w in range(shard_set.num_workers):

@@ -15,12 +15,15 @@ the sequence end; the paper's Table 3 uses the whole sequence). Kinds:
 """
 # pylint: disable=invalid-name
 
+import zlib
+
 import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+from dipaco_jax import errors
 from dipaco_jax.core import model as model_lib
 from dipaco_jax.io import files
 from dipaco_jax.io import progress
@@ -183,14 +186,27 @@ class TransformerRerouter:
 
 
 def save_transformer(params: PyTree, directory: str) -> None:
+  """The params as msgpack, then a crc32 of those bytes (4 bytes, little-endian)."""
+  data = flax.serialization.msgpack_serialize(jax.device_get(params))
   files.write_bytes(
-    files.path(directory) / PARAMS_FILE,
-    flax.serialization.msgpack_serialize(jax.device_get(params)),
+    files.path(directory) / PARAMS_FILE, data + zlib.crc32(data).to_bytes(4, "little")
   )
 
 
 def load_transformer(directory: str) -> PyTree | None:
+  """The saved params, their crc32 checked (None if none is saved); DamagedFileError if not."""
   path = files.path(directory) / PARAMS_FILE
   if not path.exists():
     return None
-  return flax.serialization.msgpack_restore(path.read_bytes())
+  data = path.read_bytes()
+  body, crc = data[:-4], int.from_bytes(data[-4:], "little")
+  problem = None if len(data) > 4 and zlib.crc32(body) == crc else "its crc32 does not match"
+  if problem is None:
+    try:
+      return flax.serialization.msgpack_restore(body)
+    except Exception as e:  # pylint: disable=broad-except  # msgpack's errors have no common base.
+      problem = f"{type(e).__name__}: {e}"
+  raise errors.DamagedFileError(
+    f"re-router file {path} is damaged ({problem}); move {directory} aside (mv {directory} "
+    f"{directory}.damaged) and rerun evaluate: it fits the transformer re-router again."
+  )

@@ -193,18 +193,25 @@ class Router:
       meta = files.read_json(paths[1])
     except ValueError as e:  # JSONDecodeError and UnicodeDecodeError.
       raise _damaged(paths[1], errors.json_problem(e)) from e
-    if meta.get("format_version") != _FORMAT_VERSION:
-      raise ValueError(
-        f"{paths[1]} has router format {meta.get('format_version')}, this code "
-        f"reads {_FORMAT_VERSION}; refit the router with this code."
-      )
+    if not isinstance(meta, dict) or meta.get("format_version") != _FORMAT_VERSION:
+      found = meta.get("format_version") if isinstance(meta, dict) else None
+      raise _damaged(paths[1], f"router format {found}, this code reads {_FORMAT_VERSION}")
     try:
       arrays = files.read_npz(paths[0])
     except (zipfile.BadZipFile, ValueError, EOFError, OSError) as e:  # What a cut zip raises.
       raise _damaged(paths[0], str(e) or type(e).__name__) from e
-    router = cls(meta["kind"], tuple(meta["grid"]), arrays, meta.get("info", {}))
-    if router.feature_dim != meta["feature_dim"] or router.num_paths != meta["num_paths"]:
-      raise ValueError(f"{directory}: {META_FILE} and {ARRAYS_FILE} disagree; re-save the router.")
+    try:
+      router = cls(meta["kind"], tuple(meta["grid"]), arrays, meta.get("info", {}))
+      shape = (router.feature_dim, router.num_paths)
+      said = (meta["feature_dim"], meta["num_paths"])
+    except (KeyError, TypeError, ValueError, IndexError) as e:  # A field or array gone or wrong.
+      raise _damaged(paths[1], f"{META_FILE} and {ARRAYS_FILE} do not fit: {e!r}") from e
+    if shape != said:
+      raise _damaged(
+        paths[1],
+        f"it says {said[0]} features and {said[1]} paths, {ARRAYS_FILE} holds "
+        f"{shape[0]} and {shape[1]}",
+      )
     router.check_matches(
       grid=grid, num_paths=num_paths, feature_dim=feature_dim, source=f"the router in {directory}"
     )

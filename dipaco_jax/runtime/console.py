@@ -8,6 +8,8 @@ Lines go to stderr of process 0, between progress-bar redraws (io/progress.py).
 
 import math
 import os
+import shlex
+import sys
 from typing import Any
 
 import jax
@@ -81,7 +83,7 @@ def _quality(record: dict[str, Any], *, short: bool = False) -> str:
       if short
       else (
         f"{ppl} (every token, the routing prefix included, each scored by its document's path; "
-        "`evaluate` reports routed perplexity without the prefix)"
+        "`evaluate` reports the prefix-excluded perplexity)"
       )
     )
   if "val_loss_mean" in record:
@@ -138,6 +140,34 @@ def complete_line(config, workdir: str, step: int) -> str:
     f"{workdir} already stopped at step {step}, its config.stop_at_step, {quality}; "
     "--config.stop_at_step=-1 trains on to the end."
   )
+
+
+def rerun_command() -> str:
+  """This command as the user gave it, when it is the trainer's CLI; else a description."""
+  if sys.argv and sys.argv[0].endswith(os.path.join("dipaco_jax", "main.py")):
+    return shlex.join(["python", "-m", "dipaco_jax.main", *sys.argv[1:]])
+  return "the same command (the same config and workdir)"
+
+
+def interrupted_line(config, workdir: str, reached: int | str | None) -> str:
+  """One line after Ctrl-C: the step reached, what is kept, the command that resumes.
+
+  `reached`: the spmd loop's inner step (None: before its first), or the elastic
+  pool's progress (elastic.progress_line).
+  """
+  if isinstance(reached, str):
+    return (
+      f"stopped by Ctrl-C with {reached}: the run resumes from them; to go on, run "
+      f"{rerun_command()}"
+    )
+  saved = checkpoint.steps(workdir)
+  at = "before its first step" if not reached else f"at inner step {reached} of {stop_step(config)}"
+  kept = (
+    f"its last checkpoint, step {saved[-1]}, is intact and the run resumes from it"
+    if saved
+    else "no checkpoint was saved yet, so the run starts again from step 0"
+  )
+  return f"stopped by Ctrl-C {at}: {kept}; to go on, run {rerun_command()}"
 
 
 def say(lines: list[str] | str) -> None:

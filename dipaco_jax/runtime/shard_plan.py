@@ -33,18 +33,21 @@ def prepare_shards(config, num_workers: int, shard_dir: str, assign=None) -> dat
   """
   part, num_parts = jax.process_index(), jax.process_count()
   cache = config.data.shard_cache if num_parts == 1 else shard_cache.OFF
-  if shard_cache.fetch(cache, config.data, num_workers, shard_dir, assign):
-    logging.info("shards of %s copied from the shard cache", shard_dir)
-  data_lib.write_shard_part(
-    config.data, num_workers, shard_dir, assign=assign, part=part, num_parts=num_parts
-  )
-  multihost_utils.sync_global_devices(f"dipaco_shard_parts:{shard_dir}")
-  if part == 0:
-    data_lib.finish_shards(config.data, num_workers, shard_dir, assign=assign, num_parts=num_parts)
-  multihost_utils.sync_global_devices(f"dipaco_shards_ready:{shard_dir}")
-  shard_set = data_lib.prepare_shards(config.data, num_workers, shard_dir, assign=assign)
-  if shard_cache.store(cache, config.data, num_workers, shard_dir, assign):
-    logging.info("shards of %s added to the shard cache", shard_dir)
+  with data_lib.one_writer(shard_dir, num_parts):  # A shard dir shared with another run.
+    if shard_cache.fetch(cache, config.data, num_workers, shard_dir, assign):
+      logging.info("shards of %s copied from the shard cache", shard_dir)
+    data_lib.write_shard_part(
+      config.data, num_workers, shard_dir, assign=assign, part=part, num_parts=num_parts
+    )
+    multihost_utils.sync_global_devices(f"dipaco_shard_parts:{shard_dir}")
+    if part == 0:
+      data_lib.finish_shards(
+        config.data, num_workers, shard_dir, assign=assign, num_parts=num_parts
+      )
+    multihost_utils.sync_global_devices(f"dipaco_shards_ready:{shard_dir}")
+    shard_set = data_lib.prepare_shards(config.data, num_workers, shard_dir, assign=assign)
+    if shard_cache.store(cache, config.data, num_workers, shard_dir, assign):
+      logging.info("shards of %s added to the shard cache", shard_dir)
   return shard_set
 
 

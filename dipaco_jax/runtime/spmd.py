@@ -230,6 +230,9 @@ def run(config, workdir: str, link=None) -> dict[str, Any]:
           guard.not_finite(step)
         ckpt.save(step, state, plan.data_state(), best=best.saved() if best else None)
         guard.saved(step)
+  except KeyboardInterrupt as e:  # Ctrl-C: train.py's one line names the step reached.
+    e.step = step
+    raise
   finally:
     profile.close()
     bar.close()

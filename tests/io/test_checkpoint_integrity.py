@@ -279,8 +279,14 @@ def test_a_step_saved_without_checksums_loads_unverified_and_says_so_once(saved,
   cfg, exp, src, want = saved
   workdir = str(tmp_path / "run")
   shutil.copytree(src, workdir)
-  for step in (2, 4):  # As checkpoints saved before checksums existed.
+  for step in (2, 4):  # As checkpoints saved before checksums existed: no list of items either.
     shutil.rmtree(os.path.join(workdir, "checkpoints", str(step), checkpoint.CHECKSUMS))
+    meta = os.path.join(workdir, "checkpoints", str(step), "data", "metadata")
+    with open(meta) as f:
+      data = json.load(f)
+    del data["saved_items"]
+    with open(meta, "w") as f:
+      json.dump(data, f)
   expected = _expected(exp, want)
   # absl's own logger at INFO too: a CLI run earlier in this process may have raised its level.
   with caplog.at_level(logging.INFO), caplog.at_level(logging.INFO, logger="absl"):
@@ -309,7 +315,8 @@ def test_checksums_cover_every_array_row_of_every_item(saved):
   assert sums["best"]["embed.token"] == [
     zlib.crc32(row.tobytes()) for row in want["best"]["embed"]["token"]
   ]
-  data = {**want["data"], "early_stopping": want["records"]}
+  items = ["best", "state", "data", checkpoint.CHECKSUMS]  # The step's items, listed in it.
+  data = {**want["data"], "early_stopping": want["records"], "saved_items": items}
   assert sums["data"] == zlib.crc32(json.dumps(data, sort_keys=True).encode())
 
 

@@ -205,7 +205,7 @@ def test_a_log_written_before_the_rename_reads_the_trainers_routed_metric_by_its
   # The run's closing summary names it so, and says where the prefix-excluded number is.
   said = console._quality(record)  # pylint: disable=protected-access
   assert said.startswith(f"routed validation perplexity, all tokens {math.exp(2.0):.1f} ("), said
-  assert "`evaluate` reports routed perplexity without the prefix" in said, said
+  assert "`evaluate` reports the prefix-excluded perplexity" in said, said
 
 
 def _jsonl(steps) -> str:

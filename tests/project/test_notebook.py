@@ -56,6 +56,7 @@ def test_the_committed_notebook_is_the_tools_cells_with_the_tiny_runs_outputs():
     "| linear/W=16 |",
     "purity",
     "| own - other paths |",
+    "transformers' LlamaForCausalLM logits vs the JAX path's: max |difference| ",
   ):
     assert line in shown, line
   assert helpers.ROOT not in json.dumps(committed)  # No path of the checkout that made it.
@@ -84,7 +85,7 @@ def test_the_parameters_cell_is_a_colab_form_the_environment_overrides(monkeypat
   assert (form["WORKDIR"], form["CONFIG"], form["TRAIN_OVERRIDES"]) == (
     "/tmp/dipaco_tiny",
     "configs/tiny.py",
-    {},
+    {"model.mlp": "swiglu"},  # Llama's MLP: the export cell can write the run.
   )
   monkeypatch.setenv("DIPACO_NB_WORKDIR", "/content/run")
   monkeypatch.setenv("DIPACO_NB_TRAIN_OVERRIDES", '{"dipaco.outer_steps": 2}')
@@ -182,6 +183,7 @@ def test_colab_signs_in_only_for_a_gs_workdir(monkeypatch):
 # notebook's training cell), then evaluates it: minutes, outside the fast suite (-m "not slow").
 # Colab's default trains configs/tiny.py for minutes; this run's overrides make it seconds.
 SHORT_RUN = {
+  "model.mlp": "swiglu",  # Llama's MLP: the export cell writes path 0 and reloads it.
   "model.d_model": 32,
   "model.num_heads": 2,
   "model.head_dim": 16,
@@ -214,6 +216,7 @@ def test_evaluate_notebook_trains_and_evaluates_from_a_fresh_kernel_outside_the_
   monkeypatch.setenv("DIPACO_NB_WORKDIR", str(workdir))
   monkeypatch.setenv("DIPACO_NB_TRAIN_OVERRIDES", json.dumps(SHORT_RUN))
   monkeypatch.setenv("DIPACO_NB_MAX_DOCS", "60")
+  monkeypatch.setenv("DIPACO_NB_EXPORT_DIR", str(tmp_path / "hf"))
   # The kernel imports this checkout's dipaco_jax (where the installed one is another tree),
   # nothing else from it: its working directory is outside the clone.
   monkeypatch.setenv(
@@ -240,8 +243,14 @@ def test_evaluate_notebook_trains_and_evaluates_from_a_fresh_kernel_outside_the_
     "purity",
     "| own - other paths |",
     "per-path early stopping",
+    "exporting: python -m dipaco_jax.export --workdir=",
+    "wrote 1 path(s) of step 4 as Llama checkpoints to ",
   ):
     assert line in shown, line
+  diff = re.search(
+    r"transformers' LlamaForCausalLM logits vs the JAX path's: max \|difference\| (\S+)", shown
+  )
+  assert diff and float(diff[1]) < 1e-4, shown  # float32 both sides.
   # The evaluation's numbers: routed perplexity once per sequence, re-routed, oracle.
   for row in ("once", "linear/W=4", "oracle/W=8"):
     assert re.search(rf"^\| {re.escape(row)} \| \d+\.\d+ \| \d+\.\d+ \|", shown, re.M), row

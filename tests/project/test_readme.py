@@ -31,7 +31,7 @@ def test_ci_runs_the_readme_test_command():
 # mean validation loss on each path's own shard at these inner steps, then the trainer's routed
 # perplexity over all tokens at step 500.
 _TINY_RERUN = re.compile(
-  r"rerun for the rename read ((?:\d+\.\d+\s*→\s*)+\d+\.\d+) and (\d+\.\d+) over all tokens"
+  r"latest rerun read ((?:\d+\.\d+\s*→\s*)+\d+\.\d+) and (\d+\.\d+) over all tokens"
 )
 _TINY_STEPS = (50, 100, 200, 300, 400, 500)
 _LOSS_TOL = 0.015  # Written to 2 decimals; the run is deterministic on one machine.

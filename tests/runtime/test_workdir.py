@@ -17,6 +17,7 @@ from dipaco_jax import saved_config
 from dipaco_jax import train
 from dipaco_jax.core import guard as guard_lib
 from dipaco_jax.io import checkpoint
+from dipaco_jax.runtime.elastic import storage
 
 import helpers
 
@@ -129,8 +130,7 @@ def test_the_elastic_pool_refuses_more_outer_steps(shard_dir, tmp_path):
   workdir = tmp_path / "el"
   cfg = _config(shard_dir, **{"dipaco.mode": "elastic", "dipaco.outer_steps": 1})
   saved_config.write(epath.Path(workdir), cfg)
-  (workdir / "elastic").mkdir()
-  (workdir / "elastic" / "meta.json").write_text(json.dumps({"mode": "elastic", "format": 2}))
+  storage.save_json(storage.root(str(workdir)) / "meta.json", {"mode": "elastic", "format": 3})
   longer = _config(shard_dir, **{"dipaco.mode": "elastic", "dipaco.outer_steps": 2})
   with pytest.raises(errors.ConfigError, match=r"dipaco.outer_steps: 1 -> 2\)"):
     train.train_and_evaluate(longer, str(workdir))

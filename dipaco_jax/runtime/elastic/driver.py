@@ -47,6 +47,8 @@ from dipaco_jax.runtime import shard_plan
 from dipaco_jax.runtime.elastic import coordinator as coord_lib
 from dipaco_jax.runtime.elastic import executor as exec_lib
 from dipaco_jax.runtime.elastic import grid as grid_lib
+from dipaco_jax.runtime.elastic import reaper
+from dipaco_jax.runtime.elastic import repair
 from dipaco_jax.runtime.elastic import storage
 from dipaco_jax.runtime.elastic import worker as worker_lib
 from dipaco_jax.runtime.elastic.errors import FORMAT
@@ -77,18 +79,8 @@ def _module_rows(full, template, group: str, module: int):
 
 def _init_storage(config, workdir: str, exp, grid: grid_lib.Grid, alpha_W, theta) -> None:
   """Version 0 of every module and its momentum (θ̄ as the synchronous mode builds it)."""
-  state = exp.init_state(config.seed, theta)
-  store, outer_opt = jax.device_get((state.store, state.outer_opt))
-  for s in grid.groups:
-    for e in range(s.num_modules):
-      storage.save_tree(
-        storage.module_file(workdir, s.name, e, 0),
-        _module_rows(store, grid.module_template(s.name), s.name, e),
-      )
-      storage.save_tree(
-        storage.module_file(workdir, s.name, e, 0, "opt"),
-        _module_rows(outer_opt, grid.module_opt_template(s.name), s.name, e),
-      )
+  for path, tree in _version0(config, exp, grid, workdir, theta).items():
+    storage.save_tree(path, tree)
   storage.save_json(
     storage.root(workdir) / META,
     {
@@ -98,6 +90,28 @@ def _init_storage(config, workdir: str, exp, grid: grid_lib.Grid, alpha_W, theta
       "alpha_W": [float(a) for a in alpha_W],
     },
   )
+
+
+def _version0(config, exp, grid: grid_lib.Grid, workdir: str, theta) -> dict:
+  """{file: tree} of every module's version 0 and its momentum."""
+  state = exp.init_state(config.seed, theta)
+  store, outer_opt = jax.device_get((state.store, state.outer_opt))
+  out = {}
+  for s in grid.groups:
+    for e in range(s.num_modules):
+      out[storage.module_file(workdir, s.name, e, 0)] = _module_rows(
+        store, grid.module_template(s.name), s.name, e
+      )
+      out[storage.module_file(workdir, s.name, e, 0, "opt")] = _module_rows(
+        outer_opt, grid.module_opt_template(s.name), s.name, e
+      )
+  return out
+
+
+def _initial_modules(config, workdir: str, exp, grid: grid_lib.Grid) -> dict:
+  """_version0 of a started run (θ̄ read again): repair.rebuild_modules's version 0."""
+  theta = theta_lib.initial(config.dipaco.init_from, exp.recipe.abstract_params())
+  return _version0(config, exp, grid, workdir, theta)
 
 
 def _latest(workdir: str, group: str, module: int, kind: str, upto: int):
@@ -169,6 +183,13 @@ class _Resharder:
     """A re-shard done before a restart: its router and shards are reopened, not refitted."""
     self.plan.reshard(step * self.grid.H, None)  # The router exists: params are not read.
     self.records[step * self.grid.H] = self.plan.shard_record()
+    alpha = storage.alpha_file(self.workdir, self._k(step))
+    if not alpha.exists():  # Moved aside (a damage line): written again, the same bytes.
+      self._write_alpha(self._k(step))
+
+  def _write_alpha(self, k: int) -> None:
+    alpha = np.asarray(jax.device_get(self.plan.alpha_W), np.float32)
+    storage.save_json(storage.alpha_file(self.workdir, k), [float(a) for a in alpha])
 
   def _k(self, step: int) -> int:
     return self.grid.reshard_steps.index(step) + 1
@@ -203,8 +224,7 @@ class _Resharder:
         )
       scores = np.stack(cols, 1)
     self.plan.reshard(step * self.grid.H, None, scores_NxP=scores)
-    alpha = np.asarray(jax.device_get(self.plan.alpha_W), np.float32)
-    storage.save_json(storage.alpha_file(self.workdir, k), [float(a) for a in alpha])
+    self._write_alpha(k)
     self.records[step * self.grid.H] = self.plan.shard_record()
     self.log(event="reshard", step=step, phase=k, fitted=fitted)
     logging.info("elastic: re-shard after outer step %d: routing phase %d", step, k)
@@ -355,9 +375,14 @@ def start_local_ray(num_cpus: int, **kwargs) -> None:
   RuntimeError if Ray did not keep the node on loopback (a Ray version whose
   settings changed: nothing is left running).
   """
+  import psutil  # pylint: disable=g-import-not-at-top
   import ray  # pylint: disable=g-import-not-at-top
 
   _private_token()
+  # Its session files (sockets, logs) in a folder of this command's, owner-only, removed with
+  # the cluster; the watcher (reaper.py) ends the cluster's processes when this one ends.
+  temp = reaper.temp_dir()
+  before = {p.pid for p in psutil.Process().children()}
   with _loopback_node(ray):
     ray.init(
       address="local",
@@ -366,17 +391,29 @@ def start_local_ray(num_cpus: int, **kwargs) -> None:
       _node_ip_address=LOOPBACK,
       log_to_driver=False,
       _system_config=LOCAL_RAY_SYSTEM_CONFIG,
+      _temp_dir=temp,
       **kwargs,
     )
+  reaper.start(temp, before)
   node, gcs = ray.util.get_node_ip_address(), ray.get_runtime_context().gcs_address
   if not (is_loopback(node) and is_loopback(gcs.rsplit(":", 1)[0])):
-    ray.shutdown()
+    stop_local_ray()
     raise RuntimeError(
       f"Ray {ray.__version__} started the local cluster on {node} (GCS {gcs}), not on "
       f"{LOOPBACK}: its services would listen beyond this machine. driver._loopback_node "
       "needs the Ray version's own setting for this."
     )
   _private_token()  # Ray may have written it (a token file it found missing after all).
+
+
+def stop_local_ray() -> None:
+  """Ends the cluster start_local_ray started: Ray's shutdown, then its watcher's sweep."""
+  import ray  # pylint: disable=g-import-not-at-top
+
+  try:
+    ray.shutdown()
+  finally:
+    reaper.stop()
 
 
 def _worker_cpus(worker_resources: str) -> float:
@@ -718,6 +755,10 @@ def run(config, workdir: str, faults: faults_lib.Faults | None = None) -> dict:
   workdir = str(workdir)
   e = config.elastic
   t0, actors, task_log = time.time(), [], None
+  grid = grid_lib.Grid(config)
+  # Damaged files of the queue's and the executors' records stop the command here, in one line,
+  # not inside an actor; what the user moved aside is redone (repair.py).
+  repair.check_records(workdir, grid)
   # A bad address, or worker resources the local cluster lacks, fail before anything is written.
   started = _connect(config)
   try:
@@ -725,6 +766,7 @@ def run(config, workdir: str, faults: faults_lib.Faults | None = None) -> dict:
     if short:  # A joined cluster may grow: the actors wait for nodes (a line a minute).
       logging.warning("%s", short)
     epath.Path(workdir).mkdir(parents=True, exist_ok=True)
+    repair.forget_lost_outputs(workdir, grid)  # Before the queue reads its results.
     task_log = storage.TaskLog(workdir)
     t_ray = time.time()
     # The queue and the worker actors first: while their processes import JAX (seconds), the
@@ -736,7 +778,6 @@ def run(config, workdir: str, faults: faults_lib.Faults | None = None) -> dict:
     if e.pin_cpus and not e.address and hasattr(os, "sched_getaffinity"):
       node = ray.get_runtime_context().get_node_id()
       pins = [(node, c) for c in cpu_sets(os.sched_getaffinity(0), e.num_workers)]
-    grid = grid_lib.Grid(config)
     coord = (
       ray.remote(coord_lib.Coordinator)
       .options(max_restarts=-1, num_cpus=0, **control)
@@ -770,29 +811,36 @@ def run(config, workdir: str, faults: faults_lib.Faults | None = None) -> dict:
     # Where the command's start-up went (docs/elastic.md); the actors' own is in their results.
     event = {"t": time.time(), "event": "startup", "ray_s": t_ray - t0}
     task_log.append({**event, "prepare_s": t_prepared - t_ray})
-    return _loop(
-      config,
-      workdir,
-      grid,
-      coord,
-      executors,
-      owned,
-      workers,
-      task_log,
-      ray,
-      ray_errors,
-      exp,
-      plan,
-      starting,
-      faults,
-    )
+    try:
+      return _loop(
+        config,
+        workdir,
+        grid,
+        coord,
+        executors,
+        owned,
+        workers,
+        task_log,
+        ray,
+        ray_errors,
+        exp,
+        plan,
+        starting,
+        faults,
+      )
+    except ray_errors.RayTaskError as err:  # A task's or an executor's own error: stop.
+      raise repair.task_error(err) from None
   finally:
     if task_log is not None:
       task_log.close()
-    for a in actors:
-      ray.kill(a, no_restart=True)
+    try:
+      for a in actors:
+        ray.kill(a, no_restart=True)
+    except Exception:  # pylint: disable=broad-except  # Ctrl-C reached the cluster too.
+      if not started:
+        raise
     if started:
-      ray.shutdown()
+      stop_local_ray()
 
 
 def _prepare(config, workdir: str, grid: grid_lib.Grid):
@@ -814,6 +862,9 @@ def _prepare(config, workdir: str, grid: grid_lib.Grid):
   alpha_W = np.asarray(jax.device_get(plan.alpha_W), np.float32)
   if not started:
     _init_storage(config, workdir, exp, grid, alpha_W, theta)
+  else:  # Module files moved aside as a damage line said: rebuilt before any task reads them.
+    initial = lambda: _initial_modules(config, workdir, exp, grid)
+    repair.rebuild_modules(config, workdir, grid, alpha_W, initial)
   return exp, plan, alpha_W
 
 

@@ -1,15 +1,16 @@
 """Elastic mode's config checks: one clear error per unsupported or bad setting (no Ray import)."""
 
-import json
-
 from etils import epath
 
 from dipaco_jax.core import topology
 from dipaco_jax.errors import ConfigError
+from dipaco_jax.runtime.elastic import storage
 
 META = "elastic/meta.json"  # Written when an elastic run initializes its storage.
-# Its storage's format: 2 since the workers write deltas (θ_module − θ_worker), not params.
-FORMAT = 2
+# Its storage's format: 2 since the workers write deltas (θ_module − θ_worker), not params; 3
+# since every JSON item carries its crc32 (storage.save_json).
+FORMAT = 3
+_FORMATS = {1: "workers' params, not deltas", 2: "JSON items without checksums"}
 
 
 class ElasticConfigError(ConfigError):
@@ -89,10 +90,13 @@ def check_workdir_mode(workdir: str, run_mode: str) -> None:
       "--config.dipaco.mode=elastic or use a new --workdir."
     )
   if elastic:
-    found = json.loads((wd / META).read_text()).get("format", 1)
-    if found != FORMAT:
+    meta = storage.load_json(wd / META, checksum=False)  # An older format's has none.
+    found = meta.get("format", 1) if isinstance(meta, dict) else None
+    if found == FORMAT:  # This format's meta.json has its crc32: plain JSON was edited.
+      storage.load_json(wd / META)
+    elif found != FORMAT:
       raise ElasticConfigError(
-        f"{workdir} holds an elastic run of storage format {found} (this version writes "
-        f"{FORMAT}: workers' deltas, not params): finish it with the version that started it, "
-        "or use a new --workdir."
+        f"{workdir} holds an elastic run of storage format {found} "
+        f"({_FORMATS.get(found, 'unknown')}; this version writes {FORMAT}): finish it with the "
+        "version that started it, or use a new --workdir."
       )

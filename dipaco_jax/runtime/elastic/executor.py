@@ -312,3 +312,18 @@ class OuterExecutor:
         k not in self.applied.get(t, ()) for t, keys in self.quorum_at.items() for k in keys
       )
       return {t: sorted(k) for t, k in out.items()}, waiting
+
+
+def rebuild(config, workdir: str, index: int, group: str, module: int, phase: int, alpha_W):
+  """Writes module (group, module)'s version phase + 1 (and momentum, update) again.
+
+  As executor `index` stepped it: the workers it used (quorum: its records) and the
+  late deltas it carried. For repair.py: the files a damage line had moved aside.
+  """
+  ex = OuterExecutor(config, workdir, index, [group], alpha_W)  # Reads its records only.
+  key = grid_lib.module_key(group, module)
+  workers = quorum_steps(workdir, index).get(phase, {}).get(key)
+  record = settled_file(workdir, index, phase)
+  carried = storage.load_json(record).get("carried", {}) if record.exists() else {}
+  late = carried.get(key) or ex.carried.get(phase, {}).get(key) or []
+  ex._apply(phase, group, module, workers or ex.grid.workers_through(group, module), late)  # pylint: disable=protected-access

@@ -11,6 +11,7 @@ on the actor's own host; "off" turns it off; any other value is the folder
 user's (a notebook, a test) and keeps its own JAX settings.
 """
 
+import importlib.util
 import os
 
 import jax
@@ -19,6 +20,7 @@ from dipaco_jax.data import shard_cache
 
 OFF = "off"
 AUTO = "auto"
+MAX_BYTES = 1 << 40  # The cache's size limit (see `use`).
 
 
 def directory(setting: str) -> str | None:
@@ -40,6 +42,12 @@ def use(setting: str) -> None:
     return
   jax.config.update("jax_enable_compilation_cache", True)
   jax.config.update("jax_compilation_cache_dir", folder)
+  # JAX writes an entry in place (no temporary name) unless the cache has a size limit; with
+  # one it holds a file lock around every read and write. Actors of runs started together on
+  # an empty cache then never read each other's half-written entries (each a warning and a
+  # compile); the limit is one no run reaches.
+  if importlib.util.find_spec("filelock") is not None:  # The lock's library (Ray's too).
+    jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
   # Every executable: an actor pays each compile again after each restart, small ones too.
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

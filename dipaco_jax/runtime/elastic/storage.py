@@ -22,6 +22,12 @@ here unpickles. Layout (t = outer steps applied, i.e. the phase that reads it):
   scores_phase<k>/p<p>.npz         path p's scores of the router split for re-shard k (its task)
   coordinator.json, coordinator/results<t>.json, executors/x<i>.json, meta.json
   tasks.jsonl (+ tasks-<i>.jsonl)  the task log: one JSON line per event (parts on gs://)
+
+Every JSON item carries a crc32 of its text ({"crc32": ..., "json": ...}) and every
+.npz a CRC-32 per array (the zip format's, checked as it is read), so a truncated
+file or a flipped byte is seen when it is read: one DamagedFileError naming the file
+and what to do (`damaged`: move it, or its task's outputs, aside and rerun the same
+command, which writes the same bytes again; driver.repair rebuilds what was moved).
 """
 
 # JAX and TensorBoard's protos (summaries) are imported where trees and the task log are
@@ -32,10 +38,14 @@ import functools
 import io
 import json
 import os
+import re
+import zipfile
+import zlib
 
 import numpy as np
 from etils import epath
 
+from dipaco_jax import errors
 from dipaco_jax.io import files
 from dipaco_jax.types import PyTree
 
@@ -112,6 +122,76 @@ def _write_atomic(path: epath.Path, data: bytes) -> None:
   files.write_bytes(path, data)  # Whole; several writers of the same bytes are fine.
 
 
+# What reading a file of elastic storage can fail with when its bytes are not what was written:
+# a cut or corrupted zip (BadZipFile, "Bad CRC-32"), a bad .npy header or JSON (ValueError),
+# a stream that ends early (EOFError), a compressed member that does not inflate (zlib.error).
+_UNREADABLE = (zipfile.BadZipFile, ValueError, EOFError, zlib.error, KeyError)
+
+
+def _action(path: epath.Path, workdir: epath.Path) -> str:
+  """What to do about a damaged file of elastic storage: the move, and what the rerun redoes."""
+  rel = os.path.relpath(os.fspath(path), os.fspath(workdir / ROOT))
+  aside = lambda p: f"move {p} aside (mv {p} {p}.damaged)"
+  rerun = "and rerun the same command"
+  if m := re.fullmatch(r"store/[^/]+/m\d+/(v|opt|u)(\d+)\.npz", rel):
+    t = int(m.group(2))
+    how = (
+      f"rebuilds it from version {t - 1} and phase {t - 1}'s deltas"
+      if t
+      else "writes version 0 again from the run's initial parameters"
+    )
+    return f"{aside(path)} {rerun}: the driver {how}"
+  if m := re.fullmatch(r"workers/w(\d+)/(?:out(\d+)/.*|opt(\d+)\.npz|data(\d+)\.json)", rel):
+    w, t = int(m.group(1)), int(next(g for g in m.groups()[1:] if g is not None))
+    out = worker_out_dir(os.fspath(workdir), w, t)
+    return (
+      f"{aside(out)} {rerun}: task (phase {t - 1}, worker {w}) runs again and writes the same bytes"
+    )
+  if m := re.fullmatch(r"workers/w(\d+)/progress(\d+)/.*", rel):
+    w, t = int(m.group(1)), int(m.group(2))
+    folder = progress_dir(os.fspath(workdir), w, t)
+    return f"{aside(folder)} {rerun}: task (phase {t}, worker {w}) starts from its first step"
+  if m := re.fullmatch(r"scores_phase(\d+)/p(\d+)\.npz", rel):
+    return f"{aside(path)} {rerun}: path {int(m.group(2))} scores the router split again"
+  if re.fullmatch(r"coordinator/results\d+\.json", rel):
+    return f"{aside(path)} {rerun}: that phase's tasks run again and write the same bytes"
+  if rel == "coordinator.json":
+    return f"{aside(path)} {rerun}: the queue is rebuilt from its results and the store"
+  if re.fullmatch(r"executors/x\d+(?:\.json|/.*)", rel):
+    return f"{aside(path)} {rerun}: the executor's reports are sent to it again"
+  if re.fullmatch(r"alpha_phase\d+\.json", rel) or rel == "meta.json":
+    return f"{aside(path)} {rerun}: the driver writes it again"
+  return f"{aside(path)} {rerun}"
+
+
+def damaged(path: epath.Path, reason: str) -> errors.DamagedFileError:
+  """The one-line error for a file of elastic storage that cannot be read as written."""
+  path = epath.Path(path)
+  workdir = next((p for p in path.parents if p.name == ROOT), None)
+  action = _action(path, workdir.parent) if workdir is not None else f"move {path} aside"
+  return errors.DamagedFileError(f"elastic storage file {path} is damaged ({reason}); {action}.")
+
+
+def _read_bytes(path: epath.Path) -> bytes:
+  try:
+    return epath.Path(path).read_bytes()
+  except FileNotFoundError:
+    raise damaged(path, "missing") from None
+
+
+def _reason(e: BaseException) -> str:
+  return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
+def _npz(path: epath.Path) -> dict[str, np.ndarray]:
+  """Every array of an .npz, read whole (so each member's CRC-32 is checked)."""
+  try:
+    with np.load(io.BytesIO(_read_bytes(path)), allow_pickle=False) as z:
+      return {k: z[k] for k in z.files}
+  except _UNREADABLE as e:
+    raise damaged(path, _reason(e)) from None
+
+
 def _keys(tree: PyTree) -> list[str]:
   import jax
 
@@ -132,17 +212,16 @@ def load_tree(path: epath.Path, template: PyTree) -> PyTree:
   """The .npz at `path` as a tree shaped like `template` (shapes and dtypes checked)."""
   import jax
 
-  with np.load(io.BytesIO(path.read_bytes()), allow_pickle=False) as z:
-    arrays = {k: z[k] for k in z.files}
+  arrays = _npz(path)
   leaves = []
   for key, t in zip(_keys(template), jax.tree.leaves(template)):
     if key not in arrays:
-      raise ValueError(
+      raise errors.UserError(
         f"{path} has no array {key}: it was written by another model or grid; use a new --workdir."
       )
     x = arrays[key]
     if tuple(x.shape) != tuple(t.shape) or x.dtype != np.dtype(t.dtype):
-      raise ValueError(
+      raise errors.UserError(
         f"{path}: {key} is {x.dtype}{list(x.shape)}, expected "
         f"{np.dtype(t.dtype)}{list(t.shape)}; use a new --workdir."
       )
@@ -163,16 +242,36 @@ def save_array(path: epath.Path, x: np.ndarray) -> None:
 
 
 def load_array(path: epath.Path) -> np.ndarray:
-  with np.load(io.BytesIO(path.read_bytes()), allow_pickle=False) as z:
-    return z["x"]
+  arrays = _npz(path)
+  if "x" not in arrays:
+    raise damaged(path, f"holds {sorted(arrays)}, not the array x")
+  return arrays["x"]
+
+
+def _crc(text: str) -> str:
+  return f"{zlib.crc32(text.encode()):08x}"
 
 
 def save_json(path: epath.Path, obj) -> None:
-  _write_atomic(path, json.dumps(obj, sort_keys=True).encode())
+  """`obj` as JSON with a crc32 of its text: {"crc32": ..., "json": obj}."""
+  text = json.dumps(obj, sort_keys=True)
+  _write_atomic(path, json.dumps({"crc32": _crc(text), "json": obj}, sort_keys=True).encode())
 
 
-def load_json(path: epath.Path):
-  return json.loads(path.read_text())
+def load_json(path: epath.Path, *, checksum: bool = True):
+  """What save_json wrote, its crc32 checked; `checksum=False` also reads plain JSON (old runs)."""
+  try:
+    found = json.loads(_read_bytes(path))
+  except ValueError as e:  # JSONDecodeError and UnicodeDecodeError.
+    raise damaged(path, errors.json_problem(e)) from None
+  if not (isinstance(found, dict) and found.keys() == {"crc32", "json"}):
+    if not checksum:
+      return found
+    raise damaged(path, "no crc32: it is not as this version writes it")
+  text = json.dumps(found["json"], sort_keys=True)
+  if _crc(text) != found["crc32"]:
+    raise damaged(path, f"crc32 {_crc(text)} read, {found['crc32']} written")
+  return found["json"]
 
 
 TASK_LOG_PART_BYTES = 1 << 16  # gs://: the newest part of the task log, rewritten per event.

@@ -10,16 +10,22 @@ import sys
 import ml_collections
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import helpers
+
+ROOT = helpers.ROOT
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-import reproduce  # pylint: disable=g-import-not-at-top,wrong-import-position
+from reproduction import arms  # pylint: disable=g-import-not-at-top,wrong-import-position
+from reproduction import command  # pylint: disable=g-import-not-at-top,wrong-import-position
+from reproduction import modes  # pylint: disable=g-import-not-at-top,wrong-import-position
+from reproduction import report  # pylint: disable=g-import-not-at-top,wrong-import-position
+from reproduction import runs  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 # The smoke run's models: every kind of run the script makes once (two whose runs repeat
 # another's code path at more cost, DiLoCo P=16 and the 2x2 k-means control, are checked from
 # their configs below, untrained).
 # dense_4x runs dense_path's code at 4x the params (its size is checked from its config below).
 SMOKE_MODELS = tuple(
-  m for m in reproduce.MODELS if m not in ("diloco_iid_16", "dipaco_2x2_kmeans", "dense_4x")
+  m for m in arms.MODELS if m not in ("diloco_iid_16", "dipaco_2x2_kmeans", "dense_4x")
 )
 
 
@@ -49,11 +55,11 @@ def test_smoke_run_tables_every_model_with_finite_numbers(tmp_path):
 
 def check_smoke_output(out):
   """The smoke run's results (also runnable on a finished --smoke --out dir)."""
-  report = json.loads((out / "results.json").read_text())
-  models = report["models"]
+  results = json.loads((out / "results.json").read_text())
+  models = results["models"]
   assert set(models) == {"pretrain", *SMOKE_MODELS}
   table = (out / "results.md").read_text()
-  s = reproduce.MODES["smoke"]
+  s = modes.MODES["smoke"]
   for name, r in models.items():
     if name != "pretrain":
       assert f"| {name} | " in table, name
@@ -81,12 +87,12 @@ def check_smoke_output(out):
   assert (p["dipaco_4x4"]["paths"], p["dipaco_2x2"]["paths"], p["flat_moe"]["paths"]) == (16, 4, 4)
   assert p["diloco_iid"]["workers"] == 4 and p["diloco_iid"]["paths"] == 1
   # The fair baseline: as many DiLoCo replicas as the 4x4 grid has paths (from its config).
-  c16 = reproduce.make_config("diloco_iid_16", s, str(out), "multiply")
+  c16 = runs.make_config("diloco_iid_16", s, str(out), "multiply")
   assert c16.dipaco.replicas == p["dipaco_4x4"]["paths"] == 16
   assert tuple(c16.dipaco.modules_per_level) == (1,) and c16.outer.enabled
   # The 2x2 k-means control: dipaco_2x2 without the re-shard, on the same phase-0 shards.
   k2, d2 = (
-    reproduce.make_config(m, s, str(out), "multiply").to_dict()
+    runs.make_config(m, s, str(out), "multiply").to_dict()
     for m in ("dipaco_2x2_kmeans", "dipaco_2x2")
   )
   assert d2["routing"].pop("discriminative_at_outer_step") == s.disc_at
@@ -97,7 +103,7 @@ def check_smoke_output(out):
   assert p["dipaco_4x4_kmeans"]["paths"] == 16
   assert p["flat_moe"]["total"] == 4 * p["flat_moe"]["path"]
   assert p["dense_path"]["path"] < p["dipaco_2x2"]["total"] < p["flat_moe"]["total"]
-  dense_4x = reproduce.param_counts(reproduce.make_config("dense_4x", s, str(out), "multiply"))
+  dense_4x = runs.param_counts(runs.make_config("dense_4x", s, str(out), "multiply"))
   assert dense_4x["path"] > 2 * p["dense_path"]["path"] and dense_4x["paths"] == 1
   # DiLoCo's k-means shards: one cluster per replica (a router of 4 clusters, 1 path).
   meta = json.loads(
@@ -111,7 +117,7 @@ def check_smoke_output(out):
     assert [p["phase"] for p in phases] == ([0] if name.endswith("_kmeans") else [0, 1]), name
     for p in phases:
       assert p["tokens_min"] <= p["tokens_median"] <= p["tokens_max"], (name, p)
-      assert p["min_over_mean"] >= reproduce.GOAL_MIN_OVER_MEAN, (name, p)
+      assert p["min_over_mean"] >= modes.GOAL_MIN_OVER_MEAN, (name, p)
       assert 0 <= p["moved_off_label"] < 1, (name, p)
     # The control shares its grid's balanced phase-0 shards: the two differ by the re-shard.
   assert (
@@ -157,7 +163,7 @@ def test_summary_gives_mean_and_range_and_flags_gaps_within_the_seed_range(tmp_p
       json.dumps({"sizes": {"steps": 4}, "seed": seed, "models": models})
     )
     dirs.append(str(d))
-  summary = reproduce.summarize(dirs)
+  summary = report.summarize(dirs)
   m = summary["models"]
   assert (m["dense_path"]["mean"], m["dense_path"]["range"]) == (530, 20)
   assert (m["diloco_iid"]["mean"], m["diloco_iid"]["early_stop_mean"]) == (435, 434)
@@ -170,16 +176,31 @@ def test_summary_gives_mean_and_range_and_flags_gaps_within_the_seed_range(tmp_p
     gaps["dense_4x", "dense_path"]["gap"] == 4 and not gaps["dense_4x", "dense_path"]["resolved"]
   )
   assert set(gaps) == {("diloco_iid", "dense_path"), ("dense_4x", "dense_path")}
-  md = reproduce.summary_markdown(summary)
+  md = report.summary_markdown(summary)
   assert "| dense_path | 1 | 1 | 530.00 | 520.00 – 540.00 (20.00) |" in md
   assert "within the seed range (not a result)" in md
+
+
+def test_a_summary_over_runs_of_two_vocabularies_is_one_line_and_writes_nothing(tmp_path):
+  dirs = []
+  for seed, vocab in enumerate((8192, 1024)):
+    d = tmp_path / f"s{seed}"
+    d.mkdir()
+    models = {"dense_path": _result(500, seed)}
+    sizes = {"steps": 4, "vocab": vocab}
+    (d / "results.json").write_text(json.dumps({"sizes": sizes, "seed": seed, "models": models}))
+    dirs.append(str(d))
+  out = tmp_path / "summary"
+  with pytest.raises(SystemExit, match=r"vocabularies of \[1024, 8192\] pieces; perplexities"):
+    command.main([f"--summarize={','.join(dirs)}", f"--out={out}"])
+  assert not out.exists()
 
 
 def test_the_long_comparisons_arms_are_built_as_named(tmp_path):
   # Every arm of --long from its config alone (no training): 4 workers each but DiLoCo P=2,
   # the same batch, interleaving and θ̄, and only what the arm's name says differs.
-  s = reproduce.MODES["long"]
-  cfg = {m: reproduce.make_config(m, s, str(tmp_path), "multiply") for m in reproduce.LONG_MODELS}
+  s = modes.MODES["long"]
+  cfg = {m: runs.make_config(m, s, str(tmp_path), "multiply") for m in arms.LONG_MODELS}
   workers = lambda c: c.dipaco.replicas * math.prod(c.dipaco.modules_per_level)
   assert {m: workers(c) for m, c in cfg.items()} == {
     "dense_path": 1,
@@ -207,20 +228,20 @@ def test_the_long_comparisons_arms_are_built_as_named(tmp_path):
   a["inner"].pop("optimizer"), b["inner"].pop("optimizer")
   assert a == b
   # An outer-LR variant is its base model at that LR, and nothing else.
-  c = reproduce.make_config("dipaco_2x2_olr1.0", s, str(tmp_path), "multiply").to_dict()
+  c = runs.make_config("dipaco_2x2_olr1.0", s, str(tmp_path), "multiply").to_dict()
   assert c["outer"].pop("lr") == 1.0 and cfg["dipaco_2x2"].outer.lr == 0.7
   base = cfg["dipaco_2x2"].to_dict()
   base["outer"].pop("lr")
   assert c == base
-  assert reproduce.known("diloco_iid_olr0.5") and not reproduce.known("diloco_iid_olrx")
-  assert not reproduce.known("diloco_iid_olr<LR>")
+  assert arms.known("diloco_iid_olr0.5") and not arms.known("diloco_iid_olrx")
+  assert not arms.known("diloco_iid_olr<LR>")
   with pytest.raises(ValueError, match="unknown model"):
-    reproduce.run_overrides("diloco_iid_olr-1", s, "p", "s", "none")
+    arms.run_overrides("diloco_iid_olr-1", s, "p", "s", "none")
 
 
 def test_the_capacity_arms_route_the_embedding_and_differ_from_the_grid_by_that_alone(tmp_path):
-  s = reproduce.MODES["long"]
-  cfg = lambda m: reproduce.make_config(m, s, str(tmp_path), "multiply").to_dict()
+  s = modes.MODES["long"]
+  cfg = lambda m: runs.make_config(m, s, str(tmp_path), "multiply").to_dict()
   base, pse, emb = cfg("dipaco_2x2"), cfg("dipaco_2x2_pse"), cfg("dipaco_2x2_emb")
   # Path-specific: each of the 4 paths its own embedding; the first level keeps the head.
   assert pse["dipaco"].pop("path_specific") == "embed" and base["dipaco"].pop("path_specific") == ""
@@ -238,8 +259,8 @@ def test_the_capacity_arms_route_the_embedding_and_differ_from_the_grid_by_that_
 
 
 def test_the_arms_json_names_each_arms_grid_and_shards_with_its_ppl_per_seed():
-  s = reproduce.MODES["long"]
-  kinds = {m: reproduce.arm_kind(m, s) for m in reproduce.LONG_MODELS + ("dipaco_2x2_pse_iid",)}
+  s = modes.MODES["long"]
+  kinds = {m: arms.arm_kind(m, s) for m in arms.LONG_MODELS + ("dipaco_2x2_pse_iid",)}
   assert kinds == {
     "dense_path": ("P=1", "iid"),
     "diloco_iid": ("P=4", "iid"),
@@ -252,8 +273,8 @@ def test_the_arms_json_names_each_arms_grid_and_shards_with_its_ppl_per_seed():
     "dipaco_2x2_muon": ("2x2", "routed"),
     "dipaco_2x2_pse_iid": ("2x2", "iid"),
   }
-  assert reproduce.arm_kind("dipaco_4x4", s) == ("4x4", "routed")
-  assert reproduce.arm_kind("diloco_iid_16", s) == ("P=16", "iid")
+  assert arms.arm_kind("dipaco_4x4", s) == ("4x4", "routed")
+  assert arms.arm_kind("diloco_iid_16", s) == ("P=16", "iid")
   model = lambda ppl, seeds=(0, 1), spec=None: {
     "ppl": ppl,
     "seeds": list(seeds),
@@ -278,7 +299,7 @@ def test_the_arms_json_names_each_arms_grid_and_shards_with_its_ppl_per_seed():
     },
     "gaps": [],
   }
-  out = reproduce.arms_json(summary, "python benchmarks/reproduce.py --summarize=A")
+  out = report.arms_json(summary, "python benchmarks/reproduce.py --summarize=A")
   assert out["arms"]["dipaco_2x2"]["ppl"] == [250.0, 246.0]
   assert (out["arms"]["dipaco_2x2"]["grid"], out["arms"]["dipaco_2x2"]["shards"]) == (
     "2x2",
@@ -292,14 +313,14 @@ def test_the_arms_json_names_each_arms_grid_and_shards_with_its_ppl_per_seed():
   assert out["commands"][-1] == "python benchmarks/reproduce.py --summarize=A"
   # Each seed's command names its directory as the summary was given it.
   recorded = "python3.11 benchmarks/reproduce.py --long --seed=1 --out=/abs/s1 --models=a,b"
-  assert reproduce._command_for(recorded, "runs/s1") == (
+  assert report.command_for(recorded, "runs/s1") == (
     "python benchmarks/reproduce.py --long --seed=1 --out=runs/s1 --models=a,b"
   )
 
 
 def test_the_compression_and_streaming_arms_are_dipaco_2x2_but_for_the_outer_exchange(tmp_path):
-  s = reproduce.MODES["long"]
-  cfg = lambda m: reproduce.make_config(m, s, str(tmp_path), "multiply").to_dict()
+  s = modes.MODES["long"]
+  cfg = lambda m: runs.make_config(m, s, str(tmp_path), "multiply").to_dict()
   base = cfg("dipaco_2x2")
   for name, codec, ef, stream in [
     ("dipaco_2x2_int8", "int8", True, (1, 0)),
@@ -334,7 +355,7 @@ def test_outer_norms_of_a_streamed_run_by_hand(tmp_path):
       "dipaco": {"modules_per_level": (1, 2), "replicas": 1},
     }
   )
-  out = reproduce.outer_norms(cfg, str(tmp_path))
+  out = runs.outer_norms(cfg, str(tmp_path))
   l0, l1 = out["levels"]["level_0"], out["levels"]["level_1"]
   assert (l0["steps"], l0["norm"], l0["peak"], l0["last"]) == ([1, 3, 4], [3.0, 1.0, 2.0], 3.0, 2.0)
   assert (l1["steps"], l1["norm"], l1["modules"], l1["paths_per_module"]) == (

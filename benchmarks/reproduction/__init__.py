@@ -1,0 +1,1 @@
+"""The paper's comparison at small scale (benchmarks/reproduce.py): modes, arms, runs, report."""

@@ -1,0 +1,236 @@
+"""The capacity comparison (`--capacity`): DiLoCo's saturation gate, the arms, the paper's levers.
+
+Each seed trains θ̄, then the gate (DiLoCo P = 1, 2, 4, 8 at each of OUTER_LRS["diloco"]), the
+arms (dense at the path's, the stores' and ~2x the path's size; DiPaCo 2x2 and 2x4, routed and
+on i.i.d. shards, at each of OUTER_LRS["dipaco"]) and the levers on the better grid (its
+embedding path-specific; per-path early stopping and re-routing every W tokens are read from
+its routed run). Every finished arm's record lands in <results>/seed<S>/<arm>.json at once, so a
+stopped comparison resumes arm by arm and its figures can be committed as they come; the page
+(docs/results/capacity.md and .json) is written from those files alone.
+"""
+
+import json
+import math
+import os
+
+import numpy as np
+
+from reproduction import arms
+
+# Outer LRs tried per method (best of them per arm): DiPaCo's grid levels take x sqrt(P) on
+# top (outer.sqrt_paths), so its range sits lower than DiLoCo's.
+OUTER_LRS = {"diloco": (0.7, 1.0), "dipaco": (0.5, 0.7)}
+DILOCO = {1: "diloco_iid_1", 2: "diloco_iid_2", 4: "diloco_iid", 8: "diloco_iid_8"}
+GRIDS = {"2x2": ("dipaco_2x2", "dipaco_2x2_iid"), "2x4": ("dipaco_2x4", "dipaco_2x4_iid")}
+DENSE = ("dense_path", "dense_store_2x2", "dense_store_2x4", "dense_wide")
+GATE_GAIN = 0.02  # DiLoCo counts as saturated once P = 4 -> 8 gains at most this.
+
+
+def lr_arms(base: str, method: str) -> list[str]:
+  """`base` at each outer LR tried for its method."""
+  return [f"{base}_olr{lr:g}" for lr in OUTER_LRS[method]]
+
+
+def gate_models() -> list[str]:
+  return [m for p in DILOCO for m in lr_arms(DILOCO[p], "diloco")]
+
+
+def arm_models() -> list[str]:
+  grids = [m for pair in GRIDS.values() for base in pair for m in lr_arms(base, "dipaco")]
+  return [*DENSE, *grids]
+
+
+def lever_models(records: dict) -> list[str]:
+  """The better grid's embedding path-specific, at its routed arm's best outer LR."""
+  grid, name = better_grid(records)
+  if name is None:
+    return []
+  return [f"{GRIDS[grid][0]}_pse_olr{arms.outer_lr_variant(name)[1]:g}"]
+
+
+def ppl(record: dict, params: str = "store") -> float | None:
+  rep = record["final"].get(params)
+  return None if rep is None else rep["ppl"]["once"]
+
+
+def variants(records: dict, base: str) -> list[str]:
+  """The finished arms that are `base` at some outer LR (`base` itself included)."""
+  return [n for n in records if (arms.outer_lr_variant(n) or (n, 0))[0] == base]
+
+
+def best_of(records: dict, base: str) -> str | None:
+  """`base`'s outer-LR variant with the lowest final routed perplexity (None when none ran)."""
+  have = variants(records, base)
+  return min(have, key=lambda n: ppl(records[n])) if have else None
+
+
+def better_grid(records: dict) -> tuple[str, str | None]:
+  """(grid, its best routed arm) of the grid whose routed arm reaches the lower perplexity."""
+  best = {g: best_of(records, pair[0]) for g, pair in GRIDS.items()}
+  done = {g: n for g, n in best.items() if n}
+  if not done:
+    return "2x2", None
+  grid = min(done, key=lambda g: ppl(records[done[g]]))
+  return grid, done[grid]
+
+
+def saturation(records: dict) -> dict:
+  """DiLoCo's best-of-LRs perplexity per P and the gain of each doubling (1 - next / this)."""
+  curve = {}
+  for p, base in DILOCO.items():
+    name = best_of(records, base)
+    if name:
+      curve[p] = {"arm": name, "ppl": ppl(records[name])}
+  gains = {
+    f"{p}_to_{2 * p}": 1 - curve[2 * p]["ppl"] / curve[p]["ppl"] for p in curve if 2 * p in curve
+  }
+  return {"curve": curve, "gains": gains, "met": gains.get("4_to_8", 1.0) <= GATE_GAIN}
+
+
+def describe_gate(sat: dict) -> str:
+  """One line on the gate: each P's perplexity and whether 4 -> 8 gains at most GATE_GAIN."""
+  pts = ", ".join(f"P={p} {v['ppl']:.2f}" for p, v in sat["curve"].items())
+  gain = sat["gains"].get("4_to_8")
+  if gain is None:
+    return f"DiLoCo saturation: {pts or 'no arm finished'}; P = 4 -> 8 not measured yet."
+  verdict = "met" if sat["met"] else "NOT met (the closest reached)"
+  return (
+    f"DiLoCo saturation: {pts}; P = 4 -> 8 gains {100 * gain:.1f}% (gate <= "
+    f"{100 * GATE_GAIN:.0f}%: {verdict})."
+  )
+
+
+def arm_path(results: str, seed: int, name: str) -> str:
+  return os.path.join(results, f"seed{seed}", f"{name}.json")
+
+
+def write_arm(results: str, seed: int, name: str, record: dict) -> str:
+  """One finished arm's record (atomically: a stopped write leaves the old file or none)."""
+  path = arm_path(results, seed, name)
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path + ".tmp", "w") as f:
+    json.dump(record, f, indent=1)
+  os.replace(path + ".tmp", path)
+  return path
+
+
+def read_arms(results: str) -> dict[int, dict[str, dict]]:
+  """{seed: {arm: record}} of every arm JSON under `results`."""
+  out = {}
+  if not os.path.isdir(results):
+    return out
+  for entry in sorted(os.listdir(results)):
+    if not entry.startswith("seed") or not entry[4:].isdigit():
+      continue
+    folder = os.path.join(results, entry)
+    out[int(entry[4:])] = {
+      f[: -len(".json")]: json.load(open(os.path.join(folder, f)))  # noqa: SIM115
+      for f in sorted(os.listdir(folder))
+      if f.endswith(".json")
+    }
+  return out
+
+
+def chars_per_scored_token(config, workdir: str) -> float:
+  """Characters per scored validation token (the routing prefix excluded), for bits per char.
+
+  The tokens `evaluate` scores: tokens prefix_len .. eval_seq_len of each validation document
+  (log p of token j given those before it), decoded with the run's tokenizer.
+  """
+  from dipaco_jax import data as data_lib
+  from dipaco_jax import routing
+  from dipaco_jax.data import vocab
+
+  sp = vocab.load(vocab.resolve(config.data.task, config.data.vocab_path))
+  shards = data_lib.ShardSet(routing.shard_dir(config, workdir, 0))
+  T, L = routing.eval_seq_len(config), config.routing.prefix_len
+  chars = tokens = 0
+  for w, n in enumerate(shards.num_docs("validation")):
+    for d in shards.documents(w, "validation").read_many(range(int(n))):
+      scored = [int(t) for t in d.tokens[L:T]]
+      chars += len(sp.decode(scored))
+      tokens += len(scored)
+  return chars / tokens
+
+
+def bits_per_char(nats_per_token: float, chars_per_token: float) -> float:
+  return nats_per_token / math.log(2) / chars_per_token
+
+
+def summary_stats(values: list[float]) -> dict:
+  return {
+    "mean": float(np.mean(values)),
+    "min": float(np.min(values)),
+    "max": float(np.max(values)),
+    "range": float(np.max(values) - np.min(values)),
+  }
+
+
+def routed_share(config) -> float:
+  """The share of a path's parameters in its transformer blocks (the grid's routed levels)."""
+  import jax
+
+  from dipaco_jax.core import experiment
+
+  params = experiment.Experiment(config).recipe.abstract_params()
+  size = lambda t: sum(int(np.prod(x.shape)) for x in jax.tree.leaves(t))
+  blocks = sum(size(v) for k, v in params.items() if k.startswith("block_"))
+  return blocks / size(params)
+
+
+def plan(s, stage: str, models: list[str] | None) -> list[str]:
+  """The arms of a stage in training order (each bigger dense model after its own θ̄)."""
+  if models is None:
+    models = gate_models() + (arm_models() if stage != "gate" else [])
+  order = ["pretrain"]
+  for m in models:
+    order += [p for p in (arms.pretrain_of(m, s), m) if p not in order]
+  return order
+
+
+def run(s, args) -> dict[str, dict]:
+  """One seed's capacity comparison, resumed arm by arm; every finished arm's JSON written."""
+  import dataclasses
+
+  from reproduction import runs
+
+  models = [m for m in args.models.split(",") if m] if args.models else None
+  names = plan(s, args.stage, models)
+  from dipaco_jax import errors
+
+  # Every arm's config and mesh first: a bad size stops here, in one line, nothing written.
+  for name in names:
+    try:
+      runs.param_counts(runs.make_config(name, s, args.out, args.sqrt_paths, args.seed))
+    except (errors.ConfigError, errors.UserError) as e:
+      raise SystemExit(f"--capacity: arm {name}: {e}") from None
+  records: dict[str, dict] = {}
+
+  def arm(name: str, rerouting: bool = False) -> None:
+    print(f"== {name}", flush=True)
+    r = runs.train_run(
+      name, s, args.out, args.sqrt_paths, args.seed, args.sqrt_paths_cap, rerouting=rerouting
+    )
+    r.update(sizes=dataclasses.asdict(s), seed=args.seed)
+    if name == "pretrain":
+      config = runs.make_config(name, s, args.out, args.sqrt_paths, args.seed)
+      workdir = os.path.join(args.out, "runs", name)
+      r.update(chars_per_scored_token=chars_per_scored_token(config, workdir))
+      r.update(routed_share=routed_share(config))
+    records[name] = r
+    path = write_arm(args.results, args.seed, name, r)
+    print(f"   ppl {ppl(r):.2f}  (train {r['seconds']['train']:.0f}s) -> {path}", flush=True)
+
+  for name in names:
+    arm(name)
+    if name == gate_models()[-1]:
+      print(describe_gate(saturation(records)), flush=True)
+  if args.stage == "all" and models is None:
+    for name in lever_models(records):
+      arm(name)
+    grid, best = better_grid(records)
+    if best:  # Early stopping is in every record; re-routing is measured on this one.
+      print(f"levers on {grid}: re-routing {best}", flush=True)
+      arm(best, rerouting=True)
+  print(describe_gate(saturation(records)), flush=True)
+  return records

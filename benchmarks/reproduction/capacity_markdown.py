@@ -1,0 +1,168 @@
+"""docs/results/capacity.md: the capacity comparison's page, rendered from its JSON."""
+
+from reproduction import capacity
+from reproduction import capacity_page
+
+COMMANDS = """\
+    python tools/train_tokenizer.py --vocab_size=1024 --check     # the shipped 1k tokenizer
+    python benchmarks/reproduce.py --capacity --seed=0 --out=runs/cap_s0   # then --seed=1 ...
+    python benchmarks/reproduce.py --capacity_page                # this page, from the JSONs
+"""
+
+
+def _fmt(v, spec=".2f") -> str:
+  return "–" if v is None else format(v, spec)
+
+
+def regime_table(reg: dict) -> list[str]:
+  paper, long = capacity_page.PAPER, capacity_page.LONG
+  per_seed = lambda xs, spec: ", ".join(format(x, spec) for x in xs) if xs else "–"
+  gain = reg.get("diloco_gain_4_to_8")
+  rows = [
+    (
+      "tokens per parameter, θ̄",
+      "tokens_per_param_theta",
+      _fmt(reg.get("tokens_per_param_theta"), ".0f"),
+    ),
+    (
+      "tokens per parameter per path after the fork",
+      "tokens_per_param_path",
+      _fmt(reg.get("tokens_per_param_path"), ".0f"),
+    ),
+    (
+      "per-worker batch / noise scale at θ̄ (per seed)",
+      "batch_over_noise_scale",
+      f"{reg.get('batch_tokens', 0):,} tokens / "
+      f"{per_seed(reg.get('noise_scale_tokens_at_theta'), ',.0f')} = "
+      f"{per_seed(reg.get('batch_over_noise_scale_per_seed'), '.2f')}",
+    ),
+    (
+      "epochs per shard (the most-read worker)",
+      "epochs_per_shard",
+      _fmt(reg.get("epochs_per_shard_max")),
+    ),
+    ("H", "inner_steps", str(reg.get("inner_steps", "–"))),
+    ("outer steps after the fork", "outer_steps", str(reg.get("outer_steps", "–"))),
+    (
+      "DiLoCo's gain from more workers",
+      "diloco_gain",
+      f"P = 4 -> 8: {_fmt(None if gain is None else 100 * gain)}% (per seed "
+      f"{per_seed([100 * g for g in reg.get('diloco_gain_4_to_8_per_seed', [])], '.1f')}%)",
+    ),
+  ]
+  out = ["| | the paper (150M paths, C4) | `--long` | here (`--capacity`) |", "|---|---|---|---|"]
+  out += [f"| {label} | {paper[key]} | {long[key]} | {here} |" for label, key, here in rows]
+  return out
+
+
+def arms_table(agg: dict) -> list[str]:
+  out = [
+    "| arm | grid | shards | workers | params (store) | ppl mean | min – max (range) | per seed | "
+    "bits/char | early stop | oracle | random path |",
+    "|---|---|---|---:|---:|---:|---|---|---:|---:|---:|---:|",
+  ]
+  mean = lambda xs: None if not xs or None in xs else sum(xs) / len(xs)
+  for name, a in agg.items():
+    per = ", ".join(f"{x:.2f}" for x in a["ppl"])
+    out.append(
+      f"| `{name}` | {a['grid']} | {a['shards']} | {a['workers']} | {a['params']:,} | "
+      f"{a['mean']:.2f} | {a['min']:.2f} – {a['max']:.2f} ({a['range']:.2f}) | {per} | "
+      f"{mean(a['bits_per_char']):.3f} | {_fmt(mean(a['early_stop_ppl'] or [None]))} | "
+      f"{_fmt(mean(a['oracle_ppl'] or [None]))} | {_fmt(mean(a['random_path_ppl'] or [None]))} |"
+    )
+  return out
+
+
+def gate_lines(seeds: dict) -> list[str]:
+  return [
+    f"- seed {seed}: {capacity.describe_gate(capacity.saturation(recs))}"
+    for seed, recs in seeds.items()
+  ]
+
+
+def specialisation_lines(agg: dict) -> list[str]:
+  out = [
+    "| arm | seed | routed path best for (share of documents) | own shard below others (nats) | "
+    "share of the oracle's gain over a random path |",
+    "|---|---:|---:|---:|---:|",
+  ]
+  for name, a in agg.items():
+    for seed, spec in zip(a["seeds"], a["specialisation"]):
+      if spec:
+        out.append(
+          f"| `{name}` | {seed} | {spec['routed_best_share']:.3f} | {spec['diagonal_gap']:.4f} | "
+          f"{_fmt(spec.get('routed_gain_share'), '.3f')} |"
+        )
+  return out
+
+
+def rerouting_lines(agg: dict) -> list[str]:
+  out = []
+  for name, a in agg.items():
+    for seed, rr in zip(a["seeds"], a["rerouting_ppl"] or []):
+      if rr:
+        cells = ", ".join(f"{k} {v:.2f}" for k, v in sorted(rr.items()))
+        out.append(f"- `{name}`, seed {seed}: once {a['ppl'][a['seeds'].index(seed)]:.2f}; {cells}")
+  return out or ["- not measured yet"]
+
+
+def third_seed(questions: list[dict]) -> str:
+  """The gaps within twice the seed range (a third seed would tell), as one sentence."""
+  if not questions:
+    return ""
+  pairs = ", ".join(f"`{q['better_expected']}` vs `{q['worse_expected']}`" for q in questions)
+  return f" Gaps within twice the range, which want a third seed: {pairs}."
+
+
+def render(doc: dict, agg: dict, seeds: dict, png: str) -> str:
+  reg = doc["regime"]
+  sentences = [capacity_page.sentence(q, agg) for q in doc["questions"]]
+  third = [q for q in doc["questions"] if q["needs_third_seed"]]
+  lines = [
+    "# The paper's claim where capacity is what limits: results",
+    "",
+    "- **What**: DiPaCo against DiLoCo, against dense models of its store's size and ~2x a "
+    "path's, and routed against i.i.d. shards, in a regime where one path is capacity-limited "
+    "and DiLoCo is (or is measured against being) saturated; every arm at equal steps and "
+    "tokens per step per worker, forked from its seed's θ̄.",
+    "- **Machine**: this project's shared 2-core x86 CPU VM (no accelerator), 4 fake CPU devices.",
+    "- **Written by** `benchmarks/reproduce.py --capacity_page` from `benchmarks/results/capacity/"
+    "seed*/*.json` (one file per finished arm); the JSON beside this page is `capacity.json`.",
+    "",
+    "    " + COMMANDS.strip().replace("\n", "\n"),
+    "",
+    "## The regime",
+    "",
+    *regime_table(reg),
+    "",
+    "## The gate: DiLoCo's saturation (best of the outer LRs per P)",
+    "",
+    *gate_lines(seeds),
+    "",
+    "## The three questions",
+    "",
+    *[f"- {t}" for t in sentences],
+    "",
+    "Resolved means the gap between means exceeds the larger of the two arms' seed ranges."
+    + third_seed(third),
+    "",
+    "## Every arm",
+    "",
+    "Routed validation perplexity at the last step (prefix excluded), per seed; bits per "
+    "character from the loss and the scored tokens' characters (they compare across "
+    "vocabularies, perplexities do not).",
+    "",
+    *arms_table(agg),
+    "",
+    f"![perplexity vs steps]({png})",
+    "",
+    "## Specialisation of the grids",
+    "",
+    *specialisation_lines(agg),
+    "",
+    "## Re-routing every W tokens (the better grid's routed arm)",
+    "",
+    *rerouting_lines(agg),
+    "",
+  ]
+  return "\n".join(lines)
