@@ -155,17 +155,19 @@ MODES["capacity"] = Sizes(
   big_layers=4,
   big_heads=2,
   pretrain=1500,  # 1500 x 32 x 96 = 4.6M tokens: 56 per parameter.
-  steps=675,  # 675 x 128 x 96 = 8.3M tokens per path: 101 per parameter.
+  steps=360,  # 360 x 256 x 96 = 8.8M tokens per path: 108 per parameter (24 outer steps).
   inner_steps=15,
   batch=32,
-  fork_batch=128,
+  # 256 x 96 = 24,576 tokens: 7.3x the noise scale measured at θ̄ in the pilot (3,360 tokens;
+  # at 128 rows, 3.7x, P = 4 -> 8 still gained 2.2% after 15 outer steps).
+  fork_batch=256,
   seq_len=96,
   lr=3e-3,
   big_lr=3e-3,
   warmup=100,
   fork_warmup=15,
   disc_at=3,
-  eval_every=9,
+  eval_every=4,  # 6 evaluations and checkpoints per arm.
   windows=(16, 32, 64),
   reroute_steps=300,
   subsample=1,
@@ -205,7 +207,7 @@ REGIME = {
   "measured against the gradient noise scale at θ̄ after pretraining (the comparison needs "
   ">= 0.3x).",
   "capacity": "capacity mode: a path capacity-limited on its data (>= 50 tokens per parameter "
-  "for θ̄, >= 100 more per path), per-worker batch 128 x 96 tokens against the noise scale "
+  "for θ̄, >= 100 more per path), per-worker batch 256 x 96 tokens against the noise scale "
   "measured at θ̄, DiLoCo's saturation (P = 4 -> 8 gains <= 2%) measured first "
   "(docs/results/capacity.md).",
   "capacity_smoke": "capacity_smoke mode: tiny sizes, the plumbing only (CI); no number of it "

@@ -50,7 +50,7 @@ def test_each_arms_config_sizes_batches_grid_and_tokenizer():
   pre, fork = config("pretrain"), config("diloco_iid_8_olr1")
   # θ̄ at the small batch; every forked arm at the fork batch, every row another document.
   assert (pre.data.batch_size, pre.data.interleave) == (32, 32)
-  assert (fork.data.batch_size, fork.data.interleave) == (128, 128)
+  assert (fork.data.batch_size, fork.data.interleave) == (256, 256)
   assert fork.dipaco.replicas == 8 and fork.outer.lr == 1.0
   assert fork.dipaco.init_from == "/nonexistent/out/runs/pretrain"
   for c in (pre, fork):
@@ -175,11 +175,11 @@ def test_the_page_and_its_json_from_two_seeds_arm_files(tmp_path):
   saved = json.loads((tmp_path / "docs" / "capacity.json").read_text())
   assert saved == json.loads(json.dumps(doc))
   reg = saved["regime"]
-  # 675 steps x 128 x 96 tokens / 82,208 = 101.1 per parameter per path; θ̄ 1500 x 32 x 96.
-  assert reg["tokens_per_param_path"] == pytest.approx(675 * 128 * 96 / 82_208)
+  # 360 steps x 256 x 96 tokens / 82,208 = 107.6 per parameter per path; θ̄ 1500 x 32 x 96.
+  assert reg["tokens_per_param_path"] == pytest.approx(360 * 256 * 96 / 82_208)
   assert reg["tokens_per_param_theta"] == pytest.approx(1500 * 32 * 96 / 82_208)
-  # Per seed 12,288 / 2,500 and / 2,600; the JSON's headline is their mean.
-  assert reg["batch_over_noise_scale"] == pytest.approx((12_288 / 2_500 + 12_288 / 2_600) / 2)
+  # Per seed 24,576 (256 x 96) / 2,500 and / 2,600; the JSON's headline is their mean.
+  assert reg["batch_over_noise_scale"] == pytest.approx((24_576 / 2_500 + 24_576 / 2_600) / 2)
   # Seed 0: 1 - 214/218; seed 1: 1 - 215/218 (P = 8 at 0.7 beats its 1.0 arm in both).
   assert reg["diloco_gain_4_to_8"] == pytest.approx((1 - 214 / 218 + 1 - 215 / 218) / 2)
   grid = saved["arms"]["dipaco_2x4_olr0.5"]
@@ -198,7 +198,7 @@ def test_the_page_and_its_json_from_two_seeds_arm_files(tmp_path):
   assert q["routed_vs_iid"]["gap"] == pytest.approx(1.0) and not q["routed_vs_iid"]["resolved"]
   text = open(page).read()
   assert (
-    "| tokens per parameter per path after the fork | 64k x 524k / 150M ≈ 224 | 1.0 | 101 |" in text
+    "| tokens per parameter per path after the fork | 64k x 524k / 150M ≈ 224 | 1.0 | 108 |" in text
   )
   assert "P = 4 -> 8 gains 1.8% (gate <= 2%: met)" in text
   assert os.path.exists(str(tmp_path / "docs" / "capacity_ppl_vs_steps.png"))
