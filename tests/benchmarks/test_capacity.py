@@ -225,6 +225,7 @@ def _reproduce(*args, cwd):
   )
 
 
+@pytest.mark.cli
 def test_a_fork_batch_that_does_not_divide_the_mesh_is_one_line_before_anything_runs(tmp_path):
   proc = _reproduce(
     "--capacity", f"--out={tmp_path / 'out'}", f"--results={tmp_path / 'r'}",
@@ -238,6 +239,7 @@ def test_a_fork_batch_that_does_not_divide_the_mesh_is_one_line_before_anything_
 
 # θ̄, one DiLoCo and one DiPaCo arm at tiny sizes, then the page: minutes in a child process.
 @pytest.mark.slow
+@pytest.mark.cli
 def test_capacity_smoke_writes_each_arms_json_and_the_page(tmp_path):
   results = tmp_path / "results"
   proc = _reproduce(

@@ -32,6 +32,7 @@ SMOKE_MODELS = tuple(
 # A child process trains and evaluates every model of the smoke run: minutes, outside the fast
 # suite (-m "not slow").
 @pytest.mark.slow
+@pytest.mark.cli
 def test_smoke_run_tables_every_model_with_finite_numbers(tmp_path):
   out = tmp_path / "repro"
   # A child process: the script sets its fake CPU device count before jax starts.

@@ -201,6 +201,7 @@ def test_bad_exports_are_one_line_and_write_nothing(tmp_path):
   assert sorted(os.listdir(tmp_path)) == ["full", "run"]
 
 
+@pytest.mark.cli
 def test_a_gelu_run_is_refused_in_one_line_by_the_command(tmp_path):
   run = str(tmp_path / "run")
   saved_run(run, **{"model.mlp": "gelu"})
@@ -234,6 +235,7 @@ def trained(tmp_path_factory):
 
 
 @pytest.mark.slow  # Trains a small run (~2 min on 2 cores) and exports it with the command.
+@pytest.mark.cli
 def test_a_trained_runs_paths_load_with_transformers_and_route_as_serve_does(trained):
   run, out = trained
   cfg = saved_config.load(run)
@@ -251,6 +253,7 @@ def test_a_trained_runs_paths_load_with_transformers_and_route_as_serve_does(tra
   assert [ns["route"](t) for t in some] == [server.route(t) for t in some]
 
 
+@pytest.mark.cli
 def test_the_command_lists_its_flags_and_wants_one_of_path_or_all(tmp_path):
   run = lambda *a: subprocess.run(
     [sys.executable, "-m", "dipaco_jax.export", *a],

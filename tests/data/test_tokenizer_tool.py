@@ -43,6 +43,7 @@ def _tool(*args, tmp_path):
   )
 
 
+@pytest.mark.cli
 def test_an_unshipped_size_without_out_is_refused_before_training(tmp_path):
   proc = _tool("--vocab_size=5000", tmp_path=tmp_path)
   assert proc.returncode == 2
@@ -50,6 +51,7 @@ def test_an_unshipped_size_without_out_is_refused_before_training(tmp_path):
   assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.cli
 def test_a_non_positive_size_is_refused(tmp_path):
   proc = _tool("--vocab_size=0", "--out=x.model", tmp_path=tmp_path)
   assert proc.returncode == 2
@@ -59,6 +61,7 @@ def test_a_non_positive_size_is_refused(tmp_path):
 
 # SentencePiece reads the whole train split before it checks the size: ~10 s.
 @pytest.mark.slow
+@pytest.mark.cli
 def test_a_size_sentencepiece_cannot_train_is_one_line_and_writes_nothing(tmp_path):
   proc = _tool("--vocab_size=100", "--out=small.model", tmp_path=tmp_path)
   assert proc.returncode == 1

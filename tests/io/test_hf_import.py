@@ -167,6 +167,7 @@ def test_another_vocabulary_or_shape_is_refused_naming_the_fix(tmp_path):
   assert "has no tokenizer.model: dipaco_jax tokenizes with SentencePiece" in msg, msg
 
 
+@pytest.mark.cli
 def test_the_trainer_refuses_before_writing_anything(tmp_path):
   # configs/tiny.py's model (d 128, 4 blocks, 4 heads of 32) with SwiGLU of width 512.
   shape = dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4)

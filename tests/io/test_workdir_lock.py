@@ -266,6 +266,7 @@ def _wait_for(path, run: subprocess.Popen) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.cli
 def test_two_trainers_on_one_workdir_leave_the_first_whole_and_refuse_the_second(
   alone, cache, tmp_path
 ):
@@ -291,6 +292,7 @@ def test_two_trainers_on_one_workdir_leave_the_first_whole_and_refuse_the_second
 
 
 @pytest.mark.slow
+@pytest.mark.cli
 def test_ctrl_c_is_one_line_the_last_checkpoint_is_intact_and_its_command_resumes(
   alone, cache, tmp_path
 ):
