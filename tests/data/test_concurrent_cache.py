@@ -37,6 +37,7 @@ print("value", float(f(jnp.arange(64.0).reshape(8, 8) / 64)))
 
 
 @pytest.mark.slow
+@pytest.mark.ci  # CI runs it: the end-to-end check of what it guards.
 def test_three_runs_started_together_on_an_empty_cache_all_succeed_with_the_same_shards(tmp_path):
   cache = tmp_path / "cache"  # Empty: nothing prepared, no shards, no compiled programs.
   env = {**os.environ, "PYTHONPATH": helpers.ROOT, "JAX_PLATFORMS": "cpu"}

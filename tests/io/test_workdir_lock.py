@@ -100,7 +100,7 @@ def test_a_lock_left_by_a_killed_process_is_taken_over_with_one_info_line(tmp_pa
   child = _holder(w, "route")
   _kill(child)  # SIGKILL: no cleanup ran; the kernel dropped its flock.
   assert json.loads((w / lock.LOCK_FILE).read_text())["pid"] == child.pid
-  with caplog.at_level(logging.INFO):
+  with caplog.at_level(logging.INFO), caplog.at_level(logging.INFO, logger="absl"):
     with lock.workdir(str(w), "train"):
       assert json.loads((w / lock.LOCK_FILE).read_text())["pid"] == os.getpid()
       with lock.workdir(str(w), "evaluate"):  # Re-entrant: the same process holds it.
@@ -154,7 +154,7 @@ def test_an_unopenable_lock_file_and_a_filesystem_without_locks_are_one_line(
 
 
 def test_an_object_store_workdir_takes_no_lock(caplog):
-  with caplog.at_level(logging.INFO):
+  with caplog.at_level(logging.INFO), caplog.at_level(logging.INFO, logger="absl"):
     with lock.workdir("gs://bucket/run", "train"):
       pass
   assert any("no lock keeps a second command off it" in r.getMessage() for r in caplog.records)
@@ -267,6 +267,7 @@ def _wait_for(path, run: subprocess.Popen) -> None:
 
 @pytest.mark.slow
 @pytest.mark.cli
+@pytest.mark.ci  # CI runs it: the end-to-end check of what it guards.
 def test_two_trainers_on_one_workdir_leave_the_first_whole_and_refuse_the_second(
   alone, cache, tmp_path
 ):

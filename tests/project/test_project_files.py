@@ -28,7 +28,7 @@ def test_every_marker_is_registered_and_contributing_names_it_with_the_commands(
   ini = tomllib.loads(_read("pyproject.toml"))["tool"]["pytest"]["ini_options"]
   assert "--strict-markers" in ini["addopts"]
   names = {m.split(":")[0] for m in ini["markers"]}
-  assert names == {"slow", "ray", "aot", "cli", "multiprocess"}
+  assert names == {"slow", "ci", "ray", "aot", "cli", "multiprocess"}
   contributing = _read("CONTRIBUTING.md")
   for name in names:
     assert f"| `{name}` |" in contributing, name
