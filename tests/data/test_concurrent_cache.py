@@ -43,7 +43,7 @@ def test_three_runs_started_together_on_an_empty_cache_all_succeed_with_the_same
   env = {**os.environ, "PYTHONPATH": helpers.ROOT, "JAX_PLATFORMS": "cpu"}
   env["DIPACO_CACHE_DIR"] = str(cache)
   env.pop("JAX_COMPILATION_CACHE_DIR", None)  # The one under test: jit_cache.use's.
-  code = _START.format(tests=os.path.dirname(os.path.abspath(__file__)))
+  code = _START.format(tests=os.path.join(helpers.ROOT, "tests"))  # helpers.py, failure_rows.py
   runs = [
     subprocess.Popen(
       [sys.executable, "-c", code, str(tmp_path / f"run{i}" / "shards"), str(cache / "jax")],
