@@ -2,6 +2,7 @@
 
 from reproduction import capacity
 from reproduction import capacity_page
+from reproduction import modes
 
 COMMANDS = """\
     python tools/train_tokenizer.py --vocab_size=1024 --check     # the shipped 1k tokenizer
@@ -73,6 +74,17 @@ def arms_table(agg: dict) -> list[str]:
   return out
 
 
+def status_lines(seeds: dict) -> list[str]:
+  """Which arms of the full plan each seed has finished: a page of a run in progress says so."""
+  planned = capacity.plan(modes.MODES["capacity"], "all", None)
+  out = []
+  for seed, recs in seeds.items():
+    left = [n for n in planned if n not in recs]
+    tail = f"; still to run: {', '.join(f'`{n}`' for n in left)}" if left else ": complete"
+    out.append(f"- seed {seed}: {len(planned) - len(left)} of {len(planned)} arms finished{tail}.")
+  return out
+
+
 def gate_lines(seeds: dict) -> list[str]:
   return [
     f"- seed {seed}: {capacity.describe_gate(capacity.saturation(recs))}"
@@ -131,6 +143,10 @@ def render(doc: dict, agg: dict, seeds: dict, png: str) -> str:
     "",
     "    " + COMMANDS.strip().replace("\n", "\n"),
     "",
+    "## Status",
+    "",
+    *status_lines(seeds),
+    "",
     "## The regime",
     "",
     *regime_table(reg),
@@ -141,7 +157,7 @@ def render(doc: dict, agg: dict, seeds: dict, png: str) -> str:
     "",
     "## The three questions",
     "",
-    *[f"- {t}" for t in sentences],
+    *([f"- {t}" for t in sentences] or ["- not answered yet: they need the gate and the arms."]),
     "",
     "Resolved means the gap between means exceeds the larger of the two arms' seed ranges."
     + third_seed(third),

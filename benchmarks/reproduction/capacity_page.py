@@ -252,7 +252,8 @@ def plot(agg: dict, path: str) -> None:
       ax.plot(xs, ys, marker="o", ms=2, lw=1, label=name, ls="--" if "dense" in name else "-")
     ax.set(title=title, xlabel="weight-update steps (θ̄'s included)", yscale="log")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=6, ncol=2)
+    if names:
+      ax.legend(fontsize=6, ncol=2)
   axes[0].set_ylabel("routed validation perplexity (prefix excluded), mean over seeds")
   fig.tight_layout()
   fig.savefig(path, dpi=110, bbox_inches="tight")

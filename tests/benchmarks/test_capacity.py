@@ -201,6 +201,11 @@ def test_the_page_and_its_json_from_two_seeds_arm_files(tmp_path):
     "| tokens per parameter per path after the fork | 64k x 524k / 150M ≈ 224 | 1.0 | 108 |" in text
   )
   assert "P = 4 -> 8 gains 1.8% (gate <= 2%: met)" in text
+  # The status names what each seed has and what it still lacks (dense_path was never written).
+  done = len(os.listdir(os.path.join(results, "seed0")))
+  planned = len(capacity.plan(S, "all", None))
+  status = f"- seed 0: {done} of {planned} arms finished; still to run: "
+  assert status in text and "`dense_path`" in text.split(status)[1].splitlines()[0]
   assert os.path.exists(str(tmp_path / "docs" / "capacity_ppl_vs_steps.png"))
 
 
