@@ -15,7 +15,7 @@ compiling them again. Figures (docs/elastic.md "Figures"):
   pin (not in the default --only): the clean grid run with elastic.pin_cpus on and off, in
     pairs (which goes first alternates): command walls and median step seconds;
   heterogeneous: a grid whose paths share only some modules, worker actor 0 slowed
-    (faults.step_delay_s) to ~3x the others' step time: how many phases ahead the
+    (runtime/faults.Faults' step_delay_s) to ~3x the others' step time: how many phases ahead the
     other actors started tasks while the slow one still trained;
   chaos (item 7): >= 20 worker SIGKILLs (half timed at random moments, half mid-write),
     executor SIGKILLs and one SIGKILL of the whole driver command, then the same
@@ -91,9 +91,11 @@ def _config(H, T, shard_dir, **kw):
 def _train_child(spec: str, workdir: str, result: str) -> None:
   """The child process: one training command (train_and_evaluate) with `spec`'s config."""
   from dipaco_jax import train  # pylint: disable=g-import-not-at-top
+  from dipaco_jax.runtime import faults  # pylint: disable=g-import-not-at-top
 
   s = ast.literal_eval(spec)
-  out = train.train_and_evaluate(_config(s["H"], s["T"], s["shards"], **s["over"]), workdir)
+  over, injected = faults.from_overrides(s["over"])  # "faults.X": runtime/faults.Faults.
+  out = train.train_and_evaluate(_config(s["H"], s["T"], s["shards"], **over), workdir, injected)
   with open(result, "w") as f:
     json.dump(out, f, default=float)
 

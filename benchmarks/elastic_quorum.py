@@ -25,6 +25,7 @@ sys.path.insert(0, ROOT)
 
 from dipaco_jax import config_check  # noqa: E402
 from dipaco_jax import train  # noqa: E402
+from dipaco_jax.runtime import faults  # noqa: E402
 from dipaco_jax.runtime.elastic import driver  # noqa: E402
 from dipaco_jax.runtime.elastic import executor as exec_lib  # noqa: E402
 from dipaco_jax.runtime.elastic import grid as grid_lib  # noqa: E402
@@ -44,9 +45,10 @@ def _run(args, tmp, name, **kw):
     "data.shard_dir": os.path.join(tmp, "shards"),
     **kw,
   }
+  over, injected = faults.from_overrides(over)  # "faults.X": runtime/faults.Faults.
   cfg = config_check.load(os.path.join(ROOT, "configs", "tiny.py"), **over)
   wd = os.path.join(tmp, name)
-  out = train.train_and_evaluate(cfg, wd)
+  out = train.train_and_evaluate(cfg, wd, injected)
   events = storage.read_task_log(wd)
   starts = [e["t"] for e in events if e["event"] == "start"]
   done = [e for e in events if e["event"] == "done"]

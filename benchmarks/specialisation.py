@@ -64,11 +64,11 @@ def report(args) -> None:
   from dipaco_jax import evaluate
   from dipaco_jax.core import topology
   from dipaco_jax.io import native
-  from dipaco_jax.routing import report as report_lib
+  from dipaco_jax.routing import specialisation as spec_lib
 
   native.choose_platforms()  # As the CLIs: no libtpu start-up errors on a CPU host.
   config = evaluate.config_from_workdir(args.workdir)
-  evaluate.check_specialisable(topology.from_config(config), args.workdir)  # Before restoring.
+  spec_lib.check_paths(topology.from_config(config), args.workdir)  # Before restoring.
   import jax
 
   if config.mesh.cpu_devices:
@@ -78,7 +78,7 @@ def report(args) -> None:
   out = record(run, spec, args.params)
   path = write(out, args.out or default_path(args.workdir, run.step))
   print(f"{args.workdir}: step {run.step}, params {args.params}, {out['grid']}\n")
-  print(report_lib.specialisation_to_markdown(spec, out["path_labels"]))
+  print(spec_lib.to_markdown(spec, out["path_labels"]))
   print(f"wrote: {path}")
 
 

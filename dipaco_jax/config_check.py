@@ -202,13 +202,8 @@ def _check_relations(c) -> None:
     sharding.check_path_axis(c.mesh.path, topo.num_workers)
   if c.mesh.data > 0:
     sharding.check_batch_divides(c.data.batch_size, c.mesh.data)
-  mb = c.inner.microbatches
-  if c.data.batch_size % (mb * max(c.mesh.data, 1)):
-    raise ConfigError(
-      f"config.inner.microbatches={mb} does not split config.data.batch_size="
-      f"{c.data.batch_size} into equal microbatches over the 'data' axis: choose a "
-      "divisor of batch_size / mesh.data."
-    )
+  # The mesh's own 'data' axis (mesh.data <= 0: sized when it is built) is held by Experiment.
+  sharding.check_microbatches(c.data.batch_size, c.inner.microbatches, max(c.mesh.data, 1))
   attention.check(m, (c.data.seq_len, c.eval.seq_len))  # The backend: Recipe.from_config.
   if m.loss_chunk and c.data.seq_len % m.loss_chunk:
     raise ConfigError(

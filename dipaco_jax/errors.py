@@ -6,7 +6,7 @@ from typing import NoReturn
 from absl import app
 from absl import flags
 
-# Every command's --verbose_errors (cli.py, aot.py, python -m dipaco_jax.data): here, so a
+# Every command's --verbose_errors (cli.py, aot/command.py, python -m dipaco_jax.data): here, so a
 # command that does not import cli.py (jax, the trainer's flags) shares the one flag.
 VERBOSE_ERRORS = flags.DEFINE_bool(
   "verbose_errors",

@@ -43,6 +43,7 @@ from dipaco_jax.io import lock
 from dipaco_jax.io import progress
 from dipaco_jax.routing import report as report_lib
 from dipaco_jax.routing import rerouting
+from dipaco_jax.routing import specialisation as spec_lib
 
 flags.adopt_module_key_flags(cli)  # --help lists --config, --workdir, --verbose_errors.
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
@@ -429,48 +430,23 @@ def domain_report(rep: dict, num_paths: int) -> report_lib.RouterReport:
   return report_lib.report(np.asarray(rep["sequence_paths"]), num_paths, ids, names)
 
 
-def check_specialisable(topo, workdir: str) -> None:
-  """A specialisation report compares paths: a run with one path is refused in one line."""
-  if topo.num_paths < 2:
-    raise errors.ArgumentError(
-      f"{workdir} has one path ({topo.describe()}): the specialisation report scores every "
-      "path on every path's held-out shard, so it needs a DiPaCo run with >= 2 paths (a "
-      "dense or DiLoCo run has one; evaluate it with python -m dipaco_jax.evaluate)."
-    )
-
-
 def specialisation(
   run: Run, rep: dict | None = None, *, params: str = "store", max_docs: int | None = None
-) -> report_lib.Specialisation:
+) -> spec_lib.Specialisation:
   """Every path on every path's validation shard, routed vs random vs oracle, per domain.
 
   From `rep`, an `evaluate(run, per_sequence=True)` report of this run, when given; else
   it scores (every path on every validation sequence, no re-routing) with `params`.
-  A run with one path, or whose shards hold no held-out documents, is refused in one line.
+  A run with one path, or whose shards hold no held-out documents, is refused in one line
+  (routing/specialisation.py, which holds the report).
   """
-  check_specialisable(run.exp.topo, run.workdir)
-  held_out = run.shard_set.num_docs("validation") if "validation" in run.shard_set.splits else []
-  if not np.sum(held_out):
-    raise errors.ArgumentError(
-      f"{run.workdir}: its shards ({run.shard_set.shard_dir}) hold no held-out (validation) "
-      "documents, and the specialisation report scores every path on each path's held-out "
-      "shard: write the run's shards from a corpus with a validation split."
-    )
+  spec_lib.check_paths(run.exp.topo, run.workdir)
+  spec_lib.check_held_out(run.shard_set, run.workdir)
   if rep is None:
     rep = evaluate(
       run, params=params, windows=(), oracle=True, max_docs=max_docs, per_sequence=True
     )
-  if "per_sequence" not in rep:
-    raise ValueError("rep has no per-sequence losses: evaluate it with per_sequence=True.")
-  seq = rep["per_sequence"]
-  return report_lib.specialisation(
-    seq["nll"],
-    seq["tokens"],
-    rep["sequence_paths"],
-    seq["shard_paths"],
-    rep["domains"],
-    num_paths=run.exp.topo.num_paths,
-  )
+  return spec_lib.from_evaluation(rep, run.exp.topo.num_paths)
 
 
 def evaluate_and_write(config, workdir: str, step: int | None = None) -> str:

@@ -38,6 +38,8 @@ def _fill(
 ) -> None:
   for key, value in saved.items():
     name = f"{prefix}{key}"
+    if not prefix and key in schema.REMOVED:  # Written before that section left the config.
+      continue
     if key not in node:
       raise errors.ConfigError(
         f"{where}: {schema.unknown_name_message(name)} {fix[0].upper()}{fix[1:]}."

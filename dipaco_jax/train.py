@@ -44,15 +44,21 @@ def _final_metrics(workdir: str, step: int) -> dict[str, Any]:
   return {"step": step}
 
 
-def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
-  """Trains (or resumes) the run in `workdir`; returns the final metrics."""
+def train_and_evaluate(config, workdir: str, faults=None) -> dict[str, Any]:
+  """Trains (or resumes) the run in `workdir`; returns the final metrics.
+
+  faults: what to inject into an elastic run (runtime/faults.Faults; tests and
+  benchmarks only, never a config field); None for a run.
+  """
+  if faults is not None and config.dipaco.mode != "elastic":
+    raise ValueError("faults= injects into the elastic pool; the spmd loop takes none.")
   config_check.validate(config)
   # Before anything is read or written: a live run's files are never touched (io/lock.py).
   with lock.workdir(workdir, "train", enabled=jax.process_index() == 0):
-    return _train(config, workdir)
+    return _train(config, workdir, faults)
 
 
-def _train(config, workdir: str) -> dict[str, Any]:
+def _train(config, workdir: str, faults) -> dict[str, Any]:
   """train_and_evaluate under the workdir's lock."""
   elastic.check_workdir_mode(workdir, config.dipaco.mode)
   path = epath.Path(workdir)
@@ -68,7 +74,7 @@ def _train(config, workdir: str) -> dict[str, Any]:
   console.say(console.start_lines(config, workdir, saved[-1] if saved else 0))
   try:
     if config.dipaco.mode == "elastic":  # The Ray worker pool.
-      result = elastic.run(config, workdir)
+      result = elastic.run(config, workdir, faults)
     else:
       result = spmd.run(config, workdir)
   except KeyboardInterrupt as e:  # The runtime's own cleanup (the save in flight) is done.

@@ -1,9 +1,26 @@
-"""Test setup: 4 fake CPU devices so meshes with a 'path' axis exist."""
+"""Test setup: 4 fake CPU devices so meshes with a 'path' axis exist.
+
+tests/ mirrors the package (core/, io/, runtime/, routing/, data/, ...); the shared
+helpers beside this file (helpers.py, routing_testlib.py, outer_oracle.py,
+failure_rows.py) import as top-level modules from every subfolder, and so does every
+test file (its name is unique across the folders): a file may use another's cases.
+"""
 
 import atexit
 import os
 import shutil
+import sys
 import tempfile
+
+# The shared helpers and the test files, whichever folder a test sits in (and under any
+# --import-mode): docs/failures.md's table reads every file's cases, and a file may reuse
+# another's (test_failures.message_lines, test_damaged_files's damage).
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [_TESTS] + sorted(
+  d
+  for d, _, files in os.walk(_TESTS)
+  if d != _TESTS and any(f.startswith("test_") and f.endswith(".py") for f in files)
+)
 
 # Must happen before jax is imported anywhere in the test process.
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
@@ -17,7 +34,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache for the session, this process's and its children's (the CLI
 # runs): the tests compile the same tiny programs many times over (2.4x faster on
-# tests/test_workdir.py). Cold at each session start, so no entry outlives its code.
+# tests/runtime/test_workdir.py). Cold at each session start, so no entry outlives its code.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   _JAX_CACHE = tempfile.mkdtemp(prefix="dipaco_tests_jax_cache_")
   atexit.register(shutil.rmtree, _JAX_CACHE, ignore_errors=True)

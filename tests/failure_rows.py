@@ -1,7 +1,7 @@
 """One row of docs/failures.md: an input or damage, what it says, its exit status, what is kept.
 
 Each test file that runs failure cases lists them as Rows (its TABLE), built from the
-same words its tests assert; tests/test_failure_table.py renders every file's rows
+same words its tests assert; tests/project/test_failure_table.py renders every file's rows
 into docs/failures.md and fails when the page and the rows differ.
 """
 

@@ -83,6 +83,12 @@ def micro_config(**overrides):
   return config_check.load(os.path.join(ROOT, "configs", "tiny.py"), **base)
 
 
+def elastic_config(**overrides):
+  """micro_config in elastic mode (the shipped tokenizer's vocabulary, no early stopping)."""
+  over = {"model.vocab_size": 8192, "early_stopping.enabled": False, "dipaco.mode": "elastic"}
+  return micro_config(**{**over, **overrides})
+
+
 def synthetic_batch(rng: np.random.Generator, W: int, B: int, T: int, V: int):
   """Random tokens, one segment per row, in the trainer's batch layout."""
   return data_lib.synthetic_batch(rng, W, B, T, V)

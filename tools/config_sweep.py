@@ -13,7 +13,7 @@ it trains:
      programs) and the inner step's shapes (`jax.eval_shape` on [W, B, T] batches).
 
 An outcome is "ok" (it runs), "refused" (a ConfigError/UserError: one line), or
-"traceback" (anything else: a bug). tests/test_config_derived.py holds each
+"traceback" (anything else: a bug). tests/config/test_config_derived.py holds each
 traceback this found to its one line.
 
     python tools/config_sweep.py [--pairs [--values=1,2,3,7]] [--out FILE.json]

@@ -4,9 +4,9 @@
   python tools/make_evaluate_notebook.py --execute --workdir=DIR  # with DIR's outputs (committed)
 
 The committed notebook carries the outputs of a tiny run (configs/tiny.py with
-model.mlp=swiglu, then `python -m dipaco_jax.evaluate --workdir=DIR`); tests/test_notebook.py
-runs it in CI, from a fresh kernel outside the clone, on an empty WORKDIR that its training cell
-fills.
+model.mlp=swiglu, then `python -m dipaco_jax.evaluate --workdir=DIR`);
+tests/project/test_notebook.py runs it in CI, from a fresh kernel outside the clone, on an empty
+WORKDIR that its training cell fills.
 Edit the cells here, never the .ipynb.
 """
 
@@ -176,6 +176,7 @@ from dipaco_jax.config import schema
 from dipaco_jax.io import metrics
 from dipaco_jax.runtime import early_stopping
 from dipaco_jax.routing import report as router_report
+from dipaco_jax.routing import specialisation
 
 plt.rcParams["figure.dpi"] = 100
 plt.rcParams["font.size"] = 9
@@ -325,7 +326,7 @@ shards no pattern beyond noise. See `docs/routing.md` (reading the specialisatio
   (
     "code",
     """spec = evaluate.specialisation(run, rep)  # From the scores above: nothing is scored again.
-display(Markdown(router_report.specialisation_to_markdown(spec, PATHS)))
+display(Markdown(specialisation.to_markdown(spec, PATHS)))
 grid = spec.centred_matrix
 lim = max(float(np.nanmax(np.abs(grid))), 1e-6)
 plt.figure(figsize=(0.9 * P + 3, 0.7 * P + 2))

@@ -13,6 +13,7 @@ when it is built) and the run's objects (`InnerConfig.of(config)`).
 """
 
 import dataclasses
+import json
 import math
 import types
 import typing
@@ -121,6 +122,19 @@ def string() -> Rule:
 
 def names_a_folder(v) -> bool:
   return isinstance(v, str) and v.strip() not in ("", "None", "none")
+
+
+def ray_resources(v) -> bool:
+  """The empty string, or a JSON object of Ray resources, each amount a number >= 0."""
+  if not isinstance(v, str):
+    return False
+  if not v:
+    return True
+  try:
+    res = json.loads(v)
+  except json.JSONDecodeError:
+    return False
+  return isinstance(res, dict) and all(isinstance(x, (int, float)) and x >= 0 for x in res.values())
 
 
 def path(unset: str) -> Rule:

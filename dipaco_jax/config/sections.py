@@ -555,7 +555,7 @@ class ElasticConfig(f.Section):
   )
   worker_resources: str = f.field(
     "",
-    f.string(),  # Its JSON: runtime/elastic/errors.check_config.
+    f.custom(f.ray_resources, 'a JSON object of Ray resources, e.g. {"TPU": 4}, or ""'),
     'JSON of Ray resources one worker actor needs, e.g. \'{"TPU": 4}\' ("" = 1 CPU); what the '
     "local cluster lacks is refused, a joined cluster's actors wait for nodes.",
   )
@@ -608,30 +608,6 @@ class ElasticConfig(f.Section):
 
 
 @dataclasses.dataclass(frozen=True)
-class FaultsConfig(f.Section):
-  """Fault injection for tests and benchmarks (runtime/faults.py); all off by default."""
-
-  SECTION = "faults"
-  worker_kills: int = f.field(
-    0, count0, "SIGKILL a busy elastic worker process this many times at random moments."
-  )
-  executor_kills: int = f.field(
-    0, count0, "SIGKILL an elastic outer executor process this many times."
-  )
-  seed: int = f.field(0, count0, "Seed of the fault schedule.")
-  step_delay_s: tuple = f.field(
-    (),
-    f.tuple_of(f.number(0, above=False), "a tuple of seconds >= 0"),
-    "Injected sleep per inner step of elastic worker actor i (heterogeneity).",
-  )
-  stop_after_tasks: int = f.field(
-    -1,
-    f.integer(1, unset=-1),
-    "The elastic driver exits after this many accepted task results (a rerun resumes); -1 = never.",
-  )
-
-
-@dataclasses.dataclass(frozen=True)
 class ProfileConfig(f.Section):
   """A jax.profiler trace of a window of inner steps (TensorBoard's profile tab); off by default."""
 
@@ -680,7 +656,6 @@ SECTIONS = (
   EvalConfig,
   EarlyStoppingConfig,
   ElasticConfig,
-  FaultsConfig,
   GuardConfig,
   ProfileConfig,
 )

@@ -13,8 +13,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dipaco_jax.core import exchange as exchange_lib
 from dipaco_jax.core import guard as guard_lib
-from dipaco_jax.core import outer as outer_lib
 from dipaco_jax.core import paths as paths_lib
 from dipaco_jax.core import recipe as recipe_lib
 from dipaco_jax.core import sharding
@@ -37,13 +37,9 @@ class Experiment:
     self.recipe = r = recipe_lib.Recipe.from_config(config, mesh=self.mesh)
     self.topo, self.model, self.model_cfg = r.topo, r.model, r.model_cfg
     sharding.check_batch_divides(config.data.batch_size, self.mesh.shape["data"])
-    mb = r.inner_cfg.microbatches
-    if config.data.batch_size % (mb * self.mesh.shape["data"]):
-      raise ConfigError(
-        f"config.inner.microbatches={mb} must split the batch (config.data.batch_size="
-        f"{config.data.batch_size}) into microbatches that the 'data' mesh axis "
-        f"({self.mesh.shape['data']}) divides: choose a divisor of batch_size / data."
-      )
+    sharding.check_microbatches(
+      config.data.batch_size, r.inner_cfg.microbatches, self.mesh.shape["data"]
+    )
     mc, model_axis = r.model_cfg, self.mesh.shape["model"]
     if mc.attention_kernels == "matrix" and mc.num_heads % model_axis:
       raise ConfigError(
@@ -56,7 +52,7 @@ class Experiment:
     abstract = jax.eval_shape(r.init_state, jax.random.key(0), None)
     specs = self._state_specs(abstract)
     if r.compressed:  # Blocks must not straddle the devices that code their parts.
-      outer_lib.check_block(abstract.params, specs.params, self.mesh.shape, r.outer_cfg)
+      sharding.check_block(abstract.params, specs.params, self.mesh.shape, r.outer_cfg)
     self.state_sharding = sharding.named(self.mesh, specs)
     self.abstract_state = jax.tree.map(
       lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, self.state_sharding
@@ -76,7 +72,7 @@ class Experiment:
     )
     outer_in = (ss, self.state_sharding.outer_opt, ps, replicated)
     outer_out = (ss, self.state_sharding.outer_opt, ps, replicated)
-    if r.compressed:  # (..., ef, start) -> (..., ef): outer.sharded_outer_step.
+    if r.compressed:  # (..., ef, start) -> (..., ef): outer_layouts.sharded_outer_step.
       ef = self.state_sharding.ef if r.feedback else {}
       outer_in, outer_out = (*outer_in, ef, ps), (*outer_out, ef)
     outer_specs = (specs.store, specs.outer_opt, specs.params)
@@ -132,6 +128,13 @@ class Experiment:
       out_shardings=per_worker,
     )
     self.all_finite = jax.jit(guard_lib.all_finite)
+
+  def exchange(self, link=None) -> exchange_lib.NoOuter:
+    """The spmd loop's outer exchange, one call per inner step (core/exchange.py).
+
+    link: a simulated slow network for benchmarks (exchange.Streamed); None for a run.
+    """
+    return exchange_lib.build(self, link)
 
   def outer_fragment(self, groups):
     """The jitted outer step that syncs the store groups `groups` (None: all), built once."""

@@ -273,7 +273,7 @@ def finish_step(
   """What a step with microbatches does after its scan: the mean gradient, the update, metrics.
 
   Everything of the step outside the microbatch loop (the AOT tool compiles it alone to count
-  it once, aot.Report._inner_cost).
+  it once, aot.Report._inner_cost, aot/report.py).
   """
   denom = jnp.maximum(weight, 1.0)
   grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), g_sum, params)

@@ -13,7 +13,7 @@ over the workers (`jax.vmap`) and jits them with shardings, and runs the outer
 step as one program over the mesh (`outer_program`); the elastic worker jits the
 same single-path step for its one path and the executors jit `module_outer_step`.
 Neither builds a model or an optimizer, so a field of those sections reaches both
-runtimes the same way (tests/test_runtimes.py holds every field to that).
+runtimes the same way (tests/runtime/test_runtimes.py holds every field to that).
 """
 # pylint: disable=invalid-name
 
@@ -32,6 +32,7 @@ from dipaco_jax.core import guard as guard_lib
 from dipaco_jax.core import inner as inner_lib
 from dipaco_jax.core import model as model_lib
 from dipaco_jax.core import outer as outer_lib
+from dipaco_jax.core import outer_layouts
 from dipaco_jax.core import paths as paths_lib
 from dipaco_jax.core import streaming
 from dipaco_jax.core import topology
@@ -266,7 +267,7 @@ class Recipe:
 
     groups: the store groups it syncs (a fragment's, or a flush's), None for all.
     """
-    return outer_lib.sharded_outer_step(
+    return outer_layouts.sharded_outer_step(
       self.topo, self.outer_cfg, self.outer_tx, mesh, specs, groups
     )
 
@@ -287,16 +288,7 @@ class Recipe:
     (wire: each leaf a {"q": codes, "s": scales} dict (core/compression.py), the
     next residual Δ + e − C(Δ + e), None without feedback).
     """
-    c = self.outer_cfg
-
-    def one(d, e):
-      rows = comp.as_rows(d)
-      e_rows = None if e is None else comp.as_rows(e)
-      enc, _, e_new = comp.with_feedback(
-        rows, e_rows, c.compression, c.compression_block, c.compression_keep
-      )
-      return enc, None if e_new is None else e_new.reshape(d.shape)
-
+    one = lambda d, e: outer_lib.sent(self.outer_cfg, d, e)[::2]  # (wire, next residual).
     res = residual if residual is not None else jax.tree.map(lambda _: None, deltas)
     pairs = jax.tree.map(one, deltas, res, is_leaf=lambda x: x is None)
     is_pair = lambda x: isinstance(x, tuple)

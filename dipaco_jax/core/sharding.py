@@ -76,6 +76,16 @@ def check_batch_divides(batch_size: int, data_axis: int) -> None:
     )
 
 
+def check_microbatches(batch_size: int, microbatches: int, data_axis: int) -> None:
+  """inner.microbatches splits every path's batch into microbatches the 'data' axis divides."""
+  if batch_size % (microbatches * data_axis):
+    raise MeshError(
+      f"config.inner.microbatches={microbatches} does not split config.data.batch_size="
+      f"{batch_size} into equal microbatches over the 'data' mesh axis ({data_axis}): choose a "
+      "divisor of batch_size / mesh.data."
+    )
+
+
 def make_mesh(mesh_cfg, num_workers: int, devices=None) -> Mesh:
   """Builds the mesh; the 'path' axis (over DCN on multislice) must divide W.
 
@@ -311,3 +321,45 @@ def describe(mesh: Mesh) -> str:
   return " x ".join(f"{a}={mesh.shape[a]}" for a in AXES) + (
     f" on {np.asarray(mesh.devices).size} {jax.devices()[0].platform} devices"
   )
+
+
+def check_block(params: PyTree, specs: PyTree, shape, cfg) -> None:
+  """ConfigError unless each device's part of a last axis split over 'model' holds whole blocks.
+
+  (Or over 'data', with FSDP.)
+  A worker codes its Δ_w where it lies, each device its own part of a leaf: the blocks
+  are the whole leaf's (an elastic worker's) only where no block straddles two parts.
+  params: [W, ...] leaves (shapes), specs: their PartitionSpecs, shape: the mesh's.
+  """
+  if cfg.compression in ("none", "bf16"):
+    return
+  block, bad, parts_all = cfg.compression_block, None, []
+  flat = jax.tree_util.tree_flatten_with_path(params)[0]
+  for (kp, x), spec in zip(flat, jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))):
+    # Axes of one device split nothing: the leaf's row is whole there (padded as any row).
+    axes = [a for a in last_axes(spec, x.ndim) if a != "path" and shape[a] > 1]
+    if not axes:
+      continue
+    n = x.shape[-1]
+    part = n // int(np.prod([shape[a] for a in axes]))
+    parts_all.append(part)
+    if bad is None and part % comp.block_size(n, block):
+      bad = (jax.tree_util.keystr(kp), n, "x".join(f"'{a}'" for a in axes), part)
+  if bad is None:
+    return
+  g = int(np.gcd.reduce(parts_all))
+  fit = max(d for d in range(1, min(block, g) + 1) if g % d == 0)
+  leaf, n, axes, part = bad
+  raise ConfigError(
+    f"config.outer.compression_block={block} puts a block across devices: {leaf}'s last axis "
+    f"({n}) is split over {axes} into parts of {part}; choose a block that divides every "
+    f"such part, e.g. config.outer.compression_block={fit}."
+  )
+
+
+def last_axes(spec, ndim: int) -> tuple:
+  """The mesh axes splitting a leaf's last axis (as `as_rows` sees it: none for a 1-D leaf)."""
+  if ndim < 2 or len(spec) < ndim or spec[ndim - 1] is None:
+    return ()
+  e = spec[ndim - 1]
+  return tuple(e) if isinstance(e, tuple) else (e,)

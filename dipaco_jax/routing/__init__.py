@@ -12,6 +12,7 @@ CLIs import only these. One module per concept:
   phases          phase-0 router, the discriminative schedule and its re-fit
   rerouting       re-routing every W tokens with a test-time router (§2.4.3)
   report          shard sizes, paths x domains, purity, NMI
+  specialisation  every path on every path's held-out shard, routed vs random vs oracle
 """
 
 from dipaco_jax.routing import report

@@ -5,7 +5,7 @@
   router/assignment.json          kind, prefix length, which path each router output names
   router/base_model/              θ̄ as a Llama checkpoint: its last block gives the features
 and README.md (`readme`) holds a routing function in numpy and transformers that picks the
-path `serve` picks (tests/test_export.py runs it).
+path `serve` picks (tests/commands/test_export.py runs it).
 """
 
 from dipaco_jax.core import topology as topo_lib

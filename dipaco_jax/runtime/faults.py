@@ -1,10 +1,11 @@
 """Fault injection for tests and benchmarks: a plan object, called through one hook.
 
 Production code does nothing about faults but call `plan.at(point, **where)` at
-a few named points; the plan decides. With config.faults all off the plan is
+a few named points; the plan decides. Without a `Faults` (a run's case) the plan is
 `NONE`, whose hook does nothing, so a real run pays one method call per point.
-The chaos tests and benchmarks supply a plan through config.faults (or any
-object with the same hook). The points:
+The chaos tests and benchmarks hand `train.train_and_evaluate(config, workdir,
+faults=Faults(...))` what to inject; it is not a config field, so no user config
+carries it. The points:
 
   the elastic driver
     "lease"        a worker task goes to actor `actor` -> the task's fault spec (passed with it)
@@ -27,6 +28,7 @@ then sleeps bytes x s x 8 / b at "received" and "sent", a link of b bits a secon
 carrying s times the bytes the run exchanged (s scales a small model's bytes up).
 """
 
+import dataclasses
 import os
 import random
 import signal
@@ -34,6 +36,30 @@ import time
 from typing import Any
 
 from absl import logging
+
+
+@dataclasses.dataclass(frozen=True)
+class Faults:
+  """What to inject into an elastic run (tests, benchmarks); all off by default."""
+
+  worker_kills: int = 0  # SIGKILL a busy worker actor this many times at random moments.
+  executor_kills: int = 0  # SIGKILL an outer executor this many times.
+  seed: int = 0  # Seed of the fault schedule.
+  step_delay_s: tuple = ()  # Sleep after each inner step of worker actor i (heterogeneity).
+  stop_after_tasks: int = -1  # The driver exits after this many accepted results (-1: never).
+
+
+NO_FAULTS = Faults()
+
+
+def from_overrides(over: dict) -> tuple[dict, Faults | None]:
+  """Dotted overrides less their "faults.FIELD" keys, and the `Faults` those set (None: none).
+
+  The benchmarks' spelling: one dict of config fields and faults for a child command.
+  """
+  mine = {k.split(".", 1)[1]: v for k, v in over.items() if k.startswith("faults.")}
+  rest = {k: v for k, v in over.items() if not k.startswith("faults.")}
+  return rest, (Faults(**mine) if mine else None)
 
 
 class Plan:
@@ -46,15 +72,15 @@ class Plan:
 NONE = Plan()
 
 
-def driver_plan(cfg, tasks: int, paths: int, executors: int, log) -> Plan:
-  """The driver's plan for config.faults (`tasks` left to run, `paths` to score): NONE if off."""
+def driver_plan(cfg: Faults, tasks: int, paths: int, executors: int, log) -> Plan:
+  """The driver's plan for `cfg` (`tasks` left to run, `paths` to score): NONE if off."""
   if not (cfg.worker_kills or cfg.executor_kills or cfg.stop_after_tasks >= 0):
     return NONE
   return Chaos(cfg, tasks, paths, executors, log)
 
 
-def task_plan(cfg, actor: int, spec: dict | None) -> Plan:
-  """A worker task's plan: its actor's step delay (config.faults) and the driver's spec."""
+def task_plan(cfg: Faults, actor: int, spec: dict | None) -> Plan:
+  """A worker task's plan: its actor's step delay (`cfg`) and the driver's spec."""
   delays = tuple(cfg.step_delay_s)
   delay = float(delays[actor]) if actor < len(delays) else 0.0
   if not (spec or delay):
@@ -149,7 +175,7 @@ class _Kills:
 
 
 class Chaos(Plan):
-  """config.faults in the elastic driver: worker and executor kills, a stop after N results.
+  """`Faults` in the elastic driver: worker and executor kills, a stop after N results.
 
   Kills are drawn among this invocation's dispatches (`tasks` worker tasks,
   `tasks` x `executors` reports); half the worker kills hit a task mid-write.

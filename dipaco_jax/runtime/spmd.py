@@ -18,9 +18,7 @@ from dipaco_jax import saved_config
 from dipaco_jax.core import experiment as exp_lib
 from dipaco_jax.core import flops as flops_lib
 from dipaco_jax.core import inner as inner_lib
-from dipaco_jax.core import recipe as recipe_lib
 from dipaco_jax.core import sharding
-from dipaco_jax.core import streaming
 from dipaco_jax.data import feed as feed_lib
 from dipaco_jax.io import checkpoint as ckpt_lib
 from dipaco_jax.io import metrics as metrics_lib
@@ -83,8 +81,9 @@ def run(config, workdir: str, link=None) -> dict[str, Any]:
       best.load(ckpt.restore_best(exp.abstract_state.params))
   step = int(jax.device_get(state.step))
   labels = topo.worker_labels()
-  # outer.compression: each worker's phase-start params (its modules), from the store.
-  start = exp.start_params(state.store) if exp.recipe.compressed else None
+  exchange = exp.exchange(link)  # The outer step's form (core/exchange.py): once a step.
+  exchange.begin(state)
+  logging.info("outer exchange: %s", exchange.describe())
   log = metrics_lib.MetricsLogger(
     workdir, resume_step=step, worker_labels=labels, module_labels=topo.module_labels()
   )
@@ -109,49 +108,6 @@ def run(config, workdir: str, link=None) -> dict[str, Any]:
     if peak:
       r["mfu"] = r["tflops_per_device"] / peak
     return r
-
-  F, tau = exp.recipe.fragments, exp.recipe.overlap
-  streamed = F > 1 or tau > 0 or link is not None
-  if streamed:
-    logging.info(
-      "outer sync streamed: %d fragments %s, each lands %d inner steps after its dispatch",
-      F,
-      [",".join(g) for g in exp.fragments],
-      tau,
-    )
-
-  def stream(state, start, at: int):
-    """After inner step `at`: land the update in flight, then sync the fragments due."""
-    end = at == total  # Everything lands, and every fragment syncs (the due one and a flush).
-    if tau and (end or streaming.lands(at, F, H, tau)):
-      if link is not None:
-        link.landed(at, state.params)
-      params, jump = exp.land(state.params, state.jump)
-      state = state.replace(params=params, jump=jump)
-    due = streaming.due(at, F, H)
-    if not due and not end:
-      return state, start, None
-    groups = None if end else frozenset(g for f in due for g in exp.fragments[f])
-    program = exp.outer_fragment(groups)
-    old = exp.copy_params(state.params) if tau and not end else None  # θ_t, trained on.
-    args = (state.store, state.outer_opt, state.params, plan.alpha_W)
-    if exp.recipe.compressed:
-      ef = recipe_lib.error_feedback(state) if exp.recipe.feedback else {}
-      store, outer_opt, params, om, ef = program(*args, ef, start)
-      if exp.recipe.feedback:
-        state = state.replace(ef=ef)
-    else:
-      store, outer_opt, params, om = program(*args)
-    if link is not None:
-      link.sent(at, sorted(groups) if groups else list(exp.abstract_state.store))
-      if not tau or end:  # Applied at once: the next step waits for the exchange.
-        link.landed(at, params)
-    state = state.replace(store=store, outer_opt=outer_opt, params=params)
-    if exp.recipe.compressed:  # Each worker's modules as they now are in the store.
-      start = exp.start_params(state.store)
-    if old is not None:  # In flight: the workers train on θ_t; θ_new − θ_t lands τ steps on.
-      state = state.replace(params=old, jump=exp.jump(params, old))
-    return state, start, om["delta_norm"]
 
   # The inner LR each step runs with (train/learning_rate): the schedule at its count, which
   # a re-shard's restart sets back to 0. Counted here, so no step reads the device for it.
@@ -215,27 +171,7 @@ def run(config, workdir: str, link=None) -> dict[str, Any]:
         lr_count += 1
         state = state.replace(params=params, inner_opt=inner_opt, step=state.step + 1)
         step += 1
-        outer_norm = None
-        if streamed:  # outer.fragments / outer.overlap (core/streaming.py).
-          state, start, outer_norm = stream(state, start, step)
-        elif step % H == 0 and exp.recipe.compressed:
-          ef = recipe_lib.error_feedback(state) if exp.recipe.feedback else {}
-          store, outer_opt, params, om, ef = exp.outer_step(
-            state.store, state.outer_opt, state.params, plan.alpha_W, ef, start
-          )
-          state = state.replace(store=store, outer_opt=outer_opt, params=params)
-          if exp.recipe.feedback:
-            state = state.replace(ef=ef)
-          start = exp.copy_params(params)  # The next phase's start (params are donated).
-          outer_norm = om["delta_norm"]
-        elif step % H == 0 and exp.recipe.outer_enabled:
-          store, outer_opt, params, om = exp.outer_step(
-            state.store, state.outer_opt, state.params, plan.alpha_W
-          )
-          state = state.replace(store=store, outer_opt=outer_opt, params=params)
-          outer_norm = om["delta_norm"]
-        elif step % H == 0:
-          state = state.replace(store=exp.sync_store(state.params))
+        state, outer_norm = exchange(state, step, plan.alpha_W)
         if step % H == 0:  # The next phase's reference norms (read when its first step is).
           guard.start_phase(step // H, exp.group_norms(state.params))
         if pending is not None:  # Ahead: the previous step's metrics while this step runs.

@@ -6,15 +6,17 @@ package (the spmd trainer does, for the workdir check) needs no Ray.
 
 from dipaco_jax.runtime.elastic.errors import ElasticConfigError
 from dipaco_jax.runtime.elastic.errors import check_workdir_mode
-from dipaco_jax.runtime.elastic.errors import mode
 from dipaco_jax.runtime.elastic.errors import started
 
 
-def run(config, workdir: str) -> dict:
-  """Trains (or resumes) `workdir` in elastic mode (dipaco_jax/runtime/elastic/driver.py)."""
+def run(config, workdir: str, faults=None) -> dict:
+  """Trains (or resumes) `workdir` in elastic mode (dipaco_jax/runtime/elastic/driver.py).
+
+  faults: runtime/faults.Faults to inject (tests, benchmarks); None for none.
+  """
   from dipaco_jax.runtime.elastic import driver  # pylint: disable=g-import-not-at-top
 
-  return driver.run(config, workdir)
+  return driver.run(config, workdir, faults)
 
 
 def progress_line(workdir: str, config) -> str:

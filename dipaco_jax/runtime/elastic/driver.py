@@ -739,8 +739,12 @@ def _control_options(ray) -> dict:
   }
 
 
-def run(config, workdir: str) -> dict:
-  """Trains (or resumes) `workdir` on a Ray pool; returns a summary."""
+def run(config, workdir: str, faults: faults_lib.Faults | None = None) -> dict:
+  """Trains (or resumes) `workdir` on a Ray pool; returns a summary.
+
+  faults: what to inject (tests, benchmarks: runtime/faults.py); None for none.
+  """
+  faults = faults or faults_lib.NO_FAULTS
   try:
     import ray  # pylint: disable=g-import-not-at-top
     from ray import exceptions as ray_errors  # pylint: disable=g-import-not-at-top
@@ -783,7 +787,7 @@ def run(config, workdir: str) -> dict:
     workers = [
       ray.remote(worker_lib.PathWorker)
       .options(**worker_opts)
-      .remote(config, workdir, i, e.compile_cache, pins[i])
+      .remote(config, workdir, i, e.compile_cache, pins[i], faults)
       for i in range(e.num_workers)
     ]
     actors += workers
@@ -822,6 +826,7 @@ def run(config, workdir: str) -> dict:
         exp,
         plan,
         starting,
+        faults,
       )
     except ray_errors.RayTaskError as err:  # A task's or an executor's own error: stop.
       raise repair.task_error(err) from None
@@ -888,10 +893,12 @@ def _loop(
   exp,
   plan,
   starting=None,
+  faults_cfg: faults_lib.Faults = faults_lib.NO_FAULTS,
 ) -> dict:
   """Leases tasks to idle workers, forwards results to executors, versions to the queue.
 
   `starting`: the worker actors not started yet (_StartWatch), logged while they wait.
+  `faults_cfg`: what to inject (runtime/faults.py).
   """
   e = config.elastic
   timeouts = _Timeouts(e.task_timeout_s, grid.H)  # Stops a run whose timeout cuts every task.
@@ -902,7 +909,7 @@ def _loop(
   timed_out = set()  # Scoring futures whose actor was killed for the task timeout.
   results = call(coord.results)
   left = (grid.T + 1) * grid.W - len(results)  # Faults are drawn among this invocation's tasks.
-  faults = faults_lib.driver_plan(config.faults, left, grid.topo.num_paths, len(executors), log)
+  faults = faults_lib.driver_plan(faults_cfg, left, grid.topo.num_paths, len(executors), log)
   task_time = [1.0]
   accepted_here = 0
   saves_progress = 0 < e.progress_every_steps < grid.H

@@ -1,10 +1,7 @@
 """Elastic mode's config checks: one clear error per unsupported or bad setting (no Ray import)."""
 
-import json
-
 from etils import epath
 
-from dipaco_jax.config import sections
 from dipaco_jax.core import topology
 from dipaco_jax.errors import ConfigError
 from dipaco_jax.runtime.elastic import storage
@@ -21,16 +18,12 @@ class ElasticConfigError(ConfigError):
 
 
 def check_config(config) -> None:
-  """Refuses what the elastic mode cannot run, before anything starts."""
-  e, m = config.elastic, config.mesh
-  if e.num_workers < 1:
-    raise ElasticConfigError(
-      f"config.elastic.num_workers={e.num_workers}: the pool needs at least 1 worker actor."
-    )
-  if e.num_executors < 1:
-    raise ElasticConfigError(
-      f"config.elastic.num_executors={e.num_executors}: at least 1 outer executor is needed."
-    )
+  """Refuses what the elastic mode cannot run, before anything starts.
+
+  Each field's own rule (a count >= 1, a timeout > 0, worker_resources' JSON) is in its
+  declaration (config/sections.py): these are the relations only the pool has.
+  """
+  m = config.mesh
   if m.path not in (-1, 1):
     raise ElasticConfigError(
       f"config.mesh.path={m.path}: an elastic worker runs one path; a mesh "
@@ -49,20 +42,6 @@ def check_config(config) -> None:
       "task evaluates its path at the start of a phase, from the stored modules; set "
       f"--config.eval.every_steps={max(H, every // H * H)} (or {(every // H + 1) * H})."
     )
-  if e.worker_resources:
-    try:
-      res = json.loads(e.worker_resources)
-    except json.JSONDecodeError:
-      res = None
-    if not isinstance(res, dict) or not all(
-      isinstance(v, (int, float)) and v >= 0 for v in res.values()
-    ):
-      raise ElasticConfigError(
-        f"config.elastic.worker_resources={e.worker_resources!r}: give a "
-        'JSON object of Ray resources, e.g. {"TPU": 4} or {"GPU": 1}.'
-      )
-  if e.task_timeout_s <= 0:
-    raise ElasticConfigError(f"config.elastic.task_timeout_s={e.task_timeout_s}: must be > 0.")
   if config.stop_at_step >= 0:
     raise ElasticConfigError(
       f"config.stop_at_step={config.stop_at_step}: the elastic pool stops on no inner step (it "
@@ -89,14 +68,6 @@ def check_config(config) -> None:
         "while an elastic task starts from the store's module; use dipaco.mode='spmd', or a "
         "grid in which no two workers share a module."
       )
-
-
-def mode(config) -> str:
-  """config.dipaco.mode, checked."""
-  value = config.dipaco.mode
-  if value not in sections.MODES:
-    raise ElasticConfigError(f"config.dipaco.mode={value!r}: choose one of {sections.MODES}.")
-  return value
 
 
 def started(workdir: str) -> bool:

@@ -83,18 +83,28 @@ def programs(recipe) -> dict:
 class PathWorker:
   """One worker actor: any (phase, worker) task, one at a time."""
 
-  def __init__(self, config, workdir: str, index: int, compile_cache: str | None = None, pin=None):
+  def __init__(
+    self,
+    config,
+    workdir: str,
+    index: int,
+    compile_cache: str | None = None,
+    pin=None,
+    faults: faults_lib.Faults = faults_lib.NO_FAULTS,
+  ):
     """`compile_cache`: config.elastic.compile_cache for this process (None: leave JAX's).
 
     `pin`: (node id, CPU cores) from the driver (elastic.pin_cpus): on that Ray node this
     process runs on those cores only, from here on, so XLA's CPU thread pool (sized from
     the affinity when the backend starts, on the first compile) spans them alone.
+    `faults`: what to inject into its tasks (tests, benchmarks: runtime/faults.py).
     """
     if pin is not None:
       _pin_cpus(*pin)
     if compile_cache is not None:
       jit_cache.use(compile_cache)
     self.config, self.workdir, self.index = config, str(workdir), int(index)
+    self.faults = faults
     self.grid = grid_lib.Grid(config)
     self.recipe = self.grid.recipe
     fns = programs(self.recipe)
@@ -277,7 +287,7 @@ class PathWorker:
       return out
 
     s_N = routing.score_router_split(self.config, units, self.config.routing.prefix_len)
-    faults_lib.task_plan(self.config.faults, self.index, faults).at(
+    faults_lib.task_plan(self.faults, self.index, faults).at(
       "wrote", kind="score", n=1, of=1
     )  # Before the write: it is whole or absent.
     k = self.grid.reshard_steps.index(int(step)) + 1
@@ -352,7 +362,7 @@ class PathWorker:
   def _run(self, start: float, phase: int, worker: int, faults: dict | None) -> dict:
     """run's body; `start`: when the attempt began."""
     wd, phase, worker = self.workdir, int(phase), int(worker)
-    plan = faults_lib.task_plan(self.config.faults, self.index, faults)
+    plan = faults_lib.task_plan(self.faults, self.index, faults)
     result = {"phase": phase, "worker": worker, "actor": self.index, "pid": os.getpid()}
     if hasattr(os, "sched_getaffinity"):  # The cores it ran on (elastic.pin_cpus).
       result["cpus"] = sorted(os.sched_getaffinity(0))
