@@ -139,9 +139,15 @@ class Coordinator:
 
   def lease(self, actor: int):
     """The next ready task for `actor` ((phase, worker)), or None."""
-    if not self.pending:
+    # A task reads its worker's previous phase's outputs: after a repair took that phase's
+    # task off the results (its outputs moved aside), a later phase restored from the
+    # snapshot waits for it. Otherwise every pending task's previous phase is done.
+    runnable = [
+      i for i, (t, w) in enumerate(self.pending) if t == 0 or _task_key(t - 1, w) in self.done
+    ]
+    if not runnable:
       return None
-    task = self.pending.pop(0)
+    task = self.pending.pop(runnable[0])
     self.leases[_task_key(*task)] = (task, int(actor), time.time() + self.plan.timeout_s)
     self._save()
     return task

@@ -28,6 +28,26 @@ def _queue(cfg, workdir: str) -> coord_lib.Coordinator:
 # ---- The queue. ----
 
 
+def test_a_task_whose_previous_phase_was_forgotten_waits_for_it(tmp_path):
+  """After a repair takes (0, 0) off the results, a restored (1, 0) is not leased before it."""
+  cfg = helpers.elastic_config(**{"elastic.task_timeout_s": 1000.0})
+  wd = str(tmp_path)
+  q = _queue(cfg, wd)
+  for _ in range(4):
+    q.complete(*q.lease(0), {})
+  q.modules_updated(0, ["embed/0", "block_0/0", "block_1/0", "head/0"])
+  assert q.pending == [(1, 0)]  # Worker 0's modules at version 1 (as in the test above).
+  # repair.forget_lost_outputs: (0, 0)'s outputs were moved aside, so it leaves the results.
+  results = storage.root(wd) / coord_lib.RESULTS / "results00000.json"
+  storage.save_json(results, {w: r for w, r in storage.load_json(results).items() if w != "0"})
+  restored = _queue(cfg, wd)
+  assert restored.pending == [(1, 0), (0, 0)]  # The snapshot's task, then the forgotten one.
+  assert restored.lease(0) == (0, 0)  # (1, 0) would read (0, 0)'s outputs: it waits.
+  assert restored.lease(1) is None
+  restored.complete(0, 0, {})
+  assert restored.lease(1) == (1, 0)
+
+
 def test_queue_rounds_requeue_idempotence_and_snapshot(tmp_path):
   cfg = helpers.elastic_config(**{"elastic.task_timeout_s": 1000.0})
   wd = str(tmp_path)
