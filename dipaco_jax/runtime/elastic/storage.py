@@ -27,7 +27,7 @@ Every JSON item carries a crc32 of its text ({"crc32": ..., "json": ...}) and ev
 .npz a CRC-32 per array (the zip format's, checked as it is read), so a truncated
 file or a flipped byte is seen when it is read: one DamagedFileError naming the file
 and what to do (`damaged`: move it, or its task's outputs, aside and rerun the same
-command, which writes the same bytes again; driver.repair rebuilds what was moved).
+command, which writes the same bytes again; repair.py rebuilds what was moved).
 """
 
 # JAX and TensorBoard's protos (summaries) are imported where trees and the task log are
