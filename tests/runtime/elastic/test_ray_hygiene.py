@@ -8,6 +8,7 @@ resumed and stopped with Ctrl-C (one line, exit status 130, the same clean-up).
 
 import os
 import re
+import shutil
 import signal
 import stat
 import subprocess
@@ -56,16 +57,25 @@ _RAY_NOISE = re.compile(
 )
 
 
-def _folders() -> set[str]:
-  return {d for d in os.listdir(tempfile.gettempdir()) if d.startswith(reaper.PREFIX)}
+@pytest.fixture(name="temp_root")
+def _temp_root():
+  """The command's own TMPDIR (short: Ray's socket paths): no other run's folder is counted."""
+  root = tempfile.mkdtemp(prefix="rh")
+  yield root
+  shutil.rmtree(root, ignore_errors=True)
 
 
-def _start(workdir, shards) -> tuple[subprocess.Popen, str]:
+def _folders(root: str) -> set[str]:
+  return {d for d in os.listdir(root) if d.startswith(reaper.PREFIX)}
+
+
+def _start(workdir, shards, root: str) -> tuple[subprocess.Popen, str]:
   """The command, started in its own process group, once a task is accepted: (it, its folder)."""
   psutil = pytest.importorskip("psutil")
   pytest.importorskip("ray")
-  before = _folders()
+  before = _folders(root)
   env = {**os.environ, "PYTHONPATH": helpers.ROOT, "JAX_PLATFORMS": "cpu", "DIPACO_PROGRESS": "0"}
+  env["TMPDIR"] = root
   run = subprocess.Popen(
     [
       sys.executable,
@@ -87,8 +97,8 @@ def _start(workdir, shards) -> tuple[subprocess.Popen, str]:
   while not log.exists() or log.read_text().count('"done"') <= accepted:
     assert run.poll() is None, run.stderr.read()[-3000:]
     time.sleep(0.2)
-  (folder,) = _folders() - before
-  assert stat.S_IMODE(os.stat(os.path.join(tempfile.gettempdir(), folder)).st_mode) == 0o700
+  (folder,) = _folders(root) - before
+  assert stat.S_IMODE(os.stat(os.path.join(root, folder)).st_mode) == 0o700
   del psutil
   return run, folder
 
@@ -100,14 +110,14 @@ def _cluster(run) -> list:
   return psutil.Process(run.pid).children(recursive=True)
 
 
-def _gone(procs, folder: str, within_s: float = 20.0) -> None:
+def _gone(procs, folder: str, root: str, within_s: float = 20.0) -> None:
   """None of `procs` runs (or listens) within `within_s`, and `folder` is removed."""
   import psutil  # pylint: disable=g-import-not-at-top
 
   end = time.time() + within_s
   while time.time() < end:
     alive = [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    if not alive and folder not in _folders():
+    if not alive and folder not in _folders(root):
       return
     time.sleep(0.2)
   listening = []
@@ -119,16 +129,18 @@ def _gone(procs, folder: str, within_s: float = 20.0) -> None:
   raise AssertionError(f"alive: {[(p.pid, p.name()) for p in alive]}, listening {listening}")
 
 
-def test_a_killed_or_interrupted_command_leaves_nothing_of_its_cluster(tmp_path):
+def test_a_killed_or_interrupted_command_leaves_nothing_of_its_cluster(tmp_path, temp_root):
   workdir, shards = tmp_path / "run", tmp_path / "shards"
-  run, folder = _start(workdir, shards)
+  run, folder = _start(workdir, shards, temp_root)
   cluster = _cluster(run)
   assert {"raylet", "gcs_server"} <= {p.name() for p in cluster}, cluster
   run.send_signal(signal.SIGKILL)  # No clean-up of its own runs.
   run.wait()
-  _gone(cluster, folder)
+  _gone(cluster, folder, temp_root)
 
-  run, folder = _start(workdir, shards)  # The same command resumes (the lock taken over).
+  run, folder = _start(
+    workdir, shards, temp_root
+  )  # The same command resumes (the lock taken over).
   cluster = _cluster(run)
   os.killpg(run.pid, signal.SIGINT)  # A terminal's Ctrl-C: the whole foreground group.
   _, err = run.communicate(timeout=300)
@@ -142,7 +154,7 @@ def test_a_killed_or_interrupted_command_leaves_nothing_of_its_cluster(tmp_path)
     r"python -m dipaco_jax\.main .+",
     lines[0],
   ), lines[0]
-  _gone(cluster, folder)
+  _gone(cluster, folder, temp_root)
 
 
 # The rows this file adds to docs/failures.md (tests/project/test_failure_table.py).
