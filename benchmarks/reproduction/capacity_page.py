@@ -9,26 +9,6 @@ from reproduction import arms
 from reproduction import capacity
 from reproduction import modes
 
-# The paper's regime and --long's (docs/results/comparison.md), beside this one's.
-PAPER = {
-  "tokens_per_param_theta": "24k x 524k / 150M ≈ 84",
-  "tokens_per_param_path": "64k x 524k / 150M ≈ 224",
-  "batch_over_noise_scale": "not reported",
-  "epochs_per_shard": "not given (C4: well under 1)",
-  "inner_steps": "150 (DiLoCo 500)",
-  "outer_steps": "~427",
-  "diloco_gain": "P = 8 -> 64: 0.4% (saturated)",
-}
-LONG = {
-  "tokens_per_param_theta": "1.0",
-  "tokens_per_param_path": "1.0",
-  "batch_over_noise_scale": "0.88 / 1.02 at θ̄",
-  "epochs_per_shard": "0.21",
-  "inner_steps": "15",
-  "outer_steps": "16",
-  "diloco_gain": "P = 2 -> 4: 7.9% (not saturated)",
-}
-
 
 def kind(name: str, s: modes.Sizes) -> dict:
   """The JSON's grid ("dense", "2x2", "2x4", "P=<n>") and shards ("routed", "iid", "none")."""
@@ -128,25 +108,6 @@ def questions(agg: dict) -> list[dict]:
       if a in agg and b in agg:
         out.append({"question": q, "grid": grid, **verdict(a, b, agg)})
   return out
-
-
-def sentence(q: dict, agg: dict) -> str:
-  """One sentence for one question, with both means, the gap and the seed range."""
-  a, b = q["better_expected"], q["worse_expected"]
-  what = {
-    "dipaco_vs_diloco": "DiPaCo against DiLoCo at equal workers",
-    "dipaco_vs_dense_store": "DiPaCo against the dense model of its store's size at equal steps",
-    "routed_vs_iid": "the routed grid against the same grid on i.i.d. shards",
-  }[q["question"]]
-  order = "the paper's order" if q["paper_order_holds"] else "the reverse of the paper's order"
-  if q["resolved"]:
-    reading = f"{order}, beyond the seed range"
-  else:
-    reading = f"{order} but within the seed range: not a result either way"
-  return (
-    f"{q['grid']}, {what}: `{a}` {agg[a]['mean']:.2f} vs `{b}` {agg[b]['mean']:.2f} "
-    f"(gap {q['gap']:+.2f}, larger seed range {q['seed_range']:.2f}): {reading}."
-  )
 
 
 def regime(seeds: dict[int, dict[str, dict]], agg: dict) -> dict:
