@@ -5,6 +5,7 @@ import math
 import jax
 
 from dipaco_jax.core import model as model_lib
+from dipaco_jax.errors import UserError
 
 # Model FLOPs conventions for MFU: attention's score and value matmuls counted over every
 # (query, key) pair ("full": PaLM App. B, 12 L T H K per token) or over the causal half that a
@@ -25,11 +26,60 @@ PEAK_TFLOPS = {
   ("NVIDIA H100 80GB HBM3", "float32"): 67.0,
   ("NVIDIA H200", "bfloat16"): 989.0,
 }
+# HBM GB/s per TPU chip (the same pages) and HBM bytes/s per device by device_kind, with
+# NVIDIA's data sheets (H100 SXM 3.35 TB/s, H200 4.8 TB/s): the roofline beside a measured step
+# (benchmarks/mfu.py). A v4 VM runs one device per chip (megacore): the chip's figure.
+TPU_HBM_GBPS = {"v4": 1200.0, "v5e": 819.0, "v5p": 2765.0, "v6e": 1640.0}
+HBM_BYTES_PER_S = {
+  **{kind: TPU_HBM_GBPS[chip] * 1e9 for kind, chip in TPU_KINDS.items()},
+  "NVIDIA H100 80GB HBM3": 3.35e12,
+  "NVIDIA H200": 4.8e12,
+}
 
 
 def peak_tflops(device_kind: str, dtype: str) -> float | None:
   """A device's dense peak TFLOP/s in `dtype` (PEAK_TFLOPS), None where the table has none."""
   return PEAK_TFLOPS.get((device_kind, dtype))
+
+
+def hbm_bytes_per_s(device_kind: str) -> float | None:
+  """A device's HBM bandwidth in bytes/s (HBM_BYTES_PER_S), None where the table has none."""
+  return HBM_BYTES_PER_S.get(device_kind)
+
+
+def require_peak_tflops(device_kind: str, dtype: str) -> float:
+  """peak_tflops, or a UserError naming the device kind and the table where it has none."""
+  peak = peak_tflops(device_kind, dtype)
+  if peak is None:
+    kinds = sorted({k for k, d in PEAK_TFLOPS if d == dtype})
+    raise UserError(
+      f"no dense {dtype} peak for device kind {device_kind!r} in dipaco_jax/core/flops.py "
+      f"PEAK_TFLOPS (it has {kinds}): add the device's data-sheet figure there, or pass "
+      "--peak_tflops."
+    )
+  return peak
+
+
+def roofline(flops: float, nbytes: float, peak: float, bandwidth: float, model_flops: float):
+  """A step's roofline estimates from its counts: FLOP/s `peak`, bytes/s `bandwidth`.
+
+  Both bounds of a step that runs its FLOPs at peak and moves its bytes at full bandwidth:
+  `step_s_overlap` = max(flops / peak, bytes / bandwidth) (compute and memory traffic
+  perfectly overlapped: the MFU *ceiling*) and `step_s_serial` = their sum (no overlap: the
+  MFU *floor*). Neither counts collectives, launch gaps or kernels below peak: estimates to
+  hold a measured MFU against, not measurements.
+  """
+  compute_s, memory_s = flops / peak, nbytes / bandwidth
+  overlap_s, serial_s = max(compute_s, memory_s), compute_s + memory_s
+  return {
+    "compute_s": compute_s,
+    "memory_s": memory_s,
+    "bound": "compute" if compute_s >= memory_s else "memory",
+    "step_s_overlap": overlap_s,
+    "step_s_serial": serial_s,
+    "mfu_ceiling": model_flops / (overlap_s * peak),
+    "mfu_floor": model_flops / (serial_s * peak),
+  }
 
 
 def model_flops_per_token(
