@@ -28,9 +28,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_DIR = ".device_bundle"  # Under the repo root; .gitignore ignores it.
 WHEELS, CACHE, REQUIREMENTS = "wheels", "cache", "requirements.txt"
 CAP_MIB = 64
-# What device_check.py and its phases import beyond such an image, by distribution name: the
-# closure of dipaco_jax's imports (the trainer, the data pipeline, mfu.py) less the image's
-# packages, found by importing them in a venv holding only those (docs/tpu.md).
+# What device_check.py and its phases import beyond such an image, by distribution name: found
+# by running the check's dry run in a venv holding only jax, flax, optax, orbax-checkpoint,
+# tensorboard, sentencepiece (their dependencies) and these. tfds's declared pyarrow, requests,
+# attrs and googleapis-common-protos are not imported on this path, so not carried.
 PACKAGES = (
   "ml-collections",
   "tensorflow-datasets",
@@ -38,13 +39,16 @@ PACKAGES = (
   "dm-tree",
   "immutabledict",
   "promise",
+  "six",
   "simple-parsing",
   "docstring-parser",
   "tensorflow-metadata",
   "termcolor",
   "toml",
-  "importlib-resources",
-  "einops",
+  "tqdm",
+  "wrapt",
+  "safetensors",
+  "importlib-resources",  # tfds imports it, undeclared, when it prepares the corpus.
 )
 # The modules device_check.py imports before it starts (a missing one is its one-line error).
 NEEDED_MODULES = (
@@ -151,10 +155,13 @@ def prepare_cache(cache: str) -> None:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
     cmd = device_check.trainer_command(os.path.join(tmp, "run"), dry_run=True)
     p = subprocess.run(
-      cmd + ["--config.stop_at_step=0"], cwd=ROOT, env=env, capture_output=True, text=True
+      cmd + ["--config.stop_at_step=1"], cwd=ROOT, env=env, capture_output=True, text=True
     )
     if p.returncode != 0:
       raise BundleError(f"preparing the shards failed: {p.stderr.strip().splitlines()[-1:]}")
+  # A run that finds its shards in the cache copies them and reads no corpus: tfds's prepared
+  # copy (24 MiB) stays behind (a host that misses the cache prepares it from the shipped text).
+  shutil.rmtree(os.path.join(cache, "tfds"), ignore_errors=True)
 
 
 def build(out: str, python_version: str, cap_mib: float) -> int:

@@ -244,13 +244,15 @@ def check(args, argv) -> dict:
     report["prepared_cache"] = os.path.isdir(args.cache_dir)
     env = child_env(args, cache)
     left = lambda: deadline - time.perf_counter()
+    # A phase's share of what is left: its cap on the device; all of it in a dry run (a busy CPU).
+    share = lambda cap, keep=0: left() - keep if args.dry_run else min(cap, left() - keep)
     for attention in ("cudnn", "xla"):
       name = f"mfu_{attention}"
       if args.dry_run and attention == "cudnn":
         report["phases"][name] = {"ok": True, "skipped": "cuDNN needs a GPU (dry run)"}
         continue
       out = os.path.join(tmp, f"{name}.json")
-      limit = min(MFU_LIMIT_S, left() - 30)
+      limit = share(MFU_LIMIT_S, keep=30)  # 30 s kept for the trainer at least.
       phase = run_phase(mfu_command(args, attention, out, limit / 4), env, limit)
       if phase["ok"]:
         with open(out) as f:
@@ -258,7 +260,7 @@ def check(args, argv) -> dict:
       report["phases"][name] = phase
       write(args.out, report)
     workdir = os.path.join(tmp, "run")
-    phase = run_phase(trainer_command(workdir, args.dry_run), env, min(TRAINER_LIMIT_S, left()))
+    phase = run_phase(trainer_command(workdir, args.dry_run), env, share(TRAINER_LIMIT_S))
     if phase["ok"]:
       phase["result"] = trainer_result(workdir)
       phase["ok"] = phase["result"].get("checkpoint", False)

@@ -128,12 +128,26 @@ def test_mfu_on_the_cpu(tmp_path):
     "--set",
     "model.num_layers=2",
     "--peak_tflops=1.0",
+    "--hbm_gbps=50",
   )
   # One dense path of the tiny shapes with 2 blocks; MFU is model FLOP/s over the given 1 TFLOP/s.
   assert r["seq_len"] == 128 and r["batch"] == 2
   assert r["tokens_per_s"] == pytest.approx(2 * 128 / r["step_s"])
   assert r["mfu"] == pytest.approx(r["model_flops_per_token"] * r["tokens_per_s"] / 1e12)
   assert 0 < r["mfu"] < 1
+  # Beside it, the roofline estimate of the compiled step at 1 TFLOP/s and 50 GB/s. tiny.py's
+  # loss is not chunked and M = 1: XLA counts every op once, never fewer FLOPs than the model's.
+  f = r["roofline"]
+  assert r["xla_cost"]["counted"] == "XLA's cost analysis of the compiled step: every op once"
+  assert f["flops"] == r["xla_cost"]["flops"] >= r["model_flops_per_token"] * 2 * 128
+  assert f["step_s_overlap"] == pytest.approx(max(f["flops"] / 1e12, f["bytes"] / 50e9))
+  assert f["mfu_floor"] < f["mfu_ceiling"] <= 1
+
+
+def test_mfu_refuses_a_device_missing_from_the_peak_table():
+  proc = run_failing("mfu.py", "--config=configs/tiny.py", "--batch=2")
+  (line,) = proc.stderr.strip().splitlines()
+  assert "PEAK_TFLOPS" in line and "--peak_tflops" in line and "'cpu'" in line
 
 
 def test_specialisation_on_a_trained_run(tmp_path):
