@@ -141,8 +141,8 @@ def trainer_command(workdir: str, dry_run: bool) -> list[str]:
   return cmd + [f"--workdir={workdir}"] + [f"--config.{k}={v}" for k, v in fields.items()]
 
 
-def run_phase(cmd: list[str], env: dict, limit_s: float) -> dict:
-  """A child process under a time limit: its status, wall time and output's end."""
+def run_phase(cmd: list[str], env: dict, limit_s: float) -> tuple[dict, str]:
+  """A child process under a time limit: its status, wall time and output's end; its stderr."""
   t0 = time.perf_counter()
   try:
     p = subprocess.run(
@@ -155,7 +155,7 @@ def run_phase(cmd: list[str], env: dict, limit_s: float) -> dict:
   result["command"] = " ".join(cmd[1:]).replace(ROOT + os.sep, "")
   if rc != 0:
     result["error_tail"] = (out[-1500:] + "\n" + err[-3000:]).strip()
-  return result
+  return result, err
 
 
 def _text(b) -> str:
@@ -253,16 +253,17 @@ def check(args, argv) -> dict:
         continue
       out = os.path.join(tmp, f"{name}.json")
       limit = share(MFU_LIMIT_S, keep=30)  # 30 s kept for the trainer at least.
-      phase = run_phase(mfu_command(args, attention, out, limit / 4), env, limit)
+      phase, _ = run_phase(mfu_command(args, attention, out, limit / 4), env, limit)
       if phase["ok"]:
         with open(out) as f:
           phase["result"] = json.load(f)
       report["phases"][name] = phase
       write(args.out, report)
     workdir = os.path.join(tmp, "run")
-    phase = run_phase(trainer_command(workdir, args.dry_run), env, share(TRAINER_LIMIT_S))
+    phase, log = run_phase(trainer_command(workdir, args.dry_run), env, share(TRAINER_LIMIT_S))
     if phase["ok"]:
       phase["result"] = trainer_result(workdir)
+      phase["result"]["shards_from_cache"] = "copied from the shard cache" in log
       phase["ok"] = phase["result"].get("checkpoint", False)
     report["phases"]["trainer"] = phase
   report["wall_s"] = round(time.perf_counter() - t_start, 1)

@@ -25,6 +25,9 @@ def device_check(*args: str) -> subprocess.CompletedProcess:
   )
 
 
+# ~80 CPU-seconds (two child processes compile and run): slow, but the done-when names it.
+@pytest.mark.slow
+@pytest.mark.ci
 @pytest.mark.cli
 def test_dry_run_measures_the_path_and_trains_the_tiny_run(tmp_path):
   out = tmp_path / "out"
@@ -51,6 +54,7 @@ def test_dry_run_measures_the_path_and_trains_the_tiny_run(tmp_path):
   t = r["phases"]["trainer"]["result"]
   # 2 outer steps of H = 2: the last record at step 4, evaluated and checkpointed.
   assert t["step"] == 4 and t["checkpoint"] and t["val_loss_mean"] > 0
+  assert not t["shards_from_cache"]  # Written by the run: no prepared cache was given.
   assert "measured MFU" in proc.stdout and "roofline estimate ceiling" in proc.stdout
 
 
