@@ -87,12 +87,12 @@ def preflight(device: str, dry_run: bool) -> dict:
       ) from e
   import jax  # pylint: disable=g-import-not-at-top
 
-  first = jax.devices()[0]
-  if not dry_run and first.platform != device:
-    raise CheckError(
-      f"--device={device}: this host's jax sees no {device} (it runs on {first.platform}: "
-      f"{first.device_kind!r}); run on a {device} host, or --dry_run to check the logic here."
-    )
+  import mfu  # pylint: disable=g-import-not-at-top  # Beside us; imports what was checked above.
+
+  try:
+    first = mfu.check_platform("" if dry_run else device, "--device", ", or --dry_run here")
+  except mfu.errors.UserError as e:
+    raise CheckError(str(e)) from e
   return {
     "python": platform.python_version(),
     "jax": jax.__version__,

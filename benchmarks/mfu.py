@@ -54,14 +54,13 @@ def parse_args(argv):
   return p.parse_args(argv)
 
 
-def check_platform(want: str) -> jax.Device:
-  """The first device, or a UserError when it is not on the platform asked for."""
+def check_platform(want: str, flag: str = "--platform", fix: str = "") -> jax.Device:
+  """The first device, or a UserError when it is not on the platform asked for (`flag`)."""
   device = jax.devices()[0]
   if want and device.platform != want:
     raise errors.UserError(
-      f"--platform={want}: this host's jax sees no {want} device (it runs on "
-      f"{device.platform}: {device.device_kind!r}); run on a host with one, with jax's "
-      f"{want} plugin installed."
+      f"{flag}={want}: this host's jax sees no {want} device (it runs on {device.platform}: "
+      f"{device.device_kind!r}); run on a {want} host, with jax's {want} plugin{fix}."
     )
   return device
 
