@@ -209,6 +209,12 @@ class OuterExecutor:
     applied = self.applied.setdefault(phase, set())
     if key in applied or phase >= self.grid.U:
       return False
+    if (
+      self.grid.sched.streamed
+      and phase > self.settled
+      and key not in self.applied.get(phase - 1, ())
+    ):
+      return False  # Streamed: a module's units step in order (a later unit may report first).
     if group not in self.grid.sched.synced(phase):  # Streamed: not this unit's fragment.
       if not all(
         w in self.received.get(phase, ()) for w in self.grid.workers_through(group, module)
@@ -285,7 +291,8 @@ class OuterExecutor:
   def report(self, phase: int, worker: int) -> dict[int, list[str]]:
     """Task (phase, worker) is done; returns {phase: modules stepped} for phase and phase + 1.
 
-    Phase + 1 is there because a late report can unblock the next step (quorum).
+    Phase + 1 is there because a late report can unblock the next step (quorum); streamed,
+    the units after it that waited for its step too.
     """
     phase, worker = int(phase), int(worker)
     with self._lock:
@@ -295,7 +302,7 @@ class OuterExecutor:
       if worker not in received:
         received.add(worker)
         self._snapshot()
-      now = time.time()
+      now, last = time.time(), phase + 1
       for group in self.groups:
         module = int(self.grid.group[group].module_of_worker[worker])
         key = grid_lib.module_key(group, module)
@@ -303,7 +310,11 @@ class OuterExecutor:
           self._worker_delta(phase, group, worker)  # Gathered as it arrives.
         self._try_step(phase, group, module, now)
         self._try_step(phase + 1, group, module, now)
-      out = self._stepped((phase, phase + 1))
+        t = phase + 1  # Streamed: later units that waited for this one's step (in order).
+        while self.grid.sched.streamed and self._try_step(t + 1, group, module, now):
+          t += 1
+        last = max(last, t)
+      out = self._stepped(range(phase, last + 1))
       if self._settle():
         self._snapshot()
       return out
