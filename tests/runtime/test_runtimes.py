@@ -122,6 +122,13 @@ MORE = {
   # A block (24) that divides no row: every row padded.
   "outer.compression=fp4": {"outer.compression": "fp4", "outer.compression_block": 24},
   "outer.compression=topk2": {"outer.compression": "topk2"},  # 1 of 64 (of 32 a short row).
+  # Streamed and compressed: fragments with fp4 and error feedback (each worker's residual kept
+  # for the groups a unit does not send), overlap with int8.
+  "outer.fragments+fp4": {
+    **CASES["outer.fragments"],
+    **CASES["outer.compression_block"],
+  },
+  "outer.overlap+int8": {**CASES["outer.overlap"], "outer.compression": "int8"},
   # Not a recipe field, but both runtimes build their own training batchers from it.
   "data.interleave": {"data.interleave": 2},
 }
