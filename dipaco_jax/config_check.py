@@ -167,6 +167,7 @@ def _check_relations(c) -> None:
   from dipaco_jax import routing
   from dipaco_jax.core import attention
   from dipaco_jax.core import sharding
+  from dipaco_jax.core import streaming
   from dipaco_jax.core import topology
   from dipaco_jax.runtime.elastic import errors as elastic_errors
 
@@ -239,6 +240,8 @@ def _check_relations(c) -> None:
       f"{o.compression_block}: topk2 keeps at most a block's values, and a block's positions "
       "are 16-bit; give compression_keep <= compression_block <= 65536."
     )
+  # A streamed schedule that fits no phase (both runtimes: Recipe.from_config checks it too).
+  streaming.check(o.fragments, o.overlap, c.dipaco.inner_steps, len(topo.store_groups()), o.enabled)
   routing.discriminative_steps(c)  # The re-shards fit in 1..T-1.
   routing.phase0_grid(c, topo)  # The phase-0 router suits the grid and the replicas.
   if c.dipaco.mode == "elastic":  # What the Ray pool cannot run (ElasticConfigError).

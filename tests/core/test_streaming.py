@@ -8,6 +8,7 @@ import jax
 import numpy as np
 import pytest
 
+from dipaco_jax import config_check
 from dipaco_jax import train
 from dipaco_jax.core import experiment
 from dipaco_jax.core import streaming
@@ -15,6 +16,8 @@ from dipaco_jax.errors import ConfigError
 from dipaco_jax.io import checkpoint
 from dipaco_jax.runtime import shard_plan
 from dipaco_jax.runtime.elastic import errors as elastic_errors
+from dipaco_jax.runtime.elastic import fragments
+from dipaco_jax.runtime.elastic import grid as grid_lib
 
 import helpers
 
@@ -75,17 +78,78 @@ def test_the_split_by_hand():
   ],
 )
 def test_a_schedule_that_cannot_run_is_one_line(over, words):
-  with pytest.raises(ConfigError) as e:
-    experiment.Experiment(helpers.micro_config(**{**BASE, **over}))
-  assert words in str(e.value) and "\n" not in str(e.value), e.value
+  # Both runtimes, before anything starts: the config's load and check, the spmd program's
+  # build and the elastic driver's first step (its Grid).
+  for mode in ("spmd", "elastic"):
+    with pytest.raises(ConfigError) as e:
+      helpers.micro_config(**{**BASE, **over, "dipaco.mode": mode})
+    assert words in str(e.value) and "\n" not in str(e.value), (mode, e.value)
+    cfg = helpers.micro_config(**{**BASE, "dipaco.mode": mode})
+    for key, value in over.items():  # Set past the load's check.
+      section, field = key.split(".")
+      cfg[section][field] = value
+    build = experiment.Experiment if mode == "spmd" else grid_lib.Grid
+    for check in (config_check.validate, build):
+      with pytest.raises(ConfigError) as e:
+        check(cfg)
+      assert words in str(e.value) and "\n" not in str(e.value), (mode, e.value)
 
 
-def test_the_elastic_mode_refuses_streaming_in_one_line():
-  for over in ({"outer.fragments": 2}, {"outer.overlap": 1}):
-    cfg = helpers.micro_config(**{**BASE, **over, "dipaco.mode": "spmd"})
+@pytest.mark.parametrize(
+  "over, field",
+  [
+    ({"elastic.quorum": 0.5}, "elastic.quorum=0.5"),
+    ({"elastic.progress_every_steps": 1}, "elastic.progress_every_steps=1"),
+    ({"routing.discriminative_at_outer_step": 1}, "routing.discriminative_at_outer_step=1"),
+  ],
+)
+def test_the_elastic_mode_refuses_what_a_streamed_unit_cannot_join_in_one_line(over, field):
+  for stream in ({"outer.fragments": 2}, {"outer.overlap": 1}, {}):
+    cfg = helpers.micro_config(**{**BASE, **stream, **over, "dipaco.mode": "spmd"})
+    cfg.dipaco.mode = "elastic"  # Past the load's check, which refuses it already.
+    if not stream:  # The field alone runs in elastic mode.
+      elastic_errors.check_config(cfg)
+      continue
     with pytest.raises(elastic_errors.ElasticConfigError) as e:
       elastic_errors.check_config(cfg)
-    assert "spmd" in str(e.value) and "\n" not in str(e.value)
+    assert field in str(e.value) and "\n" not in str(e.value), e.value
+
+
+def test_the_elastic_units_by_hand():
+  # H = 10, F = 4 (offsets 2, 5, 7), T = 2, groups a, b (fragment 0) and c (fragment 3).
+  f = lambda tau: fragments.Schedule(
+    10, 2, offsets=(2, 5, 7), tau=tau, fragment_of=(("a", 0), ("b", 0), ("c", 3))
+  )
+  s = f(0)
+  # Units end at the syncs: steps 0-2, 2-5, 5-7, 7-10, then 10-12, ..., 17-20: U = 8.
+  assert s.U == 8 and [s.span(u) for u in (0, 1, 3, 4, 7)] == [
+    (0, 2),
+    (2, 5),
+    (7, 10),
+    (10, 12),
+    (17, 20),
+  ]
+  # Unit 0 sends fragment 0 (a, b), unit 3 fragment 3 (c), units 1-2 no group of this store;
+  # the last unit every group (the flush).
+  assert s.synced(0) == {"a", "b"} and s.synced(1) == set() and s.synced(3) == {"c"}
+  assert s.synced(4) == {"a", "b"} and s.synced(7) == {"a", "b", "c"}
+  # Unit 1 starts from a, b's new version (1: the step after unit 0), c from the worker's own.
+  assert s.fresh(1) == {"a", "b"} and s.fresh(2) == set() and s.fresh(0) == {"a", "b", "c"}
+  assert s.stored(1, "a") == 1 and s.stored(1, "c") == 0 and s.stored(4, "c") == 4
+  # Unit 7 reads a at version 5 (unit 4's sync), unit 8 (evaluation) every group at 8.
+  assert s.stored(7, "a") == 5 and s.stored(8, "a") == s.stored(8, "c") == 8
+  assert [s.need(u, "a") for u in range(9)] == [0, 1, 1, 1, 1, 5, 5, 5, 8]
+  # τ = 1: each sync's unit is followed by a 1-step unit, then the landing: 0-1, 1-2, 2-3, 3-5,
+  # ...; unit 2 (steps 2-3) starts before fragment 0's step at unit 1's end; unit 3 lands it.
+  s = f(1)
+  assert s.U == 16 and [s.span(u) for u in range(5)] == [(0, 1), (1, 2), (2, 3), (3, 5), (5, 6)]
+  assert s.synced(1) == {"a", "b"} and s.synced(2) == set() and s.synced(7) == {"c"}
+  assert s.landing(3) == {"a", "b"} and s.landing(9) == {"c"} and s.landing(1) == set()
+  assert s.fresh(2) == set() and s.fresh(16) == {"a", "b", "c"}
+  assert [s.need(u, "a") for u in (1, 2, 3, 4)] == [0, 0, 2, 2]
+  # F = 1, τ = 0: one unit a phase, every group synced after each, version t = phase t.
+  s = fragments.Schedule(10, 3, fragment_of=(("a", 0),))
+  assert not s.streamed and s.U == 3 and [s.need(u, "a") for u in range(4)] == [0, 1, 2, 3]
 
 
 def _assembled(state, exp, group):

@@ -1,7 +1,8 @@
 """Both runtimes run the recipe alike: every field of config.model, inner, outer and guard.
 
 For each field (fields that act apart share a run, see RUNS), one outer phase (H = 2
-inner steps, then the outer step) of a micro 2x2 grid runs in both runtimes, in this
+inner steps, then the outer step; two for the streamed fields) of a micro 2x2 grid runs in
+both runtimes, in this
 process and without Ray: the spmd loop as `train.train_and_evaluate` runs it, and the
 elastic pieces a Ray pool runs (the driver's preparation, every worker's task, the outer
 executor, the final state the driver checkpoints), from the same shards. With the field
@@ -18,14 +19,12 @@ import jax
 import numpy as np
 import pytest
 
-from dipaco_jax import config_check
 from dipaco_jax import train
 from dipaco_jax.config import sections
 from dipaco_jax.core import experiment
 from dipaco_jax.core import guard as guard_lib
 from dipaco_jax.io import checkpoint
 from dipaco_jax.runtime.elastic import driver
-from dipaco_jax.runtime.elastic import errors as elastic_errors
 from dipaco_jax.runtime.elastic import executor as exec_lib
 from dipaco_jax.runtime.elastic import grid as grid_lib
 from dipaco_jax.runtime.elastic import worker as worker_lib
@@ -107,10 +106,11 @@ CASES = {
     "outer.compression_block": 8,
     "outer.error_feedback": False,
   },
-  # Streamed outer sync: the spmd mode's; the elastic mode refuses it in one line (ELASTIC_REFUSES).
-  # Two phases (step 1 runs at LR 0 in the warmup; embed syncs after steps 1 and 3).
+  # Streamed outer sync, two phases (STREAMED): embed syncs after steps 1, 3 and 4 (the flush),
+  # block_0 and head after steps 2 and 4: the elastic tasks are the 4 units between them.
   "outer.fragments": {"outer.fragments": 2, "dipaco.outer_steps": 2},
-  # Two phases: the first phase's update lands after step 3 (the last step's at once).
+  # Two phases: the first phase's update lands after step 3 (the last step's at once); the
+  # elastic units are steps 1, 2, 3, 4, the third landing the update the second's end sent.
   "outer.overlap": {"outer.overlap": 1, "dipaco.outer_steps": 2},
   # Guards that trip: a loss driven above ln V, a norm ratio the first steps exceed.
   "guard.stuck_steps": {"guard.stuck_steps": 1, "inner.warmup_steps": 0, "inner.lr": 1.0},
@@ -122,6 +122,13 @@ MORE = {
   # A block (24) that divides no row: every row padded.
   "outer.compression=fp4": {"outer.compression": "fp4", "outer.compression_block": 24},
   "outer.compression=topk2": {"outer.compression": "topk2"},  # 1 of 64 (of 32 a short row).
+  # Streamed and compressed: fragments with fp4 and error feedback (each worker's residual kept
+  # for the groups a unit does not send), overlap with int8.
+  "outer.fragments+fp4": {
+    **CASES["outer.fragments"],
+    **CASES["outer.compression_block"],
+  },
+  "outer.overlap+int8": {**CASES["outer.overlap"], "outer.compression": "int8"},
   # Not a recipe field, but both runtimes build their own training batchers from it.
   "data.interleave": {"data.interleave": 2},
 }
@@ -170,9 +177,9 @@ RUNS = (
 # splash needs a TPU, cuDNN a GPU) and splash's blocks. Both runtimes must still build their
 # model from the recipe's config with them: checked on the recipes, without running a phase.
 ACCELERATOR_ONLY = ("model.attention", "model.attention_block_q", "model.attention_block_kv")
-# Fields the elastic mode refuses (one line, before anything runs) where they would act; the
-# spmd loop honours them: its state must differ from the same run's without the field.
-ELASTIC_REFUSES = ("outer.fragments", "outer.overlap")
+# Fields whose case also sets dipaco.outer_steps: each must change the spmd state from the same
+# run's without the field (the base run has one phase, so differing from it says nothing).
+STREAMED = ("outer.fragments", "outer.overlap")
 
 
 def test_every_field_of_the_recipes_sections_has_a_case():
@@ -208,25 +215,27 @@ def _spmd(cfg, workdir):
 
 
 def _elastic(cfg, workdir):
-  """The elastic pieces' state after the phase (the driver's final state), or the guard's stop.
+  """The elastic pieces' state after the run (the driver's final state), or the guard's stop.
 
-  Every worker's task runs; a guard error is (its class, its message's step and rule, the
-  workers it stopped), as one spmd error over all workers reads.
+  Every worker's task of each unit runs (one per phase; streamed, the schedule's units),
+  then the executor takes their reports; a guard error is (its class, its message's step
+  and rule, the workers it stopped), as one spmd error over all workers reads.
   """
   grid = grid_lib.Grid(cfg)
   exp, _, alpha = driver._prepare(cfg, workdir, grid)  # pylint: disable=protected-access
   w = worker_lib.PathWorker(cfg, workdir, 0)
-  stops = {}
-  for worker in range(grid.W):
-    try:
-      w.run(0, worker)
-    except guard_lib.DivergenceError as e:
-      stops[worker] = e
-  if stops:
-    return stops
   ex = exec_lib.OuterExecutor(cfg, workdir, 0, [s.name for s in grid.groups], alpha)
-  for worker in range(grid.W):
-    ex.report(0, worker)
+  for unit in range(grid.U):
+    stops = {}
+    for worker in range(grid.W):
+      try:
+        w.run(unit, worker)
+      except guard_lib.DivergenceError as e:
+        stops[worker] = e
+    if stops:
+      return stops
+    for worker in range(grid.W):
+      ex.report(unit, worker)
   state, _ = driver._final_state(cfg, workdir, exp, grid)  # pylint: disable=protected-access
   return jax.device_get(state)
 
@@ -296,17 +305,12 @@ def test_a_field_changes_both_runtimes_alike(case, shards, base, tmp_path):
     _same_model_in_both_recipes(cfg("spmd"), cfg("elastic"), case)
     return
   spmd = _spmd(cfg("spmd"), str(tmp_path / "spmd"))
-  if case in ELASTIC_REFUSES:
-    with pytest.raises(elastic_errors.ElasticConfigError) as e:
-      config_check.validate(cfg("elastic"))
-    assert case in str(e.value) and "\n" not in str(e.value), e.value
-    # Against the same run without the field (its case's other fields set alike).
+  if case in STREAMED:  # Against the same run without the field (its other fields set alike).
     ref = helpers.micro_config(
       **{**BASE, "data.shard_dir": shards, **{k: v for k, v in over.items() if k != case}}
     )
     a, b = _leaves(spmd), _leaves(_spmd(ref, str(tmp_path / "ref")))
     assert any(not np.array_equal(x, y) for x, y in zip(a["params"], b["params"])), case
-    return
   elastic = _elastic(cfg("elastic"), str(tmp_path / "elastic"))
   if isinstance(spmd, guard_lib.DivergenceError) or isinstance(elastic, dict):
     assert isinstance(elastic, dict), (spmd, elastic)

@@ -21,19 +21,26 @@ def run(config, workdir: str, faults=None) -> dict:
 
 def progress_line(workdir: str, config) -> str:
   """How far an elastic run got, from its storage: accepted tasks, inner steps every worker did."""
-  from dipaco_jax.core import topology  # pylint: disable=g-import-not-at-top
-  from dipaco_jax.runtime.elastic import coordinator  # pylint: disable=g-import-not-at-top
+  # pylint: disable=g-import-not-at-top
+  from dipaco_jax.core import streaming
+  from dipaco_jax.core import topology
+  from dipaco_jax.runtime.elastic import coordinator
+  from dipaco_jax.runtime.elastic import fragments
 
+  # pylint: enable=g-import-not-at-top
   try:
     done = coordinator.read_results(workdir)
   except Exception:  # pylint: disable=broad-except  # Only said on the way out.
     return "its accepted tasks are stored"
   W, T = topology.from_config(config).num_workers, config.dipaco.outer_steps
-  t = 0
-  while t < T and all(f"{t}/{w}" in done for w in range(W)):
-    t += 1
+  H, o = config.dipaco.inner_steps, config.outer
+  F, tau = (o.fragments, o.overlap) if o.enabled else (1, 0)
+  # The tasks' units (one a phase, unless streamed): their steps need no group split.
+  s = fragments.Schedule(H, T, tuple(streaming.offset(f, F, H) for f in range(F - 1)), tau)
+  u = 0
+  while u < s.U and all(f"{u}/{w}" in done for w in range(W)):
+    u += 1
   return (
-    f"{len(done)} of {(T + 1) * W} tasks accepted (every worker past inner step "
-    f"{t * config.dipaco.inner_steps} of {T * config.dipaco.inner_steps}), each one's outputs "
-    "stored whole"
+    f"{len(done)} of {(s.U + 1) * W} tasks accepted (every worker past inner step "
+    f"{s.span(u)[0]} of {T * H}), each one's outputs stored whole"
   )

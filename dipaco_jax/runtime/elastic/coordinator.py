@@ -11,7 +11,9 @@ goes back to the FRONT of the queue. A result is accepted once per (t, w);
 a duplicate (a timed-out task that finished after all) is refused. Every
 change is snapshotted (each file written whole), so a coordinator restarted by
 Ray, or a rerun of the whole command, resumes where it stood; leases are not
-kept (their tasks are requeued on restore, unless their result was written):
+kept (their tasks are requeued on restore, unless their result was written).
+Streamed (outer.fragments, outer.overlap), t counts units, not phases, and the
+versions a task needs are its schedule's (fragments.py):
 
   coordinator.json              module versions, queue, leases, re-shards done
   coordinator/results<t>.json   phase t's accepted results (`summary`: no per-step losses)
@@ -27,6 +29,7 @@ import dataclasses
 import os
 import time
 
+from dipaco_jax.runtime.elastic import fragments
 from dipaco_jax.runtime.elastic import storage
 
 SNAPSHOT = "coordinator.json"
@@ -67,13 +70,16 @@ class QueuePlan:
   """
 
   workers: int  # W: tasks (t, w) for w < W.
-  phases: int  # T: tasks (t, w) for t <= T (tasks (T, w) only evaluate).
+  phases: int  # T (U, streamed): tasks (t, w) for t <= T (tasks (T, w) only evaluate).
   reshard_steps: tuple[int, ...]  # routing.discriminative_steps.
   modules_of_worker: tuple[tuple[str, ...], ...]  # Worker w's module keys ("group/e").
   timeout_s: float  # config.elastic.task_timeout_s.
   # With a quorum (config.elastic.quorum < 1) a module steps without some reports; they still
   # count for its next step (executor.py), so a restarted driver re-reports one phase further.
   slack: int = 0
+  # Streamed (outer.fragments, outer.overlap): a task is a unit, and the versions it needs
+  # are the schedule's (fragments.py); None: task t needs version t of every module.
+  schedule: fragments.Schedule | None = None
 
 
 class Coordinator:
@@ -123,7 +129,13 @@ class Coordinator:
   def _ready(self, phase: int, worker: int) -> bool:
     if any(s <= phase and s not in self.reshards for s in self.plan.reshard_steps):
       return False  # Its routing phase's shards are not written yet.
-    return all(self.versions[key] >= phase for key in self.plan.modules_of_worker[worker])
+    s = self.plan.schedule
+    if s is None or not s.streamed:
+      return all(self.versions[key] >= phase for key in self.plan.modules_of_worker[worker])
+    return all(
+      self.versions[key] >= s.need(phase, key.split("/")[0])
+      for key in self.plan.modules_of_worker[worker]
+    )
 
   def _enqueue_ready(self) -> None:
     """Appends each worker's next phase once its modules hold it (phase order, then worker)."""

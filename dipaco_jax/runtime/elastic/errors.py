@@ -17,6 +17,28 @@ class ElasticConfigError(ConfigError):
   """A config or workdir the elastic mode cannot run; the message names the field and the fix."""
 
 
+def _check_streamed(o, e, r) -> None:
+  """What a streamed elastic run (runtime/elastic/fragments.py: tasks of units) cannot join."""
+  streamed = f"config.outer.fragments={o.fragments}, outer.overlap={o.overlap}"
+  if e.quorum < 1.0:
+    raise ElasticConfigError(
+      f"{streamed} with elastic.quorum={e.quorum}: a streamed unit's task reads its fragment's "
+      "step, which waits for every report; set elastic.quorum=1.0, or fragments=1 and overlap=0."
+    )
+  if e.progress_every_steps > 0:
+    raise ElasticConfigError(
+      f"{streamed} with elastic.progress_every_steps={e.progress_every_steps}: a streamed task "
+      "trains only the steps between two syncs, and saves no progress within them; set "
+      "elastic.progress_every_steps=0, or fragments=1 and overlap=0."
+    )
+  if r.discriminative_at_outer_step >= 0 and r.discriminative_phases >= 1:
+    raise ElasticConfigError(
+      f"{streamed} with routing.discriminative_at_outer_step={r.discriminative_at_outer_step}: "
+      "an elastic re-shard scores the store's modules, which a streamed run's workers do not "
+      "hold at a phase's end; use dipaco.mode='spmd', or fragments=1 and overlap=0."
+    )
+
+
 def check_config(config) -> None:
   """Refuses what the elastic mode cannot run, before anything starts.
 
@@ -48,13 +70,9 @@ def check_config(config) -> None:
       "stores every phase's state as it goes: stop the command and rerun it to resume); set "
       "stop_at_step=-1."
     )
-  o = config.outer
+  o, e, r = config.outer, config.elastic, config.routing
   if o.enabled and (o.fragments > 1 or o.overlap > 0):
-    raise ElasticConfigError(
-      f"config.outer.fragments={o.fragments}, outer.overlap={o.overlap}: an elastic task trains "
-      "a whole phase and sends every module at its end, so streamed outer sync is the spmd "
-      "mode's for now; set fragments=1 and overlap=0, or dipaco.mode='spmd'."
-    )
+    _check_streamed(o, e, r)
   if not config.outer.enabled:
     shared = [
       s.name

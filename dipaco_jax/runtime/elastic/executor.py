@@ -8,6 +8,9 @@ on the workers' deltas in WORKER order, so the result does not depend on the
 order reports arrive in.
 Version t+1 of a module is a pure function of version t and the phase's task
 outputs, written once to its own file: a delta can never be applied twice.
+Streamed (outer.fragments, outer.overlap; fragments.py), t counts units: unit t
+steps the modules of the fragment its end syncs, from the version the schedule
+names (`stored`), and the other modules count as stepped without a new file.
 
 Quorum (config.elastic.quorum < 1, beyond the paper; docs/elastic.md): a module
 may step once the workers that reported hold that fraction of its α-weight and
@@ -173,8 +176,9 @@ class OuterExecutor:
     joins with its own Δ, taken against the version it started from.
     """
     wd = self.workdir
-    theta = self._module(group, module, phase)
-    opt = self._module(group, module, phase, "opt")
+    was = self.grid.sched.stored(phase, group)  # phase, unless streamed (fragments.py).
+    theta = self._module(group, module, was)
+    opt = self._module(group, module, was, "opt")
     parts = [self._worker_delta(phase, group, w) for w in workers]
     parts += [self._worker_delta(phase - 1, group, w) for w in late]
     deltas_N = jax.tree.map(lambda *xs: np.concatenate(xs), *parts)
@@ -203,8 +207,22 @@ class OuterExecutor:
     """Steps module (group, module) in `phase` if it may now; True if it did."""
     key = grid_lib.module_key(group, module)
     applied = self.applied.setdefault(phase, set())
-    if key in applied or phase >= self.grid.T:
+    if key in applied or phase >= self.grid.U:
       return False
+    if (
+      self.grid.sched.streamed
+      and phase > self.settled
+      and key not in self.applied.get(phase - 1, ())
+    ):
+      return False  # Streamed: a module's units step in order (a later unit may report first).
+    if group not in self.grid.sched.synced(phase):  # Streamed: not this unit's fragment.
+      if not all(
+        w in self.received.get(phase, ()) for w in self.grid.workers_through(group, module)
+      ):
+        return False
+      applied.add(key)
+      self._snapshot()
+      return True
     workers = self.grid.workers_through(group, module)
     got = [w for w in workers if w in self.received.get(phase, ())]
     if not got:
@@ -216,7 +234,7 @@ class OuterExecutor:
         return False
       late = self._late(phase - 1, key, workers) if self.late == "next" else []
     if len(got) < len(workers):
-      last = phase == self.grid.T - 1 and self.late == "next"
+      last = phase == self.grid.U - 1 and self.late == "next"
       if self.quorum >= 1.0 or last:
         return False
       a = np.asarray(self._alpha(phase), np.float64)
@@ -273,7 +291,8 @@ class OuterExecutor:
   def report(self, phase: int, worker: int) -> dict[int, list[str]]:
     """Task (phase, worker) is done; returns {phase: modules stepped} for phase and phase + 1.
 
-    Phase + 1 is there because a late report can unblock the next step (quorum).
+    Phase + 1 is there because a late report can unblock the next step (quorum); streamed,
+    the units after it that waited for its step too.
     """
     phase, worker = int(phase), int(worker)
     with self._lock:
@@ -283,14 +302,19 @@ class OuterExecutor:
       if worker not in received:
         received.add(worker)
         self._snapshot()
-      now = time.time()
+      now, last = time.time(), phase + 1
       for group in self.groups:
         module = int(self.grid.group[group].module_of_worker[worker])
-        if grid_lib.module_key(group, module) not in self.applied.get(phase, ()):
+        key = grid_lib.module_key(group, module)
+        if key not in self.applied.get(phase, ()) and group in self.grid.sched.synced(phase):
           self._worker_delta(phase, group, worker)  # Gathered as it arrives.
         self._try_step(phase, group, module, now)
         self._try_step(phase + 1, group, module, now)
-      out = self._stepped((phase, phase + 1))
+        t = phase + 1  # Streamed: later units that waited for this one's step (in order).
+        while self.grid.sched.streamed and self._try_step(t + 1, group, module, now):
+          t += 1
+        last = max(last, t)
+      out = self._stepped(range(phase, last + 1))
       if self._settle():
         self._snapshot()
       return out

@@ -11,7 +11,9 @@ import numpy as np
 
 from dipaco_jax import routing
 from dipaco_jax.core import recipe as recipe_lib
+from dipaco_jax.core import streaming
 from dipaco_jax.runtime.elastic import coordinator as coord_lib
+from dipaco_jax.runtime.elastic import fragments
 from dipaco_jax.types import PyTree
 
 
@@ -35,6 +37,24 @@ class Grid:
     # read routing phase k's shards, and the outer steps of those phases use its α.
     self.reshard_steps = routing.discriminative_steps(config)
     self.theta = jax.eval_shape(self.recipe.init_params, jax.random.key(0))
+    # The tasks' units (fragments.py): one per phase, or cut at a streamed sync's events.
+    self.sched = self._schedule()
+    self.U = self.sched.U  # Training tasks per worker; tasks (U, w) only evaluate.
+
+  def _schedule(self) -> fragments.Schedule:
+    r, names = self.recipe, [s.name for s in self.groups]
+    if r.fragments == 1 and not r.overlap:
+      return fragments.Schedule(self.H, self.T, fragment_of=tuple((g, 0) for g in names))
+    # The spmd loop's split (Experiment.fragments): by the store's bytes, leaves [K, ...].
+    store = jax.eval_shape(lambda k: r.init_state(k).store, jax.random.key(0))
+    fragment_of = {g: f for f, part in enumerate(streaming.split(store, r.fragments)) for g in part}
+    return fragments.Schedule(
+      self.H,
+      self.T,
+      offsets=tuple(streaming.offset(f, r.fragments, self.H) for f in range(r.fragments - 1)),
+      tau=r.overlap,
+      fragment_of=tuple((g, fragment_of[g]) for g in names),
+    )
 
   def routing_phase(self, phase: int) -> int:
     """The routing phase whose shards task `phase` trains on (re-shards at or before it)."""
@@ -52,13 +72,14 @@ class Grid:
     e = self.config.elastic
     return coord_lib.QueuePlan(
       workers=self.W,
-      phases=self.T,
+      phases=self.U,
       reshard_steps=tuple(int(s) for s in self.reshard_steps),
       modules_of_worker=tuple(
         tuple(module_key(g, m) for g, m in self.modules_of_worker(w)) for w in range(self.W)
       ),
       timeout_s=float(e.task_timeout_s),
       slack=1 if e.quorum < 1.0 else 0,
+      schedule=self.sched,
     )
 
   def used_modules(self) -> list[tuple[str, int]]:

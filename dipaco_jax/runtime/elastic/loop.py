@@ -71,7 +71,7 @@ class EventLoop:
     self.scoring = {}  # future -> (actor, path, start): a re-shard's scoring tasks.
     self.timed_out = set()  # Scoring futures whose actor was killed for the task timeout.
     self.results = pool.call(self.coord.results)
-    left = (grid.T + 1) * grid.W - len(self.results)  # Faults are drawn among this run's tasks.
+    left = (grid.U + 1) * grid.W - len(self.results)  # Faults are drawn among this run's tasks.
     self.faults = faults_lib.driver_plan(
       faults, left, grid.topo.num_paths, len(self.executors), self.log
     )
@@ -145,7 +145,7 @@ class EventLoop:
 
   def _report(self, phase: int, worker: int) -> None:
     """Task (phase, worker)'s result to every executor that owns a group."""
-    if phase == self.grid.T:  # Evaluation only: nothing to average.
+    if phase == self.grid.U:  # Evaluation only: nothing to average.
       return
     for j, ex in enumerate(self.executors):
       if self.owned[j]:
@@ -210,7 +210,7 @@ class EventLoop:
         "lease",
         actor=i,
         est_s=self.task_time,
-        writes=task[0] < self.grid.T,
+        writes=task[0] < self.grid.U,
         progress=self.saves_progress,
       )
       future = self.workers[i].run.remote(*task, faults=spec)

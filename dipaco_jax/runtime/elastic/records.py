@@ -1,4 +1,8 @@
-"""What the driver derives as phases complete: metrics records and early stopping's best paths."""
+"""What the driver derives as phases complete: metrics records and early stopping's best paths.
+
+Streamed (fragments.py), a phase's results are its units' tasks: its first unit's task
+evaluated (as task t does otherwise) and its last unit's ended it.
+"""
 # pylint: disable=invalid-name
 
 import numpy as np
@@ -7,7 +11,14 @@ from dipaco_jax.io import metrics as metrics_lib
 from dipaco_jax.runtime import early_stopping
 from dipaco_jax.runtime.elastic import grid as grid_lib
 from dipaco_jax.runtime.elastic import storage
+from dipaco_jax.runtime.elastic import streamed
 from dipaco_jax.runtime.elastic import versions
+
+
+def units(grid, t: int) -> range:
+  """The tasks (units) of phase t; phase T: its evaluation-only task."""
+  s = grid.sched
+  return range(s.first_unit(t), s.first_unit(t + 1) if t < grid.T else s.U + 1)
 
 
 def _update_best(best, exp, grid: grid_lib.Grid, workdir: str, results: dict, t: int) -> None:
@@ -18,12 +29,16 @@ def _update_best(best, exp, grid: grid_lib.Grid, workdir: str, results: dict, t:
   in the synchronous loop.
   """
   # Held-out training documents' loss where early stopping reads it, else validation's.
+  u = grid.sched.first_unit(t)
   val_W = [
-    results[f"{t}/{w}"].get("stop_loss", results[f"{t}/{w}"].get("val_loss")) for w in range(grid.W)
+    results[f"{u}/{w}"].get("stop_loss", results[f"{u}/{w}"].get("val_loss")) for w in range(grid.W)
   ]
   if any(v is None for v in val_W):  # No evaluation at this step.
     return
-  params = versions.paths_at(exp, grid, workdir, t)
+  if grid.sched.streamed and t < grid.T:  # The workers' own params, as the spmd loop's.
+    params = streamed.phase_params(exp, grid, workdir, t)
+  else:
+    params = versions.paths_at(exp, grid, workdir, grid.sched.first_unit(t))
   # Records restart with a routing phase (task t evaluated on its phase's shards).
   best.update(t * grid.H, np.asarray(val_W, np.float64), params, phase=grid.routing_phase(t))
 
@@ -37,7 +52,11 @@ def _step_records(workdir: str, grid, t: int, every: int) -> list[tuple[int, dic
   if not steps:
     return []
   losses = [
-    storage.load_json(storage.worker_out_dir(workdir, w, t + 1) / "done.json")["loss"]
+    [
+      x
+      for u in units(grid, t)
+      for x in storage.load_json(storage.worker_out_dir(workdir, w, u + 1) / "done.json")["loss"]
+    ]
     for w in range(grid.W)
   ]
   out = []
@@ -49,14 +68,15 @@ def _step_records(workdir: str, grid, t: int, every: int) -> list[tuple[int, dic
 
 def record(grid, results, t: int) -> dict:
   """metrics.jsonl record of step (t+1)*H: phase t's train losses, tasks t+1's validation."""
-  train_W = [results[f"{t}/{w}"]["last_loss"] for w in range(grid.W)]
+  last, nxt = units(grid, t)[-1], units(grid, t + 1)[0]
+  train_W = [results[f"{last}/{w}"]["last_loss"] for w in range(grid.W)]
   rec = {
     "phase": t,
     "train_loss": train_W,
     "train_loss_mean": float(np.mean(train_W)),
-    "grad_norm": [results[f"{t}/{w}"]["grad_norm"] for w in range(grid.W)],
+    "grad_norm": [results[f"{last}/{w}"]["grad_norm"] for w in range(grid.W)],
   }
-  val = [results[f"{t + 1}/{w}"].get("val_loss") for w in range(grid.W)]
+  val = [results[f"{nxt}/{w}"].get("val_loss") for w in range(grid.W)]
   if all(v is not None for v in val):
     rec.update(val_loss=val, val_loss_mean=metrics_lib.nan_mean(val))
   return rec
@@ -89,7 +109,7 @@ class PhaseRecords:
     self.best_next = 1  # The next phase whose evaluation early stopping takes.
 
   def _complete(self, t: int) -> bool:
-    return all(f"{t}/{w}" in self.results for w in range(self.grid.W))
+    return all(f"{u}/{w}" in self.results for u in units(self.grid, t) for w in range(self.grid.W))
 
   def early_stop(self) -> None:
     """Early stopping takes every evaluation phase whose tasks are all in, once each."""

@@ -56,7 +56,7 @@ def forget_lost_outputs(workdir: str, grid: grid_lib.Grid) -> None:
   """Accepted tasks whose outputs were moved aside leave the queue's results: they run again."""
   folder = storage.root(workdir) / coord_lib.RESULTS
   for phase, f in storage.numbered(folder, "results").items():
-    if phase >= grid.T:  # Evaluation-only tasks write no outputs.
+    if phase >= grid.U:  # Evaluation-only tasks write no outputs.
       continue
     results = storage.load_json(f)
     lost = [
@@ -100,7 +100,9 @@ def rebuild_modules(config, workdir: str, grid: grid_lib.Grid, alpha_W, initial)
       have = {k: set(storage.numbered(folder, k, ".npz")) for k in kinds}
       top = max(have["v"] | have["opt"] | {recorded.get(grid_lib.module_key(s.name, e), 0)})
       for t in range(top + 1):
-        if any(t not in have[k] for k in kinds if k != "u" or t > 0):
+        # Streamed (fragments.py): a version is written only after a unit that synced it.
+        written = t == 0 or s.name in grid.sched.synced(t - 1)
+        if written and any(t not in have[k] for k in kinds if k != "u" or t > 0):
           missing.append((t, s.name, e))
   version0 = None
   for t, group, module in sorted(missing):

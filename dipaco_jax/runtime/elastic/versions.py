@@ -107,13 +107,12 @@ def paths_at(exp, grid: grid_lib.Grid, workdir: str, version: int):
 
 def final_state(config, workdir: str, exp, grid: grid_lib.Grid):
   """The synchronous mode's TrainState after T outer steps, from storage (the one full copy)."""
-  store = _store_at(workdir, grid, grid.T)
+  U = grid.U  # Versions and worker files count units (T, unless streamed: fragments.py).
+  store = _store_at(workdir, grid, U)
   opt_parts = {
     s.name: [
       _by_path(
-        storage.load_tree(
-          _latest(workdir, s.name, e, "opt", grid.T), grid.module_opt_template(s.name)
-        )
+        storage.load_tree(_latest(workdir, s.name, e, "opt", U), grid.module_opt_template(s.name))
       )
       for e in range(s.num_modules)
     ]
@@ -129,13 +128,11 @@ def final_state(config, workdir: str, exp, grid: grid_lib.Grid):
     leaves.append(np.concatenate(parts) if g and t.shape else np.asarray(parts[0]))
   outer_opt = jax.tree.unflatten(jax.tree.structure(full_opt), leaves)
   opts = [
-    storage.load_tree(storage.worker_opt_file(workdir, w, grid.T), grid.inner_opt_template())
+    storage.load_tree(storage.worker_opt_file(workdir, w, U), grid.inner_opt_template())
     for w in range(grid.W)
   ]
   inner_opt = jax.tree.map(lambda *xs: np.concatenate(xs), *opts)
-  data = {
-    str(w): storage.load_json(storage.worker_data_file(workdir, w, grid.T)) for w in range(grid.W)
-  }
+  data = {str(w): storage.load_json(storage.worker_data_file(workdir, w, U)) for w in range(grid.W)}
   state = recipe_lib.TrainState(
     step=np.asarray(grid.H * grid.T, np.int32),
     rng=np.asarray(jax.random.key_data(jax.random.key(config.seed))),
@@ -147,12 +144,14 @@ def final_state(config, workdir: str, exp, grid: grid_lib.Grid):
   if grid.recipe.feedback:  # Each worker's error-feedback residual after the last phase.
     efs = [
       {
-        g: storage.load_tree(storage.ef_file(workdir, w, grid.T, g), grid.ef_template(g))[g]
+        g: storage.load_tree(storage.ef_file(workdir, w, U, g), grid.ef_template(g))[g]
         for g, _ in grid.modules_of_worker(w)
       }
       for w in range(grid.W)
     ]
     state = grid.recipe.with_ef(state, jax.tree.map(lambda *xs: np.concatenate(xs), *efs))
+  if grid.recipe.overlap:  # The spmd state's update in flight: none after the last step.
+    state = grid.recipe.with_jump(state, grid.recipe.init_jump(state.params))
   state = jax.device_put(state, exp.state_sharding)
   return state, data
 

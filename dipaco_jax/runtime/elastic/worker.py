@@ -21,6 +21,11 @@ wrote them). The first task of a phase (t = its re-shard step) starts its data
 position fresh on the new shards, as the synchronous loop's new feed, and
 restarts the schedule of the AdamW state it loads (routing.restart_schedule,
 as the spmd loop); the inputs in storage stay as written, so a retry is the same.
+
+Streamed (outer.fragments, outer.overlap), `phase` counts the schedule's units
+(fragments.py): a task trains one unit's inner steps from the params streamed.py
+assembles, keeps its params for the next unit, and sends the deltas of the groups
+its unit's end syncs.
 """
 # pylint: disable=invalid-name
 
@@ -42,6 +47,7 @@ from dipaco_jax.runtime import faults as faults_lib
 from dipaco_jax.runtime.elastic import grid as grid_lib
 from dipaco_jax.runtime.elastic import jit_cache
 from dipaco_jax.runtime.elastic import storage
+from dipaco_jax.runtime.elastic import streamed
 
 
 def _write_all(writes, plan: faults_lib.Plan, kind: str) -> None:
@@ -203,11 +209,12 @@ class PathWorker:
     self._held = held
     return parts, nbytes
 
-  def _group_writes(self, file_of, tree, worker: int) -> list:
-    """Writes of each group of worker `worker`'s `tree` (params or deltas) to file_of(group)."""
+  def _group_writes(self, file_of, tree, worker: int, groups=None) -> list:
+    """Writes of worker `worker`'s groups (those in `groups`, if given) of `tree` to file_of(g)."""
     return [
       functools.partial(storage.save_tree, file_of(g), {g: tree[g]})
       for g, _ in self.grid.modules_of_worker(worker)
+      if groups is None or g in groups
     ]
 
   def _residual(self, phase: int, worker: int):
@@ -322,24 +329,26 @@ class PathWorker:
       if old.name != folder.name:
         old.rmtree(missing_ok=True)
 
-  def _guard(self, phase: int, worker: int, start_params, losses_so_far):
+  def _guard(self, phase: int, worker: int, start_params, losses_so_far, unit: int | None = None):
     """The recipe's divergence guard for task (phase, worker), as the spmd loop's for it.
 
     The phase's reference norms: the path's modules at version `phase`, which the
     task started from. The loss window: this worker's earlier steps, read from its
-    earlier tasks' results (the run's, as the spmd guard's in one process).
+    earlier tasks' results (the run's, as the spmd guard's in one process). Streamed:
+    `unit` is the task's, `phase` its phase, and `start_params` the phase's start.
     """
     kept = f"every module up to outer step {phase} is kept"
     guard = self.recipe.guard([self.grid.topo.worker_labels()[worker]], kept=kept)
     guard.start_phase(phase, jax.device_get(self._norms(start_params)))
     n, earlier = self.recipe.guard_cfg.stuck_steps - len(losses_so_far), []
-    t = phase
+    t = phase if unit is None else unit
     while n > 0 and t > 0:
       done = storage.worker_out_dir(self.workdir, worker, t) / "done.json"
       if not done.exists():  # A shorter window: the rule fires later, never wrongly.
         break
-      earlier = list(storage.load_json(done)["loss"])[-n:] + earlier
-      n, t = n - self.grid.H, t - 1
+      loss = list(storage.load_json(done)["loss"])
+      earlier = loss[-n:] + earlier
+      n, t = n - len(loss), t - 1
     guard.seed_losses([[x] for x in earlier + list(losses_so_far)])
     return guard
 
@@ -353,7 +362,8 @@ class PathWorker:
     """
     start = time.time()
     self._progress = {"phase": int(phase), "worker": int(worker), "start": start}
-    self._progress.update(steps=0, of=self.grid.H, last=None)
+    span = self.grid.sched.span(int(phase))
+    self._progress.update(steps=0, of=span[1] - span[0], last=None)
     try:
       return self._run(start, phase, worker, faults)
     finally:
@@ -367,11 +377,18 @@ class PathWorker:
     if hasattr(os, "sched_getaffinity"):  # The cores it ran on (elastic.pin_cpus).
       result["cpus"] = sorted(os.sched_getaffinity(0))
     H, every = self.grid.H, int(self.config.elastic.progress_every_steps)
+    # Streamed: `phase` is a unit (fragments.py) of `outer` phase; it runs steps s0+1..s1.
+    sched, unit = self.grid.sched, phase
+    (s0, s1), outer = sched.span(unit), sched.phase(unit)
+    first = unit == sched.first_unit(outer)  # Streamed: the phase's first unit evaluates.
     k = self.grid.routing_phase(phase)  # After a re-shard at `phase`: its new shards already.
-    saved = self._saved_progress(phase, worker) if phase < self.grid.T else None
-    batcher = self._batcher(worker, k) if phase < self.grid.T else None
+    saved = self._saved_progress(phase, worker) if phase < self.grid.U else None
+    batcher = self._batcher(worker, k) if phase < self.grid.U else None
     losses = []
-    start_params, down = self._receive(phase, worker)  # The path's modules: what Δ is against.
+    if sched.streamed:  # Its modules and own params; Δ is against the store (`against`).
+      start_params, down = streamed.start(self.grid, wd, worker, unit)
+    else:
+      start_params, down = self._receive(phase, worker)  # The path's modules: what Δ is against.
     link_down = 0.0
     if phase > 0:  # The outer exchange's downlink (phase 0 reads the initial θ̄).
       result["bytes_down"] = down
@@ -389,14 +406,14 @@ class PathWorker:
       self._progress["of"] = H - len(losses)
     else:
       params = start_params
-      step0 = phase * H
+      step0 = outer * H
       eval_every = self.config.eval.every_steps
-      if phase > 0 and (step0 % eval_every == 0 or phase == self.grid.T):
+      if first and outer > 0 and (step0 % eval_every == 0 or outer == self.grid.T):
         # After outer step `phase` (and its re-shard), as the spmd loop.
         result["val_loss"] = self._evaluate(params, worker, k)
         if self._heldout is not None:  # Early stopping's loss (shard_plan's stop_batches).
           result["stop_loss"] = self._evaluate(params, worker, k, "heldout")
-      if phase == self.grid.T:  # The last evaluation: nothing left to train.
+      if phase == self.grid.U:  # The last evaluation: nothing left to train.
         return {**result, "start": start, "end": time.time(), "loss": [], "grad_norm": None}
       if phase == 0:
         opt = self._init_opt(params)
@@ -410,7 +427,13 @@ class PathWorker:
             opt = jax.device_get(self.recipe.restart_schedule(jax.device_put(opt)))
         else:
           batcher.set_state(storage.load_json(storage.worker_data_file(wd, worker, phase)))
-    guard = self._guard(phase, worker, start_params, losses)
+    if not sched.streamed:
+      guard = self._guard(phase, worker, start_params, losses)
+    else:  # The phase's reference norms: its first unit's start.
+      ref = (
+        start_params if first else streamed.start(self.grid, wd, worker, sched.first_unit(outer))[0]
+      )
+      guard = self._guard(outer, worker, ref, losses, unit=unit)
     # "link": time in the fault plan's link hooks (a benchmark's injected transfer delay).
     clock = {"load": time.time() - start - link_down, "progress_save": 0.0, "link": link_down}
     t0 = time.time()
@@ -422,51 +445,62 @@ class PathWorker:
 
     def read(m):  # Blocks on a step's metrics and passes them through the guard.
       m = jax.device_get(m)
-      guard.check(phase * H + len(losses) + 1, m["loss"], m["param_norm"])
+      guard.check(s0 + len(losses) + 1, m["loss"], m["param_norm"])
       losses.append(float(m["loss"][0]))
       self._progress.update(steps=len(losses) - resumed, last=time.time())
       return m
 
     try:
-      for i in range(len(losses), H):
+      for i in range(len(losses), s1 - s0):
         # config.dispatch_ahead (docs/performance.md): step i+1 is dispatched before step i's
         # metrics are read, so the host's batch and bookkeeping overlap step i+1 on the device.
-        window.before(phase * H + i + 1)
+        window.before(s0 + i + 1)
         params, opt, m_next = self._step(params, opt, batcher.next_batch())
         if pending is not None:
           m = read(pending)
         pending = m_next
-        save = every and (i + 1) % every == 0 and i + 1 < H
+        save = every and (i + 1) % every == 0 and i + 1 < s1 - s0
         if save or not self._ahead:
           m, pending = read(pending), None
         if save:
           s0 = time.time()
           if not bool(self._finite(params)):
-            guard.not_finite(phase * H + i + 1)
+            guard.not_finite(s0 + i + 1)
           rec = {"H": H, "step": i + 1, "loss": losses, "grad_norm": float(m["grad_norm"][0])}
           rec.update({key: result[key] for key in ("val_loss", "stop_loss") if key in result})
           self._save_progress(phase, worker, rec, params, opt, batcher, plan)
           clock["progress_save"] += time.time() - s0
-        window.after(phase * H + i + 1, params)
+        window.after(s0 + i + 1, params)
         plan.at("step")
     finally:  # A task stopped inside the window (a guard, a fault) ends its trace.
       window.close()
     if pending is not None:
       m = read(pending)
     if not bool(self._finite(params)):  # Nothing non-finite leaves the task (as spmd's saves).
-      guard.not_finite((phase + 1) * H)
-    deltas = self._deltas(start_params, params)
+      guard.not_finite(s1)
+    sent = sched.synced(unit)  # Every group, unless streamed: the fragment its end syncs.
+    against = start_params
+    if sched.streamed:
+      against = streamed.store(self.grid, wd, worker, unit, sent)[0]
+    mine = lambda tree: {g: tree[g] for g in tree if g in sent}
+    deltas = self._deltas(against, mine(params))
     residual = None
     if self.recipe.compressed:  # Codes and scales cross; what they dropped stays here (ef).
       residual = self._residual(phase, worker) if self.recipe.feedback else None
-      deltas, residual = self._encode(deltas, residual)
+      deltas, new = self._encode(deltas, None if residual is None else mine(residual))
+      residual = None if residual is None else {**residual, **(new or {})}
     deltas, residual, opt = jax.device_get((deltas, residual, opt))
     clock["steps"] = time.time() - t0 - clock["progress_save"]
     t0 = time.time()
     out = storage.worker_out_dir(wd, worker, phase + 1)
     writes = self._group_writes(
-      lambda g: storage.delta_file(wd, worker, phase + 1, g), deltas, worker
+      lambda g: storage.delta_file(wd, worker, phase + 1, g), deltas, worker, sent
     )
+    if sched.streamed:  # The next unit trains on from these (streamed.own).
+      params = jax.device_get(params)
+      writes += self._group_writes(
+        lambda g: streamed.params_file(wd, worker, phase + 1, g), params, worker
+      )
     if residual is not None:
       writes += self._group_writes(
         lambda g: storage.ef_file(wd, worker, phase + 1, g), residual, worker
@@ -484,7 +518,7 @@ class PathWorker:
     # The outer exchange's uplink: the delta files' bytes (codes and scales with compression).
     groups = self.grid.modules_of_worker(worker)
     result["bytes_up"] = sum(
-      storage.size(storage.delta_file(wd, worker, phase + 1, g)) for g, _ in groups
+      storage.size(storage.delta_file(wd, worker, phase + 1, g)) for g, _ in groups if g in sent
     )
     t0 = time.time()
     plan.at("sent", bytes=result["bytes_up"])

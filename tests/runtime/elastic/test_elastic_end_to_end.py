@@ -167,6 +167,57 @@ def test_elastic_matches_spmd_and_survives_kills(tmp_path, ray_cluster):
 
 
 @pytest.mark.slow
+def test_streamed_elastic_matches_spmd_and_survives_kills(tmp_path, ray_cluster):
+  # outer.fragments = 2 on the micro grid (H = 2, T = 2): embed syncs after steps 1, 3 and 4
+  # (the flush), head and the blocks after steps 2 and 4; the pool runs 4 units a worker.
+  shards = str(tmp_path / "shards")
+  cfg = lambda **kw: helpers.elastic_config(
+    **{"data.shard_dir": shards, "outer.fragments": 2, "early_stopping.enabled": True, **kw}
+  )
+  ref = train.train_and_evaluate(cfg(**{"dipaco.mode": "spmd"}), str(tmp_path / "spmd"))
+  out = train.train_and_evaluate(cfg(), str(tmp_path / "clean"))
+  assert out["status"]["done"] == 20 and out["step"] == 4  # 4 workers x (4 units + evaluation).
+  np.testing.assert_allclose(out["val_loss"], ref["val_loss"], rtol=1e-5)
+  np.testing.assert_allclose(out["train_loss_mean"], ref["train_loss_mean"], rtol=1e-5)
+  a, b = _final(str(tmp_path / "spmd")), _final(str(tmp_path / "clean"))
+  for name in ("store", "outer_opt", "params", "inner_opt"):
+    for x, y in zip(jax.tree.leaves(a[name]), jax.tree.leaves(b[name]), strict=True):
+      # Within 1e-6, not bit for bit: one device's inner step against the 4-device program.
+      np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=1e-6)
+  # Early stopping on the workers' own params at each phase's start, as the spmd loop's.
+  rec_a, rec_b = (checkpoint.read_best_records(str(tmp_path / d)) for d in ("spmd", "clean"))
+  assert rec_a["step"] == rec_b["step"]
+  np.testing.assert_allclose(rec_a["loss"], rec_b["loss"], rtol=1e-5)
+  # Kills of workers (mid-unit) and an executor, the driver stopped after 10 accepted tasks
+  # (about two units a worker: once unit 1 is in, embed's version 2 is recorded but never
+  # written, as embed does not sync at unit 1, and the rerun's repair must not rebuild it),
+  # then the command again: the clean run's bytes.
+  # A unit here is one inner step: 1 s each, so a timed kill lands inside a call.
+  faulty, delay = str(tmp_path / "faulty"), {"step_delay_s": (1.0, 1.0)}
+  first = train.train_and_evaluate(
+    cfg(), faulty, faults_lib.Faults(worker_kills=2, stop_after_tasks=10, **delay)
+  )
+  assert first["stopped"] and first["status"]["done"] >= 10
+  out = train.train_and_evaluate(
+    cfg(), faulty, faults_lib.Faults(worker_kills=3, executor_kills=2, **delay)
+  )
+  assert out["step"] == 4 and out["status"]["done"] == 20
+  # Kills are drawn among each command's dispatches; a timed one whose call ends first is owed
+  # to the actor's next call, so some of them may find no call left: at least one landed.
+  assert first["status"]["worker_kills"] + out["status"]["worker_kills"] >= 1, (first, out)
+  c = _final(faulty)
+  for x, y in zip(jax.tree.leaves(b), jax.tree.leaves(c), strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  assert checkpoint.read_best_records(faulty) == checkpoint.read_best_records(
+    str(tmp_path / "clean")
+  )
+  assert (tmp_path / "faulty" / "metrics.jsonl").read_text().count('"step"') == 2  # One a phase.
+  events = storage.read_task_log(faulty)
+  done = [(e["phase"], e["worker"]) for e in events if e["event"] == "done"]
+  assert sorted(done) == sorted(itertools.product(range(5), range(4)))  # Each accepted once.
+
+
+@pytest.mark.slow
 def test_quorum_end_to_end_with_a_slow_worker(tmp_path, ray_cluster):
   # Actor 1 sleeps 3 s per inner step, so task (0, 1) (leased to it first) ends long after
   # actor 0 ran (0, 0), (0, 2), (0, 3): with quorum 0.5 every module steps phase 0 without

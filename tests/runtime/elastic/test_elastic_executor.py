@@ -91,6 +91,40 @@ def test_executor_result_does_not_depend_on_arrival_order_and_matches_outer_step
         np.testing.assert_allclose(x[0], np.asarray(y)[e], rtol=0, atol=1e-6)
 
 
+def test_streamed_units_step_their_fragment_in_order_whatever_arrives_first(tmp_path):
+  # outer.fragments = 2 on the micro grid: embed (1 MiB) is fragment 0, head and the blocks
+  # fragment 1; unit 0 syncs embed, unit 1 the others (fragments.py).
+  cfg = helpers.elastic_config(**{"outer.fragments": 2})
+  grid = grid_lib.Grid(cfg)
+  assert grid.sched.synced(0) == {"embed"} and "embed" not in grid.sched.synced(1)
+  base = str(tmp_path / "base")
+  _random_phase(base, grid, np.random.default_rng(0))  # Deltas of unit 0 (out1) for all groups.
+  for w in range(grid.W):  # Unit 1's deltas of the groups it sends: unit 0's again (any will do).
+    for g in grid.sched.synced(1):
+      storage.delta_file(base, w, 2, g).parent.mkdir(parents=True, exist_ok=True)
+      shutil.copy(storage.delta_file(base, w, 1, g), storage.delta_file(base, w, 2, g))
+  runs, keys = [], sorted(grid_lib.module_key(g, e) for g, e in grid.used_modules())
+  for name, order in (("in_order", (0, 1)), ("unit_1_first", (1, 0))):
+    wd = str(tmp_path / name)
+    shutil.copytree(base, wd)
+    ex = exec_lib.OuterExecutor(cfg, wd, 0, [s.name for s in grid.groups], [1.0] * grid.W)
+    out = [ex.report(unit, w) for unit in order for w in range(grid.W)]
+    if order == (1, 0):  # Unit 1 complete first: nothing steps before unit 0 has.
+      assert all(not any(d.values()) for d in out[: grid.W]), out[: grid.W]
+    stepped = {t: sorted({k for d in out for k in d.get(t, ())}) for t in (0, 1, 2)}
+    assert stepped == {0: keys, 1: keys, 2: []}, stepped  # Every module, once a unit.
+    # Embed's version 1 (its step after unit 0), the others' version 2 (after unit 1); no more.
+    files = {}
+    for g, e in grid.used_modules():
+      want = 1 if g == "embed" else 2
+      for v in (1, 2):
+        f = storage.module_file(wd, g, e, v)
+        assert f.exists() == (v == want), (name, g, e, v)
+      files[(g, e)] = storage.module_file(wd, g, e, want).read_bytes()
+    runs.append(files)
+  assert runs[0] == runs[1]
+
+
 def test_executor_restarted_mid_phase_applies_every_delta_once(tmp_path):
   cfg = helpers.elastic_config()
   grid = grid_lib.Grid(cfg)
