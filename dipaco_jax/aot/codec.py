@@ -1,9 +1,11 @@
 """The outer codec's cost on a chip: its compiled encode and decode against the link time saved.
 
-`codec_row` is the outer step's "codec" entry in the AOT report: XLA's bytes of encoding one
-worker's Δ as a device holds it (each params leaf's shard) and of decoding it, compiled alone for
-one device of the report's topology, as HBM time (both ways: each worker's Δ up, the update
-down), beside the link time the wire form saves against float32 over the same two ways.
+`codec_row` is the outer step's "codec" entry in the AOT report: XLA's bytes of encoding the
+workers' Δ as a device holds them (each params leaf's shard: the outer step codes its whole copy)
+and of decoding them, compiled alone for one device of the report's topology, as HBM time (twice:
+the Δ up, the update down), beside the link time the wire form saves against float32 both ways,
+by arithmetic (compression.wire_bytes) on the part a device sends (its shard over the devices
+that hold the same one).
 
     python -m dipaco_jax.aot.codec [TOPOLOGY]    # default v5e:2x2
 
@@ -42,19 +44,30 @@ def codec_bytes(shapes, kind: str, block: int, keep: int, device) -> tuple[float
   return encoded, decoded
 
 
+def _replicas(x) -> int:
+  """How many devices hold each distinct shard of the sharded array `x`."""
+  where = x.sharding.devices_indices_map(x.shape)
+  distinct = {tuple((i.start, i.stop) for i in ix) for ix in where.values()}
+  return len(where) // len(distinct)
+
+
 def codec_row(report) -> dict[str, Any] | None:
   """The codec's HBM time against the link time it saves, per device per outer step."""
   cfg = report.exp.recipe.outer_cfg
   if not cfg.enabled or cfg.compression == "none":
     return None
   kind, block, keep = cfg.compression, cfg.compression_block, cfg.compression_keep
-  shapes = []
+  shapes, sent, wire = [], 0.0, 0.0
   for x in jax.tree.leaves(report.exp.abstract_state.params):
     s = tuple(x.sharding.shard_shape(x.shape))
-    shapes.append(s if len(s) > 1 else s + (1,))  # comp.as_rows: a scalar module's [W] as rows.
+    s = s if len(s) > 1 else s + (1,)  # comp.as_rows: a scalar module's [W] as rows.
+    shapes.append(s)
+    # The devices that hold the same shard (a path's 'data' copies) each send their part.
+    n = _replicas(x)
+    sent += math.prod(s) / n
+    wire += comp.wire_bytes(s, kind, block, keep) / n
   values = sum(math.prod(s) for s in shapes)
   encoded, decoded = codec_bytes(shapes, kind, block, keep, report.mesh.devices.flat[0])
-  wire = sum(comp.wire_bytes(s, kind, block, keep) for s in shapes)
   per_value = (encoded + decoded) / values
   link = report.dcn_bytes_per_s / report.devices_per_chip  # A chip's devices share its link.
   hbm_gbs = report.chip.hbm_bw / 1e9
@@ -66,9 +79,11 @@ def codec_row(report) -> dict[str, Any] | None:
     bytes_per_value=per_value,
     # Twice: each worker's Δ coded up, the owner's update coded down.
     hbm_s=2 * (encoded + decoded) / report.hbm_bw,
+    sent_values=sent,
     wire_bytes=wire,
-    saved_s=2 * (4 * values - wire) / link,
-    break_even_gbps=(4 - wire / values) * 8 * hbm_gbs / per_value,
+    saved_s=2 * (4 * sent - wire) / link,
+    # Where the link time saved equals the HBM time (both per device, as above).
+    break_even_gbps=(4 * sent - wire) * 8 * hbm_gbs / (encoded + decoded),
     auto=comp.choose(block, report.dcn_gbps, hbm_gbs),
   )
 

@@ -108,7 +108,7 @@ def codec_line(k: dict[str, Any], r: dict[str, Any]) -> str:
     f"[outer] codec {k['kind']}: encode + decode {k['bytes_per_value']:.1f} B a value "
     f"(XLA's count, compiled alone), twice (up, down) {k['hbm_s'] * 1e3:.1f} ms of HBM time, "
     f"against {k['saved_s'] * 1e3:.1f} ms of DCN saved at {r['dcn_gbps_per_chip']:g} Gb/s "
-    f"(float32 {4 * k['values'] / 2**20:.1f} MiB -> {k['wire_bytes'] / 2**20:.1f} MiB a way); "
+    f"(float32 {4 * k['sent_values'] / 2**20:.1f} MiB -> {k['wire_bytes'] / 2**20:.1f} MiB a way); "
     f"break-even {k['break_even_gbps']:,.0f} Gb/s; compression=auto picks {k['auto']} here"
   )
 
