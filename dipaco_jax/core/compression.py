@@ -9,6 +9,9 @@
   fp4    per block, scale = absmax / 6 and codes x · 6 / absmax rounded (to nearest even) to
          float4 e2m1 {0, ±0.5, ±1, ±1.5, ±2, ±3, ±4, ±6}, packed two to a byte: 4 bits a
          value + 32 per block.
+  auto   of none, bf16, int8 and fp4, the one whose codec time (CODEC_BYTES over
+         `outer.hbm_gbs`) plus wire time (over `outer.link_gbps`) a value is least,
+         chosen from the fields when the run is built (`resolved`).
   topk2  per block, the k = `outer.compression_keep` values of largest |x| (top-k
          sparsification; 1 of 64 keeps 1.56%, as SparseLoCo), each as 2 bits: its sign and
          whether |x| >= 3/4 of the block's absmax (decoded as absmax or absmax / 2), with
