@@ -79,8 +79,8 @@ def _scaled_codes(x_R: jax.Array, kind: str, b: int):
   """Per block of b values along the last axis: (codes, scales).
 
   int8: the codes as float32 values; fp4: the e2m1 bit patterns (uint8, one a value: the
-  sign, then the magnitude's index in E2M1), read off the float4 cast, not compared
-  against the grid: one pass over the values and no float32 copy of the codes.
+  sign, then the magnitude's index in E2M1), computed from the float4 cast's value, not
+  compared against the grid: one pass over the values and no int32 or float32 copy.
   """
   *lead, n = x_R.shape
   x_NxB = x_R.reshape(*lead, n // b, b)
@@ -91,7 +91,10 @@ def _scaled_codes(x_R: jax.Array, kind: str, b: int):
   if kind == "int8":
     c = jnp.clip(jnp.round(y), -qmax, qmax)
   else:  # fp4: the nearest e2m1 value (|y| <= 6 by construction), rounded to nearest even.
-    c = jax.lax.bitcast_convert_type(y.astype(jnp.float4_e2m1fn), jnp.uint4).astype(jnp.uint8)
+    v = y.astype(jnp.float4_e2m1fn).astype(jnp.float32)
+    a = jnp.abs(v)  # Its index in E2M1: 2 a below 2, a + 2 up to 4, 7 for 6.
+    i = jnp.where(a < 2, 2 * a, jnp.where(a < 6, a + 2, 7.0)).astype(jnp.uint8)
+    c = i | jnp.where(jnp.signbit(v), jnp.uint8(8), jnp.uint8(0))
   return c.reshape(*lead, n), absmax / qmax
 
 
@@ -99,14 +102,16 @@ def _fp4_values(q: jax.Array) -> jax.Array:
   """float32 [..., 2 p] of fp4 codes packed two to a byte [..., p] (`encode`'s order).
 
   Each byte widened to 16 bits with its upper code moved to the upper byte, read back as two
-  bytes (little-endian: the lower code first), each read as the float4 value of its bits: no
-  table look-up (a gather) and no [..., 2] array, which XLA on TPU would lay out anew.
+  bytes (little-endian: the lower code first), each code's value computed from its bits: no
+  table look-up (a gather) and no [..., 2] array, which XLA on TPU would lay out anew. (A
+  uint4 -> float4 bitcast would be shorter, but XLA:CPU fails to compile it inside a scan.)
   """
   v = q.astype(jnp.uint16)
   v = (v & 15) | ((v & 0xF0) << 4)
   nib = jax.lax.bitcast_convert_type(v, jnp.uint8).reshape(*q.shape[:-1], -1)
-  f4 = jax.lax.bitcast_convert_type(nib.astype(jnp.uint4), jnp.float4_e2m1fn)
-  return f4.astype(jnp.float32)
+  i = (nib & 7).astype(jnp.float32)  # E2M1[i]: i / 2 below 4, i − 2 up to 6, 6 for 7.
+  mag = jnp.where(i < 4, 0.5 * i, jnp.where(i < 7, i - 2, 6.0))
+  return jnp.where(nib >= 8, -mag, mag)
 
 
 def kept(n: int, block: int, keep: int) -> int:
