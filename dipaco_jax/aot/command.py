@@ -84,6 +84,8 @@ def format_report(r: dict[str, Any]) -> str:
         f"{s['path_bound'] / 2**20:.1f} MiB: "
         + ("within" if s["path_bytes"] <= s["path_bound"] else "OVER THE BOUND")
       )
+    if s.get("codec"):
+      lines.append(codec_line(s["codec"], r))
     for col in s["collectives"]:
       lines.append(
         f"    {col['op']:<26} x{col['count']:<4} {col['bytes'] / 2**20:10.2f} MiB"
@@ -98,6 +100,17 @@ def format_report(r: dict[str, Any]) -> str:
     if not s["fits"]:
       lines.append(f"[{step}] {s['advice']}")
   return "\n".join(lines)
+
+
+def codec_line(k: dict[str, Any], r: dict[str, Any]) -> str:
+  """The outer codec's HBM time against the DCN time it saves (aot/codec.py)."""
+  return (
+    f"[outer] codec {k['kind']}: encode + decode {k['bytes_per_value']:.1f} B a value "
+    f"(XLA's count, compiled alone), twice (up, down) {k['hbm_s'] * 1e3:.1f} ms of HBM time, "
+    f"against {k['saved_s'] * 1e3:.1f} ms of DCN saved at {r['dcn_gbps_per_chip']:g} Gb/s "
+    f"(float32 {4 * k['sent_values'] / 2**20:.1f} MiB -> {k['wire_bytes'] / 2**20:.1f} MiB a way); "
+    f"break-even {k['break_even_gbps']:,.0f} Gb/s; compression=auto picks {k['auto']} here"
+  )
 
 
 def ok(r: dict[str, Any]) -> bool:

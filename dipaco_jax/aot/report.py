@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from dipaco_jax import hlo
+from dipaco_jax.aot import codec as codec_lib
 from dipaco_jax.aot import compile as compile_lib
 from dipaco_jax.aot.compile import FIT_FRACTION
 from dipaco_jax.aot.compile import GiB
@@ -70,7 +71,7 @@ class Report:
         "batch_per_path": int(config.data.batch_size),
         "seq_len": int(config.data.seq_len),
         "inner_steps": int(config.dipaco.inner_steps),
-        "outer_compression": config.outer.compression,
+        "outer_compression": self.exp.recipe.outer_cfg.compression,  # "auto" chosen.
         "outer_compression_block": int(config.outer.compression_block),
         "outer_error_feedback": bool(self.exp.recipe.feedback),
         # One path's parameters (what a data-parallel gradient per inner step would carry).
@@ -294,6 +295,7 @@ class Report:
       # twice that (out and back) plus the ‖Δ‖ metric, one float32 per module.
       held_module_bytes=held,
       path_bound=2 * held + 4 * sum(levels.values()),
+      codec=codec_lib.codec_row(self),  # The codec's HBM time against the DCN time it saves.
     )
 
   def advice(self, step: str, error: str | None, mem: dict | None = None) -> str:

@@ -29,7 +29,8 @@ MLPS = ("gelu", "swiglu")
 WEIGHT_GRADS = ("auto", "autodiff", "input_first")
 WEIGHTINGS = ("shard_size", "uniform")  # α_p ∝ |D_p|, or equal.
 SQRT_MODES = ("multiply", "divide", "none")  # √P_{l,e} rescale of Δ (paper §2.7).
-COMPRESSIONS = ("none", "bf16", "int8", "fp4", "topk2")  # Δ_w on the wire (core/compression.py).
+# Δ_w on the wire (core/compression.py); "auto": the kind of least codec + link time a value.
+COMPRESSIONS = ("none", "bf16", "int8", "fp4", "topk2", "auto")
 INITS = ("shared", "independent")  # Every module from one θ̄, or each its own.
 MODES = ("spmd", "elastic")
 TASKS = ("dipaco_embedded", "c4_en")  # data/tasks.py reads both (c4_en through seqio).
@@ -242,7 +243,18 @@ class OuterConfig(f.Section):
   compression: str = f.field(
     "none",
     f.choice(COMPRESSIONS),
-    'Δ_w on the wire: "none" (float32) | "bf16" | "int8" | "fp4" | "topk2" (communication.md).',
+    'Δ_w on the wire: "none" (float32) | "bf16" | "int8" | "fp4" | "topk2" | "auto": of none, '
+    "bf16, int8 and fp4 the one whose codec (HBM) plus link time is least (communication.md).",
+  )
+  link_gbps: float = f.field(
+    25.0,
+    f.number(0),
+    'Gb/s per chip of the link the outer exchange crosses (DCN; v5e 25, v5p 50): "auto" reads it.',
+  )
+  hbm_gbs: float = f.field(
+    819.0,
+    f.number(0),
+    'GB/s per chip of the memory the codec reads and writes (v5e HBM 819): "auto" reads it.',
   )
   compression_block: int = f.field(
     64,

@@ -9,6 +9,9 @@
   fp4    per block, scale = absmax / 6 and codes x · 6 / absmax rounded (to nearest even) to
          float4 e2m1 {0, ±0.5, ±1, ±1.5, ±2, ±3, ±4, ±6}, packed two to a byte: 4 bits a
          value + 32 per block.
+  auto   of none, bf16, int8 and fp4, the one whose codec time (CODEC_BYTES over
+         `outer.hbm_gbs`) plus wire time (over `outer.link_gbps`) a value is least,
+         chosen from the fields when the run is built (`resolved`).
   topk2  per block, the k = `outer.compression_keep` values of largest |x| (top-k
          sparsification; 1 of 64 keeps 1.56%, as SparseLoCo), each as 2 bits: its sign and
          whether |x| >= 3/4 of the block's absmax (decoded as absmax or absmax / 2), with
@@ -34,13 +37,21 @@ moves exactly these bytes.
 """
 # pylint: disable=invalid-name
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from dipaco_jax.config import sections
 
-KINDS = sections.COMPRESSIONS
+KINDS = tuple(k for k in sections.COMPRESSIONS if k != "auto")  # The wire forms.
+# What "auto" picks among (topk2 is left out: its quality, docs/communication.md).
+AUTO_KINDS = ("none", "bf16", "int8", "fp4")
+# HBM bytes a value that encode then decode read and write, as XLA counts the programs it
+# compiles for a TPU (v5e: libtpu, on any host; a [896, 3584] float32 leaf, blocks of 64):
+# `python -m dipaco_jax.aot.codec` prints them, tests/commands/test_aot.py checks them.
+CODEC_BYTES = {"none": 0.0, "bf16": 12.0, "int8": 50.5, "fp4": 63.0}
 BLOCKED = ("int8", "fp4", "topk2")  # The kinds that code blocks along a leaf's last axis.
 _QMAX = {"int8": 127.0, "fp4": 6.0}  # The largest code: absmax maps onto it.
 # float4 e2m1's magnitudes, in the order of their 3-bit patterns.
@@ -58,19 +69,49 @@ def padded(n: int, block: int) -> int:
   return -(-n // b) * b
 
 
+def _absmax(x_NxB: jax.Array) -> jax.Array:
+  """Each block's max |x|, as max(max x, −max −x): XLA on TPU writes |x| out whole otherwise."""
+  # abs: a block of zeros gives −0.0 here, and its scale must be +0.0 (NaN stays NaN).
+  return jnp.abs(jnp.maximum(jnp.max(x_NxB, axis=-1), -jnp.min(x_NxB, axis=-1)))
+
+
 def _scaled_codes(x_R: jax.Array, kind: str, b: int):
-  """Per block of b values along the last axis: (codes as float32 values, scales)."""
+  """Per block of b values along the last axis: (codes, scales).
+
+  int8: the codes as float32 values; fp4: the e2m1 bit patterns (uint8, one a value: the
+  sign, then the magnitude's index in E2M1), computed from the float4 cast's value, not
+  compared against the grid: one pass over the values and no int32 or float32 copy.
+  """
   *lead, n = x_R.shape
   x_NxB = x_R.reshape(*lead, n // b, b)
-  absmax = jnp.max(jnp.abs(x_NxB), axis=-1)
+  absmax = _absmax(x_NxB)
   qmax = _QMAX[kind]
   inv = jnp.where(absmax > 0, qmax / jnp.where(absmax > 0, absmax, 1.0), 0.0)
   y = x_NxB * inv[..., None]
   if kind == "int8":
     c = jnp.clip(jnp.round(y), -qmax, qmax)
-  else:  # fp4: the nearest e2m1 value (|y| <= 6 by construction).
-    c = y.astype(jnp.float4_e2m1fn).astype(jnp.float32)
+  else:  # fp4: the nearest e2m1 value (|y| <= 6 by construction), rounded to nearest even.
+    v = y.astype(jnp.float4_e2m1fn).astype(jnp.float32)
+    a = jnp.abs(v)  # Its index in E2M1: 2 a below 2, a + 2 up to 4, 7 for 6.
+    i = jnp.where(a < 2, 2 * a, jnp.where(a < 6, a + 2, 7.0)).astype(jnp.uint8)
+    c = i | jnp.where(jnp.signbit(v), jnp.uint8(8), jnp.uint8(0))
   return c.reshape(*lead, n), absmax / qmax
+
+
+def _fp4_values(q: jax.Array) -> jax.Array:
+  """float32 [..., 2 p] of fp4 codes packed two to a byte [..., p] (`encode`'s order).
+
+  Each byte widened to 16 bits with its upper code moved to the upper byte, read back as two
+  bytes (little-endian: the lower code first), each code's value computed from its bits: no
+  table look-up (a gather) and no [..., 2] array, which XLA on TPU would lay out anew. (A
+  uint4 -> float4 bitcast would be shorter, but XLA:CPU fails to compile it inside a scan.)
+  """
+  v = q.astype(jnp.uint16)
+  v = (v & 15) | ((v & 0xF0) << 4)
+  nib = jax.lax.bitcast_convert_type(v, jnp.uint8).reshape(*q.shape[:-1], -1)
+  i = (nib & 7).astype(jnp.float32)  # E2M1[i]: i / 2 below 4, i − 2 up to 6, 6 for 7.
+  mag = jnp.where(i < 4, 0.5 * i, jnp.where(i < 7, i - 2, 6.0))
+  return jnp.where(nib >= 8, -mag, mag)
 
 
 def kept(n: int, block: int, keep: int) -> int:
@@ -139,11 +180,9 @@ def encode(x: jax.Array, kind: str, block: int, keep: int = 1) -> dict[str, jax.
     return {"q": c.astype(jnp.int8), "s": s}
   if m % 2:
     c = jnp.pad(c, [(0, 0)] * (c.ndim - 1) + [(0, 1)])
-  # The e2m1 bit pattern: the sign, then |c|'s index in the grid (0 -> 0b000, ..., 6 -> 0b111).
-  mag = jnp.sum(jnp.abs(c)[..., None] > jnp.asarray(E2M1[:-1]), axis=-1).astype(jnp.uint8)
-  u = mag | jnp.where(jnp.signbit(c), jnp.uint8(8), jnp.uint8(0))
-  u = u.reshape(*u.shape[:-1], -1, 2)
-  return {"q": u[..., 0] | (u[..., 1] << 4), "s": s}
+  # Two codes a byte, the even position's in the lower 4 bits: strided slices, which XLA fuses
+  # into the pass that makes the codes (a [..., 2] view is a relayout on TPU).
+  return {"q": c[..., 0::2] | (c[..., 1::2] << 4), "s": s}
 
 
 def decode(enc: dict, kind: str, block: int, n: int, keep: int = 1) -> jax.Array:
@@ -159,9 +198,7 @@ def decode(enc: dict, kind: str, block: int, n: int, keep: int = 1) -> jax.Array
   if kind == "int8":
     c = q.astype(jnp.float32)
   else:
-    nib = jnp.stack([q & 15, q >> 4], axis=-1).reshape(*q.shape[:-1], -1)[..., :m]
-    mag = jnp.asarray(E2M1)[(nib & 7).astype(jnp.int32)]
-    c = jnp.where(nib >= 8, -mag, mag)
+    c = _fp4_values(q)[..., :m]
   s = enc["s"]
   y = c.reshape(*c.shape[:-1], m // b, b) * s[..., None]
   return y.reshape(*y.shape[:-2], m)[..., :n]
@@ -208,3 +245,32 @@ def wire_bytes(shape, kind: str, block: int, keep: int = 1) -> int:
     return rows * (m // b) * per_block
   q = m if kind == "int8" else -(-m // 2)
   return rows * (q + 4 * (m // b))
+
+
+def value_seconds(kind: str, block: int, link_gbps: float, hbm_gbs: float) -> float:
+  """Seconds a value of Δ costs one way: the codec's HBM bytes plus its wire bytes on the link."""
+  wire = wire_bytes((block,), kind, block) / block
+  return CODEC_BYTES[kind] / (hbm_gbs * 1e9) + wire * 8 / (link_gbps * 1e9)
+
+
+def choose(block: int, link_gbps: float, hbm_gbs: float) -> str:
+  """compression="auto": the kind of AUTO_KINDS a value costs least (a tie: the more exact)."""
+  return min(AUTO_KINDS, key=lambda k: value_seconds(k, block, link_gbps, hbm_gbs))
+
+
+def break_even_gbps(kind: str, block: int, hbm_gbs: float) -> float:
+  """The link Gb/s below which `kind` costs less than float32: its codec time = the time saved."""
+  saved = 4.0 - wire_bytes((block,), kind, block) / block
+  return saved * 8 * hbm_gbs / CODEC_BYTES[kind]
+
+
+def resolved(cfg: sections.OuterConfig) -> sections.OuterConfig:
+  """`cfg` with compression "auto" replaced by its choice (`choose`), from config fields alone.
+
+  Fields only, not the device: an elastic pool's executors and workers (on whatever chips)
+  and a resumed run all choose the same.
+  """
+  if cfg.compression != "auto":
+    return cfg
+  kind = choose(cfg.compression_block, cfg.link_gbps, cfg.hbm_gbs)
+  return dataclasses.replace(cfg, compression=kind)

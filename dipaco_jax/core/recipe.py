@@ -105,7 +105,7 @@ class Recipe:
     inner_cfg = sections.InnerConfig.of(
       config, total_steps=d.inner_steps * d.outer_steps if total is None else total
     )
-    outer_cfg = sections.OuterConfig.of(config)
+    outer_cfg = comp.resolved(sections.OuterConfig.of(config))  # compression "auto" chosen.
     topo = topology.from_config(config)
     streaming.check(
       outer_cfg.fragments,

@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -121,6 +122,52 @@ def test_topk2_with_error_feedback_sends_everything_eventually():
     np.testing.assert_allclose(total + e, d, rtol=0, atol=1e-7)
   # The first phase sends −0.7 exactly (k = 1: the absmax is a code); the rest follow.
   assert float(jnp.max(jnp.abs(e))) < 0.05
+
+
+def _fp4_reference(x: np.ndarray, b: int):
+  """fp4 in numpy and ml_dtypes: (packed codes, scales, each padded block's code values).
+
+  Each padded block's absmax a, y = x · (6 / a) in float32, cast to float4 e2m1 (ml_dtypes
+  rounds to nearest even); the code is its 4 bits (ml_dtypes keeps one a byte), two a byte.
+  """
+  *lead, n = x.shape
+  m = -(-n // b) * b
+  x_NxB = np.pad(x, [(0, 0)] * len(lead) + [(0, m - n)]).reshape(*lead, m // b, b)
+  a = np.abs(x_NxB).max(-1)
+  inv = np.where(a > 0, np.float32(6) / np.where(a > 0, a, np.float32(1)), np.float32(0))
+  f4 = (x_NxB * inv[..., None]).astype(ml_dtypes.float4_e2m1fn)
+  bits = f4.view(np.uint8).reshape(*lead, m)
+  bits = np.pad(bits, [(0, 0)] * len(lead) + [(0, m % 2)])
+  return bits[..., 0::2] | (bits[..., 1::2] << 4), a / np.float32(6), f4.astype(np.float32)
+
+
+@pytest.mark.parametrize(
+  "shape, block", [((3, 100), 64), ((2, 5, 33), 8), ((7,), 3), ((4, 64), 16)]
+)
+def test_fp4_codes_and_values_are_the_reference_bit_for_bit(shape, block):
+  """The one-pass codec (codes from the float4 cast's bits, decoded by bitcast) is exact.
+
+  Against numpy + ml_dtypes on values spread over 7 decades, with each code's halfway points
+  (ties round to the even code), zero blocks and −0.
+  """
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal(shape).astype(np.float32) * rng.choice([1e-3, 1.0, 1e4], size=shape)
+  half = np.float32([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 5.999, 6.0])
+  x.reshape(-1)[: 2 * half.size] = np.concatenate([half, -half])[: x.size]
+  if x.ndim == 2:
+    x[-1] = -0.0  # A block of −0: scale +0, decoded +0 · code.
+  q, s, c = _fp4_reference(x, block)
+  enc = comp.encode(jnp.asarray(x), "fp4", block)
+  assert np.asarray(enc["q"]).tobytes() == q.tobytes()
+  # absmax / 6: XLA may multiply by 1/6 instead (1 ulp); decoding uses the scale sent.
+  np.testing.assert_allclose(enc["s"], s, rtol=2e-7, atol=0)
+  dec = (c * np.asarray(enc["s"])[..., None]).reshape(*shape[:-1], -1)[..., : shape[-1]]
+  assert np.asarray(comp.decode(enc, "fp4", block, shape[-1])).tobytes() == dec.tobytes()
+  # A non-finite value makes its block's scale NaN: the whole block decodes NaN (the guard's).
+  bad = x.copy()
+  bad.reshape(-1)[0] = np.nan
+  y = np.asarray(comp.roundtrip(jnp.asarray(bad), "fp4", block)).reshape(-1)
+  assert np.isnan(y[: min(block, shape[-1])]).all()
 
 
 @pytest.mark.parametrize("kind", ["bf16", "int8", "fp4"])

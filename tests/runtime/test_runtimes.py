@@ -101,6 +101,14 @@ CASES = {
     "outer.compression_block": 8,
     "outer.compression_keep": 2,
   },
+  # auto over a 1 Gb/s link: fp4 (blocks of 64: one per d_model row, two per head_dim's 16 x 2).
+  "outer.link_gbps": {"outer.compression": "auto", "outer.link_gbps": 1.0},
+  # auto at 1000 Gb/s against 1000 GB/s of HBM: bf16 (compression.CODEC_BYTES, AUTO below).
+  "outer.hbm_gbs": {
+    "outer.compression": "auto",
+    "outer.link_gbps": 1000.0,
+    "outer.hbm_gbs": 1000.0,
+  },
   "outer.error_feedback": {
     "outer.compression": "fp4",
     "outer.compression_block": 8,
@@ -168,6 +176,8 @@ RUNS = (
   ("outer.compression",),
   ("outer.compression_block", "outer.error_feedback"),
   ("outer.compression_keep",),
+  ("outer.link_gbps",),
+  ("outer.hbm_gbs",),
   ("outer.fragments",),
   ("outer.overlap",),
   ("guard.stuck_steps",),
@@ -185,6 +195,18 @@ STREAMED = ("outer.fragments", "outer.overlap")
 def test_every_field_of_the_recipes_sections_has_a_case():
   fields = {s.key(f.name) for s in SECTIONS for f in dataclasses.fields(s)}
   assert set(CASES) == fields
+
+
+# What outer.compression="auto" picks in the two cases that set it.
+AUTO = {"outer.link_gbps": "fp4", "outer.hbm_gbs": "bf16"}
+
+
+@pytest.mark.parametrize("case", sorted(AUTO))
+def test_both_runtimes_resolve_auto_to_the_same_kind(case):
+  """The spmd Experiment's recipe and the elastic Grid's (every worker's and executor's)."""
+  cfg = lambda mode: helpers.micro_config(**{**BASE, **CASES[case], "dipaco.mode": mode})
+  spmd = experiment.Experiment(cfg("spmd")).recipe.outer_cfg.compression
+  assert spmd == grid_lib.Grid(cfg("elastic")).recipe.outer_cfg.compression == AUTO[case]
 
 
 def test_every_case_runs_once_and_a_groups_cases_agree_on_what_they_set():
@@ -319,7 +341,7 @@ def test_a_field_changes_both_runtimes_alike(case, shards, base, tmp_path):
     return
   a, b = _leaves(spmd), _leaves(elastic)
   assert set(a) == set(b), case
-  coded = cfg("spmd").outer.compression != "none"  # bf16 rounds to a code too.
+  coded = cfg("spmd").outer.compression != "none"  # bf16 rounds to a code too (auto: fp4, bf16).
   for k in a:
     for x, y in zip(a[k], b[k], strict=True):
       if coded:  # The runtimes' inner steps differ by float32 ulps (1e-9 here), which can round
