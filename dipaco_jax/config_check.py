@@ -169,6 +169,7 @@ def _check_relations(c) -> None:
   from dipaco_jax.core import sharding
   from dipaco_jax.core import topology
   from dipaco_jax.runtime.elastic import errors as elastic_errors
+  from dipaco_jax.runtime.elastic import pacing
 
   # pylint: enable=g-import-not-at-top
   topo = topology.from_config(c)  # TopologyError, a ConfigError.
@@ -241,6 +242,7 @@ def _check_relations(c) -> None:
     )
   routing.discriminative_steps(c)  # The re-shards fit in 1..T-1.
   routing.phase0_grid(c, topo)  # The phase-0 router suits the grid and the replicas.
+  pacing.check(c)  # Speed-proportional work: elastic only, floors within H.
   if c.dipaco.mode == "elastic":  # What the Ray pool cannot run (ElasticConfigError).
     elastic_errors.check_config(c)
 

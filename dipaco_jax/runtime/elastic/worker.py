@@ -338,13 +338,19 @@ class PathWorker:
       done = storage.worker_out_dir(self.workdir, worker, t) / "done.json"
       if not done.exists():  # A shorter window: the rule fires later, never wrongly.
         break
-      earlier = list(storage.load_json(done)["loss"])[-n:] + earlier
-      n, t = n - self.grid.H, t - 1
+      losses = list(storage.load_json(done)["loss"])  # H, or fewer (elastic.pace_steps).
+      earlier = losses[-n:] + earlier
+      n, t = n - len(losses), t - 1
     guard.seed_losses([[x] for x in earlier + list(losses_so_far)])
     return guard
 
-  def run(self, phase: int, worker: int, faults: dict | None = None) -> dict:
+  def run(
+    self, phase: int, worker: int, faults: dict | None = None, steps: int | None = None
+  ) -> dict:
     """Task (phase, worker): validation at step phase*H if due, then H inner steps (none at T).
+
+    `steps`: fewer inner steps than H (elastic.pace_steps: the driver's pacing.Pacer);
+    a retry that finds a save past them keeps the save's steps.
 
     With elastic.progress_every_steps = n > 0 the task saves its progress every n
     inner steps, and an attempt that finds a save resumes there (the same bytes
@@ -355,11 +361,11 @@ class PathWorker:
     self._progress = {"phase": int(phase), "worker": int(worker), "start": start}
     self._progress.update(steps=0, of=self.grid.H, last=None)
     try:
-      return self._run(start, phase, worker, faults)
+      return self._run(start, phase, worker, faults, steps)
     finally:
       self._progress = None
 
-  def _run(self, start: float, phase: int, worker: int, faults: dict | None) -> dict:
+  def _run(self, start: float, phase: int, worker: int, faults: dict | None, steps=None) -> dict:
     """run's body; `start`: when the attempt began."""
     wd, phase, worker = self.workdir, int(phase), int(worker)
     plan = faults_lib.task_plan(self.faults, self.index, faults)
@@ -367,6 +373,7 @@ class PathWorker:
     if hasattr(os, "sched_getaffinity"):  # The cores it ran on (elastic.pin_cpus).
       result["cpus"] = sorted(os.sched_getaffinity(0))
     H, every = self.grid.H, int(self.config.elastic.progress_every_steps)
+    n_steps = H if steps is None else min(H, int(steps))  # This task's inner steps.
     k = self.grid.routing_phase(phase)  # After a re-shard at `phase`: its new shards already.
     saved = self._saved_progress(phase, worker) if phase < self.grid.T else None
     batcher = self._batcher(worker, k) if phase < self.grid.T else None
@@ -386,7 +393,7 @@ class PathWorker:
       losses = list(rec["loss"])
       result.update({key: rec[key] for key in ("val_loss", "stop_loss") if key in rec})
       result["resumed_at_step"] = rec["step"]
-      self._progress["of"] = H - len(losses)
+      self._progress["of"] = max(n_steps - len(losses), 0)
     else:
       params = start_params
       step0 = phase * H
@@ -428,7 +435,9 @@ class PathWorker:
       return m
 
     try:
-      for i in range(len(losses), H):
+      if n_steps < H:
+        self._progress["of"] = max(n_steps - len(losses), 0)
+      for i in range(len(losses), n_steps):
         # config.dispatch_ahead (docs/performance.md): step i+1 is dispatched before step i's
         # metrics are read, so the host's batch and bookkeeping overlap step i+1 on the device.
         window.before(phase * H + i + 1)
@@ -436,7 +445,7 @@ class PathWorker:
         if pending is not None:
           m = read(pending)
         pending = m_next
-        save = every and (i + 1) % every == 0 and i + 1 < H
+        save = every and (i + 1) % every == 0 and i + 1 < n_steps
         if save or not self._ahead:
           m, pending = read(pending), None
         if save:
@@ -494,7 +503,8 @@ class PathWorker:
       end=time.time(),
       clock=clock,
       loss=losses,
-      grad_norm=float(np.asarray(m["grad_norm"])[0]),
+      # None of this attempt's steps ran (a save already past `steps`): the save's own.
+      grad_norm=float(np.asarray(m["grad_norm"])[0]) if m is not None else saved[0]["grad_norm"],
     )
     storage.save_json(out / "done.json", result)
     storage.progress_dir(wd, worker, phase).rmtree(missing_ok=True)  # Done: saves not needed.
