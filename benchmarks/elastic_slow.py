@@ -13,8 +13,8 @@ the arms (ARMS): waiting for all, quorum + grace, and the new policies. Per run,
 log (first task start -> last task end):
   goodput_own   = Σ_tasks steps x its actor's own step time (s, or k·s) / (actors x wall);
   goodput_clean = Σ_tasks steps x s / (actors x wall)  (a k=3 actor among 4 caps it at 0.83);
-  s: the clean run's median task seconds per step (a task's fixed cost included, as
-  elastic_quorum.py's);
+  s: the clean run's median seconds per inner step (tasks of phases >= 1, timed from their
+  second step: no compilation; a task's fixed cost is what goodput loses);
   wall_to_target: until every path's version reaching the clean run's mean validation loss
     after outer step T-1 was read (the start of the tasks that evaluate it);
   final val loss (own shards, after the last outer step); each path's and actor's share of the
@@ -86,7 +86,8 @@ def _child(spec: str, workdir: str, out: str) -> None:
 
   s = ast.literal_eval(spec)
   over, injected = faults.from_overrides(s["over"])  # "faults.X": runtime/faults.Faults.
-  res = train.train_and_evaluate(_config(s["args"], s["shards"], **over), workdir, injected)
+  args = argparse.Namespace(**s["args"])
+  res = train.train_and_evaluate(_config(args, s["shards"], **over), workdir, injected)
   with open(out, "w") as f:
     json.dump(res, f, default=float)
 
@@ -124,7 +125,8 @@ def _run(args, tmp, name, **over):
     "actors": actors,
     "steps": steps,
     "steps_by_actor": dict(sorted(actor_steps.items())),
-    "step_s": statistics.median(e["seconds"] / e["steps"] for e in trained),
+    # Seconds per inner step from each task's second step on (no compilation), the median.
+    "step_s": statistics.median(e["step_s"] for e in trained if e["phase"] > 0),
     "val_by_phase": val,
     "seen_s_by_phase": seen,
     "path_share": {w: n / steps for w, n in sorted(path_steps.items())},
@@ -165,6 +167,7 @@ def main():
   p.add_argument("--slow", type=int, nargs="+", default=[3, 10])
   p.add_argument("--seeds", type=int, nargs="+", default=[0])
   p.add_argument("--arms", nargs="+", default=list(ARMS))
+  p.add_argument("--skip", nargs="*", default=[], help="runs left out, e.g. 10x_pace")
   args = p.parse_args()
   T = args.outer_steps
   res = {"args": vars(args), "load_start": os.getloadavg()}
@@ -173,7 +176,7 @@ def main():
       r = res[f"seed{seed}"] = {}
       base = {"seed": seed, "faults.step_delay_s": (args.base_delay,) * 4}
       clean = r["clean"] = _run(args, tmp, f"clean{seed}", **base)
-      s = clean["step_s"]  # A task's seconds per step (its fixed cost included), the median.
+      s = clean["step_s"]  # A clean actor's seconds per inner step (its base sleep included).
       _goodput(clean, [s] * 4)
       target = r["target_val_loss"] = clean["val_by_phase"][T - 1]
       three = {**base, "elastic.num_workers": 3, "faults.step_delay_s": (args.base_delay,) * 3}
@@ -183,7 +186,7 @@ def main():
         delays = list(base["faults.step_delay_s"])
         delays[1] += (k - 1) * s
         own = [s, k * s, s, s]
-        for arm in args.arms:
+        for arm in [a for a in args.arms if f"{k}x_{a}" not in args.skip]:
           over = {**base, "faults.step_delay_s": tuple(delays), **ARMS[arm]}
           if "elastic.quorum" in over:
             over["elastic.grace_s"] = 0.25 * args.inner_steps * s  # A quarter of a fast task.

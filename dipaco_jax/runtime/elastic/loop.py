@@ -323,7 +323,7 @@ class EventLoop:
       seconds=result["end"] - result["start"],
       pid=result["pid"],
       steps=len(result["loss"]),
-      **{k: result[k] for k in ("resumed_at_step", "cpus") if k in result},
+      **{k: result[k] for k in ("resumed_at_step", "cpus", "step_s") if k in result},
     )
     self._report(*task)
 

@@ -2,8 +2,9 @@
 
 elastic.pace_steps: a task leased to an actor runs s = ⌊budget / step_a⌋ inner
 steps, within [min_inner_steps, H], where step_a is the actor's measured seconds
-per step (the median of its last tasks) and budget is elastic.phase_budget_s, or
-H × the fastest actor's step time (0). So H stays the fast actors' count and a
+per step (the median of its last tasks, each timed from its second step: no
+compilation) and budget is elastic.phase_budget_s, or H × the fastest actor's step
+time (0). So H stays the fast actors' count and a
 3× slower actor runs H/3. An actor within SLACK of the fastest runs H (noise on a
 shared host must not shorten equal actors' tasks). An actor not measured yet runs H.
 
@@ -58,11 +59,9 @@ class Pacer:
     self.times: dict[int, list[float]] = {}  # Actor -> its last tasks' seconds per step.
 
   def observe(self, actor: int, result: dict) -> None:
-    """A finished task's result: its steps' seconds per step, for its actor."""
-    ran = len(result.get("loss") or ()) - int(result.get("resumed_at_step", 0))
-    seconds = (result.get("clock") or {}).get("steps")
-    if ran > 0 and seconds:
-      self.times.setdefault(int(actor), []).append(seconds / ran)
+    """A finished task's result: its seconds per inner step ("step_s"), for its actor."""
+    if result.get("step_s"):
+      self.times.setdefault(int(actor), []).append(float(result["step_s"]))
       self.times[int(actor)] = self.times[int(actor)][-_RECENT:]
 
   def step_s(self, actor: int) -> float | None:

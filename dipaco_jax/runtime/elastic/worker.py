@@ -424,6 +424,7 @@ class PathWorker:
     pending, m = None, None  # pending: a dispatched step's metrics, unread.
 
     resumed = len(losses)
+    read_at = []  # When each step's metrics were read: the step time without the compilation.
     # config.profile: the window's steps this task runs, traced into profile/w<worker>.
     window = profiling.Window(self.config, os.path.join(wd, "profile", f"w{worker}"))
 
@@ -431,6 +432,7 @@ class PathWorker:
       m = jax.device_get(m)
       guard.check(phase * H + len(losses) + 1, m["loss"], m["param_norm"])
       losses.append(float(m["loss"][0]))
+      read_at.append(time.time())
       self._progress.update(steps=len(losses) - resumed, last=time.time())
       return m
 
@@ -498,6 +500,8 @@ class PathWorker:
     t0 = time.time()
     plan.at("sent", bytes=result["bytes_up"])
     clock["link"] += time.time() - t0
+    if len(read_at) > 1:  # Seconds per step after the first (elastic.pace_steps reads it).
+      result["step_s"] = (read_at[-1] - read_at[0]) / (len(read_at) - 1)
     result.update(
       start=start,
       end=time.time(),

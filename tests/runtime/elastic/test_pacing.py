@@ -14,9 +14,9 @@ def _pacer(H=30, **kw):
   return pacing.Pacer(types.SimpleNamespace(**e), H)
 
 
-def _task(steps: int, seconds: float, resumed: int = 0) -> dict:
-  out = {"loss": [1.0] * steps, "clock": {"steps": seconds}}
-  return {**out, "resumed_at_step": resumed} if resumed else out
+def _task(steps: int, seconds: float) -> dict:
+  """A result whose steps after the first took seconds / steps each (worker.py's step_s)."""
+  return {"loss": [1.0] * steps, "step_s": seconds / steps}
 
 
 def test_steps_follow_the_measured_step_time_within_h_and_the_floor():
@@ -37,12 +37,14 @@ def test_equal_speeds_keep_every_task_at_h():
   assert [p.steps(a) for a in range(4)] == [50] * 4
 
 
-def test_step_time_is_the_median_of_the_last_tasks_and_counts_only_the_steps_run():
+def test_step_time_is_the_median_of_the_last_three_tasks():
   p = _pacer(H=30)
   p.observe(0, _task(30, 3.0))  # 0.1 s
-  p.observe(1, _task(30, 3.0, resumed=20))  # A resumed retry: 10 steps ran in 3 s: 0.3 s.
+  p.observe(1, _task(10, 9.0))  # 0.9 s: pushed out by the next three.
+  p.observe(1, _task(10, 3.0))  # 0.3 s
   p.observe(1, _task(10, 6.0))  # 0.6 s
   p.observe(1, _task(10, 2.0))  # 0.2 s -> median(0.3, 0.6, 0.2) = 0.3: ⌊30 · 0.1 / 0.3⌋ = 10.
+  p.observe(1, {"loss": [1.0]})  # One step: no step time (evaluation-only tasks: no loss).
   assert p.step_s(1) == pytest.approx(0.3)
   assert p.steps(1) == 10
 
