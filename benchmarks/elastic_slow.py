@@ -93,46 +93,52 @@ def _child(spec: str, workdir: str, out: str) -> None:
 
 
 def _run(args, tmp, name, **over):
-  """A child command; its figures from the task log (goodput: `_goodput`)."""
-  from dipaco_jax.runtime.elastic import coordinator  # pylint: disable=g-import-not-at-top
-  from dipaco_jax.runtime.elastic import storage  # pylint: disable=g-import-not-at-top
-
+  """A child command (its own local Ray cluster); its figures (goodput: `_goodput`)."""
   wd, out = os.path.join(tmp, name), os.path.join(tmp, name + ".json")
   spec = repr({"args": vars(args), "shards": os.path.join(tmp, "shards"), "over": over})
   subprocess.run([sys.executable, __file__, "--_child", spec, wd, out], check=True)
-  with open(out) as f:
-    res = json.load(f)
-  T, events = args.outer_steps, storage.read_task_log(wd)
+  return {**_figures(wd, args.outer_steps), "quorum": _quorum(wd, over)}
+
+
+def _figures(wd, T) -> dict:
+  """A run's figures from its task log and accepted results (a workdir, or a copy of elastic/)."""
+  from dipaco_jax.runtime.elastic import coordinator  # pylint: disable=g-import-not-at-top
+  from dipaco_jax.runtime.elastic import storage  # pylint: disable=g-import-not-at-top
+
+  events = storage.read_task_log(wd)
   done = [e for e in events if e["event"] == "done"]
-  first = min(e["t"] for e in events if e["event"] == "start")
-  wall = max(e["t"] for e in done) - first
+  starts = {(e["phase"], e["worker"]): e["t"] for e in events if e["event"] == "start"}
+  first = min(starts.values())
   trained = [e for e in done if e["phase"] < T]
-  actors = 1 + max(e["actor"] for e in done)
-  steps = sum(e["steps"] for e in trained)
-  path_steps, actor_steps = collections.Counter(), collections.Counter()
+  W = 1 + max(e["worker"] for e in done)
+  path_steps, actor_steps, steady_steps = (collections.Counter() for _ in range(3))
   for e in trained:
     path_steps[e["worker"]] += e["steps"]
     actor_steps[e["actor"]] += e["steps"]
-  # When each phase's versions were read: the start of the last task (t, ·) that evaluated them.
-  starts = {(e["phase"], e["worker"]): e["t"] for e in events if e["event"] == "start"}
+    steady_steps[e["actor"]] += e["steps"] if e["phase"] > 0 else 0
+  steps = sum(path_steps.values())
   results = coordinator.read_results(wd)
   val = {
-    t: statistics.mean(results[f"{t}/{w}"]["val_loss"] for w in range(4)) for t in range(1, T + 1)
+    t: statistics.mean(results[f"{t}/{w}"]["val_loss"] for w in range(W)) for t in range(1, T + 1)
   }
-  seen = {t: max(starts[(t, w)] for w in range(4)) - first for t in range(1, T + 1)}
+  # When each phase's versions were read: the start of the last task (t, ·), which evaluated
+  # them first; and the steady part of the run, after phase 0 (its compilation and loads).
+  seen = {t: max(starts[(t, w)] for w in range(W)) - first for t in range(1, T + 1)}
+  steady = min(starts[(1, w)] for w in range(W))
   return {
-    "wall_s": wall,
-    "actors": actors,
+    "wall_s": max(e["t"] for e in done) - first,
+    "steady_wall_s": max(e["t"] for e in done) - steady,
+    "actors": 1 + max(e["actor"] for e in done),
     "steps": steps,
     "steps_by_actor": dict(sorted(actor_steps.items())),
+    "steady_steps_by_actor": dict(sorted(steady_steps.items())),
     # Seconds per inner step from each task's second step on (no compilation), the median.
     "step_s": statistics.median(e["step_s"] for e in trained if e["phase"] > 0),
     "val_by_phase": val,
     "seen_s_by_phase": seen,
     "path_share": {w: n / steps for w, n in sorted(path_steps.items())},
     "actor_share": {a: n / steps for a, n in sorted(actor_steps.items())},
-    "val_loss_mean": res["val_loss_mean"],
-    "quorum": _quorum(wd, over),
+    "val_loss_mean": val[T],  # After the last outer step, own shards (the command's figure).
   }
 
 
@@ -146,10 +152,11 @@ def _quorum(wd, over) -> list:
 
 
 def _goodput(run, own_s) -> None:
-  """Both goodputs of `run`; own_s: each actor's own step time (own_s[0]: a clean actor's)."""
-  den = run["actors"] * run["wall_s"]
-  run["goodput_own"] = sum(n * own_s[a] for a, n in run["steps_by_actor"].items()) / den
-  run["goodput_clean"] = run["steps"] * own_s[0] / den
+  """Both goodputs of `run`, whole and after phase 0; own_s: each actor's own step time."""
+  for pre, by in (("", run["steps_by_actor"]), ("steady_", run["steady_steps_by_actor"])):
+    den = run["actors"] * run[f"{pre}wall_s"]
+    run[f"{pre}goodput_own"] = sum(n * own_s[int(a)] for a, n in by.items()) / den
+    run[f"{pre}goodput_clean"] = sum(by.values()) * own_s[0] / den
 
 
 def _wall_to(run, target) -> float | None:
@@ -168,38 +175,51 @@ def main():
   p.add_argument("--seeds", type=int, nargs="+", default=[0])
   p.add_argument("--arms", nargs="+", default=list(ARMS))
   p.add_argument("--skip", nargs="*", default=[], help="runs left out, e.g. 10x_pace")
+  p.add_argument("--from_logs", default="", help="figures from kept run folders, no runs")
   args = p.parse_args()
-  T = args.outer_steps
   res = {"args": vars(args), "load_start": os.getloadavg()}
-  with tempfile.TemporaryDirectory() as tmp:
-    for seed in args.seeds:
-      r = res[f"seed{seed}"] = {}
-      base = {"seed": seed, "faults.step_delay_s": (args.base_delay,) * 4}
-      clean = r["clean"] = _run(args, tmp, f"clean{seed}", **base)
-      s = clean["step_s"]  # A clean actor's seconds per inner step (its base sleep included).
-      _goodput(clean, [s] * 4)
-      target = r["target_val_loss"] = clean["val_by_phase"][T - 1]
-      three = {**base, "elastic.num_workers": 3, "faults.step_delay_s": (args.base_delay,) * 3}
-      r["three_actors"] = _run(args, tmp, f"three{seed}", **three)
-      _goodput(r["three_actors"], [s] * 3)
-      for k in args.slow:
-        delays = list(base["faults.step_delay_s"])
-        delays[1] += (k - 1) * s
-        own = [s, k * s, s, s]
-        for arm in [a for a in args.arms if f"{k}x_{a}" not in args.skip]:
-          over = {**base, "faults.step_delay_s": tuple(delays), **ARMS[arm]}
-          if "elastic.quorum" in over:
-            over["elastic.grace_s"] = 0.25 * args.inner_steps * s  # A quarter of a fast task.
-          r[f"{k}x_{arm}"] = _run(args, tmp, f"s{seed}k{k}{arm}", **over)
-          _goodput(r[f"{k}x_{arm}"], own)
-      for run in r.values():
-        if isinstance(run, dict):
-          run["wall_to_target_s"] = _wall_to(run, target)
-      print(json.dumps(r, indent=1, default=float), flush=True)
+  if args.from_logs:  # Each run's elastic/ folder kept as <dir>/<run name>/elastic.
+    run = lambda _, name, **over: {
+      **_figures(os.path.join(args.from_logs, name), args.outer_steps),
+      "quorum": _quorum(os.path.join(args.from_logs, name), over),
+    }
+    _seeds(args, res, args.from_logs, run)
+  else:
+    with tempfile.TemporaryDirectory() as tmp:
+      _seeds(args, res, tmp, _run)
   res["load_end"] = os.getloadavg()
   text = json.dumps(res, indent=1, default=float)
   with open(args.out, "w") as f:
     f.write(text + "\n")
+
+
+def _seeds(args, res, tmp, run_fn) -> None:
+  """Every seed's runs (run_fn: `_run`, or figures from kept logs) into res["seed<s>"]."""
+  T, _run = args.outer_steps, run_fn  # pylint: disable=redefined-outer-name
+  for seed in args.seeds:
+    r = res[f"seed{seed}"] = {}
+    base = {"seed": seed, "faults.step_delay_s": (args.base_delay,) * 4}
+    clean = r["clean"] = _run(args, tmp, f"clean{seed}", **base)
+    s = clean["step_s"]  # A clean actor's seconds per inner step (its base sleep included).
+    _goodput(clean, [s] * 4)
+    target = r["target_val_loss"] = clean["val_by_phase"][T - 1]
+    three = {**base, "elastic.num_workers": 3, "faults.step_delay_s": (args.base_delay,) * 3}
+    r["three_actors"] = _run(args, tmp, f"three{seed}", **three)
+    _goodput(r["three_actors"], [s] * 3)
+    for k in args.slow:
+      delays = list(base["faults.step_delay_s"])
+      delays[1] += (k - 1) * s
+      own = [s, k * s, s, s]
+      for arm in [a for a in args.arms if f"{k}x_{a}" not in args.skip]:
+        over = {**base, "faults.step_delay_s": tuple(delays), **ARMS[arm]}
+        if "elastic.quorum" in over:
+          over["elastic.grace_s"] = 0.25 * args.inner_steps * s  # A quarter of a fast task.
+        r[f"{k}x_{arm}"] = _run(args, tmp, f"s{seed}k{k}{arm}", **over)
+        _goodput(r[f"{k}x_{arm}"], own)
+    for run in r.values():
+      if isinstance(run, dict):
+        run["wall_to_target_s"] = _wall_to(run, target)
+    print(json.dumps(r, indent=1, default=float), flush=True)
 
 
 if __name__ == "__main__":
