@@ -171,7 +171,7 @@ def main():
   p.add_argument("--inner_steps", type=int, default=20)
   p.add_argument("--outer_steps", type=int, default=4)
   p.add_argument("--base_delay", type=float, default=0.08, help="s slept after every step")
-  p.add_argument("--slow", type=int, nargs="+", default=[3, 10])
+  p.add_argument("--slow", type=int, nargs="*", default=[3, 10])
   p.add_argument("--seeds", type=int, nargs="+", default=[0])
   p.add_argument("--arms", nargs="+", default=list(ARMS))
   p.add_argument("--skip", nargs="*", default=[], help="runs left out, e.g. 10x_pace")
