@@ -133,7 +133,8 @@ def _figures(wd, T) -> dict:
     "steps_by_actor": dict(sorted(actor_steps.items())),
     "steady_steps_by_actor": dict(sorted(steady_steps.items())),
     # Seconds per inner step from each task's second step on (no compilation), the median.
-    "step_s": statistics.median(e["step_s"] for e in trained if e["phase"] > 0),
+    # (A task of one step has none.)
+    "step_s": statistics.median(e["step_s"] for e in trained if e["phase"] > 0 and "step_s" in e),
     "val_by_phase": val,
     "seen_s_by_phase": seen,
     "path_share": {w: n / steps for w, n in sorted(path_steps.items())},
@@ -179,7 +180,7 @@ def main():
   args = p.parse_args()
   res = {"args": vars(args), "load_start": os.getloadavg()}
   if args.from_logs:  # Each run's elastic/ folder kept as <dir>/<run name>/elastic.
-    run = lambda _, name, **over: {
+    run = lambda _, __, name, **over: {
       **_figures(os.path.join(args.from_logs, name), args.outer_steps),
       "quorum": _quorum(os.path.join(args.from_logs, name), over),
     }
