@@ -170,6 +170,7 @@ def _check_relations(c) -> None:
   from dipaco_jax.core import streaming
   from dipaco_jax.core import topology
   from dipaco_jax.runtime.elastic import errors as elastic_errors
+  from dipaco_jax.runtime.elastic import pacing
 
   # pylint: enable=g-import-not-at-top
   topo = topology.from_config(c)  # TopologyError, a ConfigError.
@@ -244,6 +245,7 @@ def _check_relations(c) -> None:
   streaming.check(o.fragments, o.overlap, c.dipaco.inner_steps, len(topo.store_groups()), o.enabled)
   routing.discriminative_steps(c)  # The re-shards fit in 1..T-1.
   routing.phase0_grid(c, topo)  # The phase-0 router suits the grid and the replicas.
+  pacing.check(c)  # Speed-proportional work: elastic only, floors within H.
   if c.dipaco.mode == "elastic":  # What the Ray pool cannot run (ElasticConfigError).
     elastic_errors.check_config(c)
 

@@ -46,7 +46,10 @@ REPLICA_SHARDS = ("hash", "router")
 DISCRIMINATIVE_TARGETS = ("labels", "uniform")  # The bias matches label frequencies, or equal.
 REROUTERS = ("linear", "transformer")
 STOP_SOURCES = ("heldout", "validation")
-LATE_DELTAS = ("next", "drop")  # A delta that missed its quorum step: joins the next, or dropped.
+# A delta that missed its quorum step: joins the next, dropped, or joins the next discounted.
+LATE_DELTAS = ("next", "drop", "discount")
+# Which idle actor takes which ready task: the lowest-numbered the oldest; or by measured speed.
+LEASES = ("first", "speed")
 # AdamW on every leaf, or Muon on the blocks' matrices and AdamW on the rest (MuLoCo).
 INNER_OPTIMIZERS = ("adamw", "muon")
 
@@ -615,7 +618,40 @@ class ElasticConfig(f.Section):
   late_deltas: str = f.field(
     "next",
     f.choice(LATE_DELTAS),
-    'Deltas that miss their module\'s quorum step: "next" = join its next step, "drop" = ignored.',
+    'Deltas that miss their module\'s quorum step: "next" = join its next step, "drop" = ignored, '
+    '"discount" = join its next step with its weight x late_discount per phase late.',
+  )
+  late_discount: float = f.field(
+    0.5,
+    f.custom(
+      lambda v: f.number(0).ok(v) and v <= 1, 'a staleness discount in (0, 1] (1 = as "next")'
+    ),
+    'late_deltas="discount": a late delta\'s weight is α x late_discount^(phases late).',
+  )
+  pace_steps: bool = f.field(
+    False,
+    f.boolean(),
+    "Work in proportion to speed (docs/elastic.md): a task's inner steps from its actor's measured "
+    "step time within phase_budget_s (at most H, at least min_inner_steps).",
+  )
+  phase_budget_s: float = f.field(
+    0.0,
+    f.number(0, above=False),
+    "pace_steps: the wall budget of a phase's steps; 0 = H x the fastest actor's step time.",
+  )
+  min_inner_steps: int = f.field(
+    1, count, "pace_steps: the fewest inner steps a task runs, however slow its actor."
+  )
+  token_weights: bool = f.field(
+    False,
+    f.boolean(),
+    "A delta's outer-step weight is α x (inner steps its task trained / H) (docs/elastic.md).",
+  )
+  lease: str = f.field(
+    "first",
+    f.choice(LEASES),
+    '"first" = an idle actor takes the most lagging ready task, lowest-numbered actor first; '
+    '"speed" = fastest idle actor first, and a slow one the least lagging task.',
   )
 
 

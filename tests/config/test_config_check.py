@@ -107,6 +107,24 @@ def test_derived_values_replace_fields():
       r"config.elastic.grace_s=-1.0 is invalid: it must be a number >= 0",
     ),
     ({"elastic.late_deltas": "later"}, r"late_deltas='later' is invalid: .* 'next', 'drop'"),
+    # Work in proportion to speed and late work (runtime/elastic/pacing.py), one line each.
+    ({"elastic.late_discount": 0.0}, r"late_discount=0.0 is invalid: .* discount in \(0, 1\]"),
+    ({"elastic.late_discount": 1.5}, r"late_discount=1.5 is invalid: .* discount in \(0, 1\]"),
+    (
+      {"dipaco.mode": "elastic", "elastic.pace_steps": True, "elastic.min_inner_steps": 500},
+      r"min_inner_steps=500 exceeds dipaco.inner_steps=50: .* set min_inner_steps <= 50",
+    ),
+    (
+      {"dipaco.mode": "elastic", "elastic.phase_budget_s": 30.0},
+      r"phase_budget_s=30.0, min_inner_steps=1 act only with elastic.pace_steps=True",
+    ),
+    ({"elastic.phase_budget_s": -1.0}, r"phase_budget_s=-1.0 is invalid: it must be a number >= 0"),
+    (
+      {"elastic.pace_steps": True},
+      r"config.elastic.pace_steps=True: the spmd mode runs every path in lock-step",
+    ),
+    ({"elastic.token_weights": True}, r"config.elastic.token_weights=True: the spmd mode runs"),
+    ({"elastic.lease": "speed"}, r"config.elastic.lease='speed': the spmd mode runs every path"),
     (
       {"elastic.worker_resources": '{"TPU": "four"}'},
       r"worker_resources='\{\"TPU\": \"four\"\}' is invalid: it must be a JSON object of Ray",

@@ -101,12 +101,17 @@ def test_a_schedule_that_cannot_run_is_one_line(over, words):
     ({"elastic.quorum": 0.5}, "elastic.quorum=0.5"),
     ({"elastic.progress_every_steps": 1}, "elastic.progress_every_steps=1"),
     ({"routing.discriminative_at_outer_step": 1}, "routing.discriminative_at_outer_step=1"),
+    ({"elastic.pace_steps": True}, "elastic.pace_steps=True"),
+    ({"elastic.token_weights": True}, "token_weights=True"),
   ],
 )
 def test_the_elastic_mode_refuses_what_a_streamed_unit_cannot_join_in_one_line(over, field):
   for stream in ({"outer.fragments": 2}, {"outer.overlap": 1}, {}):
-    cfg = helpers.micro_config(**{**BASE, **stream, **over, "dipaco.mode": "spmd"})
+    cfg = helpers.micro_config(**{**BASE, **stream, "dipaco.mode": "spmd"})
     cfg.dipaco.mode = "elastic"  # Past the load's check, which refuses it already.
+    for key, value in over.items():
+      section, name = key.split(".")
+      cfg[section][name] = value
     if not stream:  # The field alone runs in elastic mode.
       elastic_errors.check_config(cfg)
       continue

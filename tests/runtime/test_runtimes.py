@@ -19,6 +19,7 @@ import jax
 import numpy as np
 import pytest
 
+from dipaco_jax import config_check
 from dipaco_jax import train
 from dipaco_jax.config import sections
 from dipaco_jax.core import experiment
@@ -190,6 +191,10 @@ ACCELERATOR_ONLY = ("model.attention", "model.attention_block_q", "model.attenti
 # Fields whose case also sets dipaco.outer_steps: each must change the spmd state from the same
 # run's without the field (the base run has one phase, so differing from it says nothing).
 STREAMED = ("outer.fragments", "outer.overlap")
+# Work in proportion to speed (runtime/elastic/pacing.py): the spmd loop trains every path H
+# steps in lock-step, so no path could train less, wait less or weigh less; it refuses these in
+# one line, and the elastic mode runs them (an equal-speed phase: spmd's state, as with them off).
+SPMD_REFUSES = {"elastic.pace_steps": True, "elastic.token_weights": True, "elastic.lease": "speed"}
 
 
 def test_every_field_of_the_recipes_sections_has_a_case():
@@ -382,3 +387,23 @@ def _inner_programs(cfg) -> tuple[str, str]:
   step = worker_lib.programs(grid.recipe)["step"]
   one = {k: jax.ShapeDtypeStruct((1,) + v.shape[1:], v.dtype) for k, v in batch.items()}
   return spmd, step.lower(grid.params_template(), grid.inner_opt_template(), one).as_text()
+
+
+@pytest.mark.parametrize("field", SPMD_REFUSES)
+def test_the_spmd_mode_refuses_the_speed_fields_in_one_line(field):
+  over = {**BASE, field: SPMD_REFUSES[field]}
+  with pytest.raises(config_check.ConfigError) as e:
+    helpers.micro_config(**over)
+  assert field in str(e.value) and "lock-step" in str(e.value) and "\n" not in str(e.value)
+  helpers.micro_config(**over, **{"dipaco.mode": "elastic"})  # Allowed there.
+
+
+@pytest.mark.slow  # ~4 s: the elastic pieces compile their steps.
+def test_elastic_with_the_speed_fields_on_equal_speeds_gives_the_spmd_state(shards, base, tmp_path):
+  # Every worker's task trains H steps (nothing paces the in-process pieces): token weights
+  # are α × 1, which leaves the outer step's bits alone, so the state is spmd's, to 1e-6.
+  over = {**BASE, "data.shard_dir": shards, "dipaco.mode": "elastic", **SPMD_REFUSES}
+  got = _leaves(_elastic(helpers.micro_config(**over), str(tmp_path / "elastic")))
+  for k in base:
+    for x, y in zip(got[k], base[k], strict=True):
+      np.testing.assert_allclose(x, y, rtol=0, atol=1e-6, err_msg=k)

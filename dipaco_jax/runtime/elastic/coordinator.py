@@ -149,8 +149,8 @@ class Coordinator:
         new.append((phase, w))
     self.pending.extend(sorted(new))
 
-  def lease(self, actor: int):
-    """The next ready task for `actor` ((phase, worker)), or None."""
+  def lease(self, actor: int, newest: bool = False):
+    """The next ready task for `actor` ((phase, worker)), or None; `newest`: the least lagging."""
     # A task reads its worker's previous phase's outputs: after a repair took that phase's
     # task off the results (its outputs moved aside), a later phase restored from the
     # snapshot waits for it. Otherwise every pending task's previous phase is done.
@@ -159,7 +159,8 @@ class Coordinator:
     ]
     if not runnable:
       return None
-    task = self.pending.pop(runnable[0])
+    pick = max(runnable, key=lambda i: self.pending[i]) if newest else runnable[0]
+    task = self.pending.pop(pick)
     self.leases[_task_key(*task)] = (task, int(actor), time.time() + self.plan.timeout_s)
     self._save()
     return task

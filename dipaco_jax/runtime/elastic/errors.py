@@ -31,6 +31,13 @@ def _check_streamed(o, e, r) -> None:
       "trains only the steps between two syncs, and saves no progress within them; set "
       "elastic.progress_every_steps=0, or fragments=1 and overlap=0."
     )
+  if e.pace_steps or e.token_weights:
+    raise ElasticConfigError(
+      f"{streamed} with elastic.pace_steps={e.pace_steps}, token_weights={e.token_weights}: "
+      "a streamed unit trains a fixed span between two syncs, "
+      "which pacing would cut and weigh as a short task; turn them off, or fragments=1 and "
+      "overlap=0."
+    )
   if r.discriminative_at_outer_step >= 0 and r.discriminative_phases >= 1:
     raise ElasticConfigError(
       f"{streamed} with routing.discriminative_at_outer_step={r.discriminative_at_outer_step}: "

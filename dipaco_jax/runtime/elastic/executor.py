@@ -5,7 +5,8 @@ loads that worker's deltas for the executor's groups (online gathering). When
 every worker through a module has reported, the module takes the recipe's outer
 step (`Recipe.module_outer_step`: α, √P, Nesterov, the spmd program's pieces)
 on the workers' deltas in WORKER order, so the result does not depend on the
-order reports arrive in.
+order reports arrive in. With elastic.token_weights, a delta's α is scaled by the
+share of H its task trained (core/contribution.py).
 Version t+1 of a module is a pure function of version t and the phase's task
 outputs, written once to its own file: a delta can never be applied twice.
 Streamed (outer.fragments, outer.overlap; fragments.py), t counts units: unit t
@@ -17,9 +18,10 @@ may step once the workers that reported hold that fraction of its α-weight and
 `grace_s` has passed since that moment (`poll` checks the clock). The workers
 it stepped with are recorded; a delta that missed the step (late) either joins
 the module's next step (`late_deltas="next"`: its own Δ, against its own
-starting version) or is dropped ("drop"). Staleness is bounded to one phase:
+starting version; "discount": the same, its weight × late_discount) or is
+dropped ("drop"). Staleness is bounded to one phase:
 step t+1 waits until every phase-t report through the module is in. In "next"
-mode the last step (phase T-1) waits for every report: there is no later step
+and "discount" modes the last step (phase T-1) waits for every report: there is no later step
 to carry a late delta to.
 
 α: phase t's step weighs its workers with the α of t's routing phase (phase 0:
@@ -46,6 +48,7 @@ import time
 import jax
 import numpy as np
 
+from dipaco_jax.core import contribution
 from dipaco_jax.runtime.elastic import grid as grid_lib
 from dipaco_jax.runtime.elastic import jit_cache
 from dipaco_jax.runtime.elastic import storage
@@ -95,6 +98,7 @@ class OuterExecutor:
     self.outer_enabled = config.outer.enabled
     e = config.elastic
     self.quorum, self.grace_s, self.late = float(e.quorum), float(e.grace_s), e.late_deltas
+    self.discount, self.token_weights = float(e.late_discount), bool(e.token_weights)
     self._snap = snapshot_file(self.workdir, self.index)
     state = storage.load_json(self._snap) if self._snap.exists() else {}
     self.received = {int(k): set(v) for k, v in state.get("received", {}).items()}
@@ -182,7 +186,7 @@ class OuterExecutor:
     parts = [self._worker_delta(phase, group, w) for w in workers]
     parts += [self._worker_delta(phase - 1, group, w) for w in late]
     deltas_N = jax.tree.map(lambda *xs: np.concatenate(xs), *parts)
-    alpha_N = self._alpha(phase)[list(workers) + list(late)]
+    alpha_N = self._weights(phase, workers, late)
     if self.outer_enabled:
       old = theta
       theta, opt, m = jax.device_get(self._step_fn()(theta, opt, deltas_N, alpha_N))
@@ -195,6 +199,20 @@ class OuterExecutor:
       )
     storage.save_tree(storage.module_file(wd, group, module, phase + 1, "opt"), opt)
     storage.save_tree(storage.module_file(wd, group, module, phase + 1), theta)
+
+  def _steps(self, phase: int, worker: int) -> int:
+    """The inner steps task (phase, worker) trained (its done.json's losses)."""
+    done = storage.worker_out_dir(self.workdir, worker, phase + 1) / "done.json"
+    return len(storage.load_json(done)["loss"])
+
+  def _weights(self, phase: int, workers: list[int], late) -> np.ndarray:
+    """The step's weights (core/contribution.py): α, with tokens trained and staleness if on."""
+    alpha_N = self._alpha(phase)[list(workers) + list(late)]
+    steps = None
+    if self.token_weights:
+      steps = [self._steps(phase, w) for w in workers] + [self._steps(phase - 1, w) for w in late]
+    late_N = [0] * len(workers) + [1] * len(late) if self.late == "discount" else None
+    return contribution.weights(alpha_N, steps, self.grid.H, late_N, self.discount)
 
   def _late(self, phase: int, key: str, workers: list[int]) -> list[int]:
     """Workers through module `key` whose phase-`phase` deltas missed its step (reported since)."""
@@ -232,9 +250,9 @@ class OuterExecutor:
       # Bounded staleness: every phase-(t-1) report through the module is in first.
       if not all(w in self.received.get(phase - 1, ()) for w in workers):
         return False
-      late = self._late(phase - 1, key, workers) if self.late == "next" else []
+      late = self._late(phase - 1, key, workers) if self.late != "drop" else []
     if len(got) < len(workers):
-      last = phase == self.grid.U - 1 and self.late == "next"
+      last = phase == self.grid.U - 1 and self.late != "drop"
       if self.quorum >= 1.0 or last:
         return False
       a = np.asarray(self._alpha(phase), np.float64)

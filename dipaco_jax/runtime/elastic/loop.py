@@ -10,6 +10,7 @@ from dipaco_jax.runtime import faults as faults_lib
 from dipaco_jax.runtime.elastic import coordinator as coord_lib
 from dipaco_jax.runtime.elastic import grid as grid_lib
 from dipaco_jax.runtime.elastic import leases
+from dipaco_jax.runtime.elastic import pacing
 from dipaco_jax.runtime.elastic import records as records_lib
 from dipaco_jax.runtime.elastic import resharder as resharder_lib
 from dipaco_jax.runtime.elastic import versions
@@ -78,6 +79,7 @@ class EventLoop:
     self.task_time = 1.0  # The last task's seconds (the faults' timing of a kill).
     self.accepted_here = 0
     self.saves_progress = 0 < e.progress_every_steps < grid.H
+    self.pacer = pacing.Pacer(e, grid.H)  # Steps and lease order from measured speed.
     self.probes = {}  # future of pid() -> worker actor coming back from a failure.
     self.ex_probes, self.held = {}, {}  # The same for executors; reports held while they restart.
     self.records = records_lib.PhaseRecords(config, workdir, exp, grid, self.results)
@@ -192,7 +194,7 @@ class EventLoop:
     """Each idle worker actor gets a scoring task if a re-shard waits, else the queue's next."""
     busy = {a for a, _, _ in self.running.values()} | set(self.probes.values())
     busy |= set(self._scoring_actors())
-    for i in range(len(self.workers)):
+    for i in self.pacer.order(range(len(self.workers))):
       if i in busy:
         continue
       if self.resharder.todo:  # Scoring first: the re-shard's phase waits for it.
@@ -203,9 +205,12 @@ class EventLoop:
         self.scoring[future] = (i, path, time.time())
         self.log(event="start_score", step=step, path=path, actor=i)
         continue
-      task = self.call(self.coord.lease, i)
+      # A slow actor takes the least lagging task (elastic.lease="speed"); the others the most.
+      task = self.call(self.coord.lease, i, self.pacer.by_speed and self.pacer.slow(i))
       if task is None:
         return
+      steps = self.pacer.steps(i)
+      paced = {"steps": steps} if steps < self.grid.H else {}
       spec = self.faults.at(
         "lease",
         actor=i,
@@ -213,10 +218,10 @@ class EventLoop:
         writes=task[0] < self.grid.U,
         progress=self.saves_progress,
       )
-      future = self.workers[i].run.remote(*task, faults=spec)
+      future = self.workers[i].run.remote(*task, faults=spec, **paced)
       self.faults.at("leased", future=future, actor=i, spec=spec)
       self.running[future] = (i, tuple(task), time.time())
-      self.log(event="start", phase=task[0], worker=task[1], actor=i)
+      self.log(event="start", phase=task[0], worker=task[1], actor=i, **paced)
 
   def _poll_executors(self) -> None:
     """With a grace window, asks each owning executor every poll_s what its clock stepped."""
@@ -304,6 +309,7 @@ class EventLoop:
     except self.ray_errors.RayTaskError as err:  # The task's own error (e.g. NaN): stop.
       raise err.as_instanceof_cause() from None
     self.task_time = time.time() - start
+    self.pacer.observe(actor, result)
     if not self.call(self.coord.complete, task[0], task[1], result):
       self.log(event="duplicate", phase=task[0], worker=task[1], actor=actor)
       return
@@ -316,7 +322,8 @@ class EventLoop:
       actor=actor,
       seconds=result["end"] - result["start"],
       pid=result["pid"],
-      **{k: result[k] for k in ("resumed_at_step", "cpus") if k in result},
+      steps=len(result["loss"]),
+      **{k: result[k] for k in ("resumed_at_step", "cpus", "step_s") if k in result},
     )
     self._report(*task)
 

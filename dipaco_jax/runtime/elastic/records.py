@@ -61,8 +61,10 @@ def _step_records(workdir: str, grid, t: int, every: int) -> list[tuple[int, dic
   ]
   out = []
   for s in steps:
-    train_W = [float(loss[s - t * grid.H - 1]) for loss in losses]
-    out.append((s, {"phase": t, "train_loss": train_W, "train_loss_mean": float(np.mean(train_W))}))
+    i = s - t * grid.H - 1  # NaN where a paced task (elastic.pace_steps) ran fewer steps.
+    train_W = [float(loss[i]) if i < len(loss) else float("nan") for loss in losses]
+    mean = metrics_lib.nan_mean(train_W)
+    out.append((s, {"phase": t, "train_loss": train_W, "train_loss_mean": mean}))
   return out
 
 

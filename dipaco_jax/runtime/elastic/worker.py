@@ -346,14 +346,19 @@ class PathWorker:
       done = storage.worker_out_dir(self.workdir, worker, t) / "done.json"
       if not done.exists():  # A shorter window: the rule fires later, never wrongly.
         break
-      loss = list(storage.load_json(done)["loss"])
-      earlier = loss[-n:] + earlier
-      n, t = n - len(loss), t - 1
+      losses = list(storage.load_json(done)["loss"])  # H, or fewer (elastic.pace_steps).
+      earlier = losses[-n:] + earlier
+      n, t = n - len(losses), t - 1
     guard.seed_losses([[x] for x in earlier + list(losses_so_far)])
     return guard
 
-  def run(self, phase: int, worker: int, faults: dict | None = None) -> dict:
+  def run(
+    self, phase: int, worker: int, faults: dict | None = None, steps: int | None = None
+  ) -> dict:
     """Task (phase, worker): validation at step phase*H if due, then H inner steps (none at T).
+
+    `steps`: fewer inner steps than H (elastic.pace_steps: the driver's pacing.Pacer);
+    a retry that finds a save past them keeps the save's steps.
 
     With elastic.progress_every_steps = n > 0 the task saves its progress every n
     inner steps, and an attempt that finds a save resumes there (the same bytes
@@ -365,11 +370,11 @@ class PathWorker:
     span = self.grid.sched.span(int(phase))
     self._progress.update(steps=0, of=span[1] - span[0], last=None)
     try:
-      return self._run(start, phase, worker, faults)
+      return self._run(start, phase, worker, faults, steps)
     finally:
       self._progress = None
 
-  def _run(self, start: float, phase: int, worker: int, faults: dict | None) -> dict:
+  def _run(self, start: float, phase: int, worker: int, faults: dict | None, steps=None) -> dict:
     """run's body; `start`: when the attempt began."""
     wd, phase, worker = self.workdir, int(phase), int(worker)
     plan = faults_lib.task_plan(self.faults, self.index, faults)
@@ -381,6 +386,8 @@ class PathWorker:
     sched, unit = self.grid.sched, phase
     (s0, s1), outer = sched.span(unit), sched.phase(unit)
     first = unit == sched.first_unit(outer)  # Streamed: the phase's first unit evaluates.
+    # This task's inner steps: the unit's, or fewer where elastic.pace_steps asks (not streamed).
+    n_steps = s1 - s0 if steps is None else min(s1 - s0, int(steps))
     k = self.grid.routing_phase(phase)  # After a re-shard at `phase`: its new shards already.
     saved = self._saved_progress(phase, worker) if phase < self.grid.U else None
     batcher = self._batcher(worker, k) if phase < self.grid.U else None
@@ -403,7 +410,7 @@ class PathWorker:
       losses = list(rec["loss"])
       result.update({key: rec[key] for key in ("val_loss", "stop_loss") if key in rec})
       result["resumed_at_step"] = rec["step"]
-      self._progress["of"] = H - len(losses)
+      self._progress["of"] = max(n_steps - len(losses), 0)
     else:
       params = start_params
       step0 = outer * H
@@ -440,6 +447,7 @@ class PathWorker:
     pending, m = None, None  # pending: a dispatched step's metrics, unread.
 
     resumed = len(losses)
+    read_at = []  # When each step's metrics were read: the step time without the compilation.
     # config.profile: the window's steps this task runs, traced into profile/w<worker>.
     window = profiling.Window(self.config, os.path.join(wd, "profile", f"w{worker}"))
 
@@ -447,11 +455,14 @@ class PathWorker:
       m = jax.device_get(m)
       guard.check(s0 + len(losses) + 1, m["loss"], m["param_norm"])
       losses.append(float(m["loss"][0]))
+      read_at.append(time.time())
       self._progress.update(steps=len(losses) - resumed, last=time.time())
       return m
 
     try:
-      for i in range(len(losses), s1 - s0):
+      if n_steps < s1 - s0:
+        self._progress["of"] = max(n_steps - len(losses), 0)
+      for i in range(len(losses), n_steps):
         # config.dispatch_ahead (docs/performance.md): step i+1 is dispatched before step i's
         # metrics are read, so the host's batch and bookkeeping overlap step i+1 on the device.
         window.before(s0 + i + 1)
@@ -459,17 +470,17 @@ class PathWorker:
         if pending is not None:
           m = read(pending)
         pending = m_next
-        save = every and (i + 1) % every == 0 and i + 1 < s1 - s0
+        save = every and (i + 1) % every == 0 and i + 1 < n_steps
         if save or not self._ahead:
           m, pending = read(pending), None
         if save:
-          s0 = time.time()
+          saved_at = time.time()
           if not bool(self._finite(params)):
             guard.not_finite(s0 + i + 1)
           rec = {"H": H, "step": i + 1, "loss": losses, "grad_norm": float(m["grad_norm"][0])}
           rec.update({key: result[key] for key in ("val_loss", "stop_loss") if key in result})
           self._save_progress(phase, worker, rec, params, opt, batcher, plan)
-          clock["progress_save"] += time.time() - s0
+          clock["progress_save"] += time.time() - saved_at
         window.after(s0 + i + 1, params)
         plan.at("step")
     finally:  # A task stopped inside the window (a guard, a fault) ends its trace.
@@ -523,12 +534,15 @@ class PathWorker:
     t0 = time.time()
     plan.at("sent", bytes=result["bytes_up"])
     clock["link"] += time.time() - t0
+    if len(read_at) > 1:  # Seconds per step after the first (elastic.pace_steps reads it).
+      result["step_s"] = (read_at[-1] - read_at[0]) / (len(read_at) - 1)
     result.update(
       start=start,
       end=time.time(),
       clock=clock,
       loss=losses,
-      grad_norm=float(np.asarray(m["grad_norm"])[0]),
+      # None of this attempt's steps ran (a save already past `steps`): the save's own.
+      grad_norm=float(np.asarray(m["grad_norm"])[0]) if m is not None else saved[0]["grad_norm"],
     )
     storage.save_json(out / "done.json", result)
     storage.progress_dir(wd, worker, phase).rmtree(missing_ok=True)  # Done: saves not needed.

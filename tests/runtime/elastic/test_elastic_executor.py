@@ -286,3 +286,118 @@ def test_quorum_grace_window_runs_from_the_quorum(tmp_path, monkeypatch):
   clock[0] = 110.0
   assert ex.poll() == ({0: ["embed/0"]}, False)
   assert _value(wd, grid, "embed", 0, 1) == (1.0 + 2.0 + 3.0) / 3
+
+
+# ---- Work in proportion to speed and late work (docs/elastic.md): the weights by hand. ----
+
+
+def _zero_store(workdir, grid) -> None:
+  """Version 0 of every module, and its momentum: zeros."""
+  for s in grid.groups:
+    for e in range(s.num_modules):
+      m = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), grid.module_template(s.name))
+      storage.save_tree(storage.module_file(workdir, s.name, e, 0), m)
+      storage.save_tree(
+        storage.module_file(workdir, s.name, e, 0, "opt"), grid.recipe.outer_tx.init(m)
+      )
+
+
+def _trained(workdir, phase: int, steps) -> None:
+  """Task (phase, w)'s done.json as if it ran steps[w] inner steps (what token_weights reads)."""
+  for w, n in steps.items():
+    done = storage.worker_out_dir(workdir, w, phase + 1) / "done.json"
+    storage.save_json(done, {"phase": phase, "worker": w, "loss": [1.0] * n})
+
+
+def test_token_weights_scale_alpha_by_the_share_of_h_each_worker_trained(tmp_path):
+  # Plain averaging (outer lr 1, no momentum, no √P): θ1 = Σ w_n p_n / Σ w_n from a zero
+  # store (Δ_n = 0 − p_n), w_n = α_n · s_n / H (core/contribution.py). H = 4; the workers
+  # ended at p = 1, 2, 3, 4 after s = 4, 4, 2, 1 steps with α = 1, 1, 2, 4:
+  #   w = 1·4/4, 1·4/4, 2·2/4, 4·1/4 = 1, 1, 1, 1.
+  # embed/0 (all four): (1 + 2 + 3 + 4) / 4 = 2.5 (α alone: (1 + 2 + 6 + 16) / 8 = 3.125).
+  # block_0/1 (workers 2, 3): (3 + 4) / 2 = 3.5 (α alone: (6 + 16) / 6 = 3.67).
+  # block_1/0 (workers 0, 2): (1 + 3) / 2 = 2.0 (α alone: (1 + 6) / 3 = 2.33).
+  over = {
+    "outer.lr": 1.0,
+    "outer.momentum": 0.0,
+    "outer.sqrt_paths": "none",
+    "dipaco.inner_steps": 4,
+    "eval.every_steps": 4,
+  }
+  got = {}
+  for on in (True, False):
+    cfg = helpers.elastic_config(**over, **{"elastic.token_weights": on})
+    grid = grid_lib.Grid(cfg)
+    wd = str(tmp_path / str(on))
+    _zero_store(wd, grid)
+    _constant_phase(wd, grid, 0, {0: 1.0, 1: 2.0, 2: 3.0, 3: 4.0})
+    _trained(wd, 0, {0: 4, 1: 4, 2: 2, 3: 1})
+    ex = exec_lib.OuterExecutor(cfg, wd, 0, [s.name for s in grid.groups], [1.0, 1.0, 2.0, 4.0])
+    for w in range(4):
+      ex.report(0, w)
+    got[on] = [_value(wd, grid, g, e, 1) for g, e in (("embed", 0), ("block_0", 1), ("block_1", 0))]
+  assert got[True] == [2.5, 3.5, 2.0]
+  np.testing.assert_allclose(got[False], [3.125, 22 / 6, 7 / 3], rtol=1e-6)
+
+
+def test_token_weights_with_equal_steps_change_no_bit(tmp_path):
+  # Every task trained H steps: each factor s/H is exactly 1, so α keeps its float32 bits.
+  alpha = [1.0, 0.5, 0.25, 0.75]
+  base = str(tmp_path / "base")
+  grid = grid_lib.Grid(helpers.elastic_config())
+  _random_phase(base, grid, np.random.default_rng(3))
+  _trained(base, 0, {w: grid.H for w in range(4)})
+  out = {}
+  for on in (False, True):
+    cfg = helpers.elastic_config(**{"elastic.token_weights": on})
+    wd = str(tmp_path / str(on))
+    shutil.copytree(base, wd)
+    ex = exec_lib.OuterExecutor(cfg, wd, 0, [s.name for s in grid.groups], alpha)
+    for w in range(4):
+      ex.report(0, w)
+    out[on] = _stepped(wd, grid)
+  assert out[True] == out[False]
+
+
+@pytest.mark.parametrize("discount", [0.5, 1.0])
+def test_discounted_late_deltas_join_the_next_step_at_discount_per_phase_late(tmp_path, discount):
+  # As test_quorum_steps_without_the_slow_worker_and_handles_its_late_delta, "next" with the
+  # late deltas' weights × γ (one phase late). Phase 0 (quorum 0.5): embed/0 steps with
+  # workers 0, 1 (θ1 = 1.5), block_0/0 with worker 0 (θ1 = 1.0). Phase 1: on time, workers 0
+  # (2.5) and 1 (3.5): Δ = 1.5 − 2.5 = −1, 1.5 − 3.5 = −2 (weight 1); late from phase 0,
+  # θ0 − p = −3, −4 (weight γ):
+  #   embed/0: Δ = (−1 − 2 − 3γ − 4γ) / (2 + 2γ); γ = 0.5: −6.5 / 3 = −13/6, θ2 = 1.5 + 13/6.
+  #   block_0/0: on time 1.0 − 2.5 = −1.5; late worker 1: 0 − 2 = −2:
+  #     Δ = (−1.5 − 2γ) / (1 + γ); γ = 0.5: −2.5 / 1.5 = −5/3, θ2 = 1.0 + 5/3.
+  # γ = 1 is "next": 1.5 + 2.5 = 4.0 and 1.0 + 1.75 = 2.75, bit for bit.
+  cfg = helpers.elastic_config(
+    **{
+      "outer.lr": 1.0,
+      "outer.momentum": 0.0,
+      "outer.sqrt_paths": "none",
+      "dipaco.outer_steps": 3,
+      "elastic.quorum": 0.5,
+      "elastic.late_deltas": "discount",
+      "elastic.late_discount": discount,
+    }
+  )
+  grid = grid_lib.Grid(cfg)
+  wd = str(tmp_path)
+  _zero_store(wd, grid)
+  _constant_phase(wd, grid, 0, {0: 1.0, 1: 2.0, 2: 3.0, 3: 4.0})
+  ex = exec_lib.OuterExecutor(cfg, wd, 0, [s.name for s in grid.groups], [1.0] * 4)
+  for w in range(4):
+    ex.report(0, w)
+  assert _value(wd, grid, "embed", 0, 1) == 1.5 and _value(wd, grid, "block_0", 0, 1) == 1.0
+  _constant_phase(wd, grid, 1, {0: 2.5, 1: 3.5})
+  ex.report(1, 0)
+  ex.report(1, 1)
+  embed, block = _value(wd, grid, "embed", 0, 2), _value(wd, grid, "block_0", 0, 2)
+  if discount == 1.0:
+    assert (embed, block) == (4.0, 2.75)
+  else:
+    np.testing.assert_allclose([embed, block], [1.5 + 13 / 6, 1.0 + 5 / 3], rtol=1e-6)
+  assert ex.carried[1]["embed/0"] == [2, 3]
+  # The last step (phase 2) waits for every report, as "next" does.
+  _constant_phase(wd, grid, 2, {0: 9.0})
+  assert ex.report(2, 0)[2] == []

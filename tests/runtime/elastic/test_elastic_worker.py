@@ -175,3 +175,35 @@ def test_scoring_tasks_give_the_drivers_scores_and_router(tmp_path, monkeypatch)
     np.testing.assert_array_equal(a.arrays[k], b.arrays[k])
   with pytest.raises(ValueError, match="39 documents scored but the router split has 40"):
     routing.fit_discriminative_router(cfg, None, plan.extractor, scores_NxP=ref[:39], topo=exp.topo)
+
+
+def test_a_paced_task_runs_its_steps_and_a_retry_past_them_keeps_the_save(tmp_path, monkeypatch):
+  """run(steps=n) trains the first n of H steps (timed); a retry with a save past n ends there."""
+  from dipaco_jax.runtime.elastic import driver  # pylint: disable=g-import-not-at-top
+  from dipaco_jax.runtime.elastic import worker as worker_lib  # pylint: disable=g-import-not-at-top
+
+  six = {"dipaco.inner_steps": 6, "eval.every_steps": 6, "ckpt.every_steps": 6}
+  cfg = helpers.elastic_config(
+    **{"data.shard_dir": str(tmp_path / "s"), "elastic.progress_every_steps": 4, **six}
+  )
+  wd = str(tmp_path / "wd")
+  grid = grid_lib.Grid(cfg)
+  driver._prepare(cfg, wd, grid)  # pylint: disable=protected-access
+  w = worker_lib.PathWorker(cfg, wd, 0)
+  full = w.run(0, 1)
+  short = w.run(0, 1, steps=2)
+  assert short["loss"] == full["loss"][:2] and short["step_s"] > 0
+  done = storage.load_json(storage.worker_out_dir(wd, 1, 1) / "done.json")
+  assert len(done["loss"]) == 2  # What token_weights reads.
+
+  def kill(pid, sig):
+    assert pid == os.getpid() and sig == faults_lib.signal.SIGKILL
+    raise _Killed
+
+  monkeypatch.setattr(faults_lib.os, "kill", kill)
+  files = len(grid.modules_of_worker(1)) + 3  # Its groups, AdamW state, data, at.json.
+  with pytest.raises(_Killed):  # Killed right after its save of step 4 is complete.
+    w.run(0, 1, faults={"die_in_progress": files})
+  out = w.run(0, 1, steps=2)  # Leased again, now paced to 2: the save's 4 steps stand.
+  assert out["resumed_at_step"] == 4 and out["loss"] == full["loss"][:4]
+  assert "step_s" not in out and out["grad_norm"] > 0

@@ -1,0 +1,230 @@
+r"""One slow worker actor (3x, 10x) under each elastic policy: goodput, wall to a loss, shares.
+
+  python benchmarks/elastic_slow.py --out /tmp/slow.json [--slow 3 10 --seeds 0 1]
+
+The successor of elastic_quorum.py. A 2-block d=32 model (benchmarks/elastic.py's), 4 paths
+(2x2 grid, shared embedding) on 4 worker actors of one local Ray cluster, H inner steps x T
+outer steps. Every actor sleeps `--base_delay` s after each inner step (the steps of this tiny
+model are far shorter than the fixed cost per task on a loaded 2-core CPU; the sleep stands for
+a real model's step and frees the CPU), and actor 1 sleeps more: (k - 1) x the clean step time,
+so it is k x slower. Per seed: a clean run (no slow actor) measures the step time s and the
+target loss; a run on 3 actors (the slow one gone) is the 10x goal's reference; then per k,
+the arms (ARMS): waiting for all, quorum + grace, and the new policies. Per run, from the task
+log (first task start -> last task end):
+  goodput_own   = Σ_tasks steps x its actor's own step time (s, or k·s) / (actors x wall);
+  goodput_clean = Σ_tasks steps x s / (actors x wall)  (a k=3 actor among 4 caps it at 0.83);
+  s: the clean run's median seconds per inner step (tasks of phases >= 1, timed from their
+  second step: no compilation; a task's fixed cost is what goodput loses);
+  wall_to_target: until every path's version reaching the clean run's mean validation loss
+    after outer step T-1 was read (the start of the tasks that evaluate it);
+  final val loss (own shards, after the last outer step); each path's and actor's share of the
+  inner steps trained (tokens: every step reads the same batch shape).
+"""
+# pylint: disable=invalid-name
+
+import argparse
+import collections
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+# The arms: name -> overrides (quorum's grace is set per run from the clean task time).
+QUORUM = {"elastic.quorum": 0.5, "elastic.late_deltas": "next"}
+PACE = {"elastic.pace_steps": True, "elastic.token_weights": True}
+ARMS = {
+  "wait_all": {},
+  "quorum_grace": QUORUM,
+  "quorum_grace_discount": {**QUORUM, "elastic.late_deltas": "discount"},
+  "pace": PACE,
+  "pace_speed_lease": {**PACE, "elastic.lease": "speed"},
+}
+
+
+def _config(args, shard_dir, **kw):
+  from dipaco_jax import config_check  # pylint: disable=g-import-not-at-top
+
+  H = args.inner_steps
+  over = {
+    "model.d_model": 32,
+    "model.num_layers": 2,
+    "model.num_heads": 2,
+    "model.head_dim": 16,
+    "model.max_len": 64,
+    "dipaco.level_groups": ("embed,head", "block_0", "block_1"),
+    "dipaco.modules_per_level": (1, 2, 2),
+    "dipaco.inner_steps": H,
+    "dipaco.outer_steps": args.outer_steps,
+    "dipaco.mode": "elastic",
+    "inner.warmup_steps": 2,
+    "data.seq_len": 64,
+    "data.batch_size": 4,
+    "ckpt.every_steps": H,
+    "eval.every_steps": H,
+    "eval.batches": 2,
+    "early_stopping.enabled": False,
+    "mesh.cpu_devices": 0,
+    "elastic.num_workers": 4,
+    "data.shard_dir": shard_dir,
+    **kw,
+  }
+  return config_check.load(os.path.join(ROOT, "configs", "tiny.py"), **over)
+
+
+def _child(spec: str, workdir: str, out: str) -> None:
+  """One training command in this child process (its own local Ray cluster)."""
+  import ast  # pylint: disable=g-import-not-at-top
+
+  from dipaco_jax import train  # pylint: disable=g-import-not-at-top
+  from dipaco_jax.runtime import faults  # pylint: disable=g-import-not-at-top
+
+  s = ast.literal_eval(spec)
+  over, injected = faults.from_overrides(s["over"])  # "faults.X": runtime/faults.Faults.
+  args = argparse.Namespace(**s["args"])
+  res = train.train_and_evaluate(_config(args, s["shards"], **over), workdir, injected)
+  with open(out, "w") as f:
+    json.dump(res, f, default=float)
+
+
+def _run(args, tmp, name, **over):
+  """A child command (its own local Ray cluster); its figures (goodput: `_goodput`)."""
+  wd, out = os.path.join(tmp, name), os.path.join(tmp, name + ".json")
+  spec = repr({"args": vars(args), "shards": os.path.join(tmp, "shards"), "over": over})
+  subprocess.run([sys.executable, __file__, "--_child", spec, wd, out], check=True)
+  return {**_figures(wd, args.outer_steps), "quorum": _quorum(wd, over)}
+
+
+def _figures(wd, T) -> dict:
+  """A run's figures from its task log and accepted results (a workdir, or a copy of elastic/)."""
+  from dipaco_jax.runtime.elastic import coordinator  # pylint: disable=g-import-not-at-top
+  from dipaco_jax.runtime.elastic import storage  # pylint: disable=g-import-not-at-top
+
+  events = storage.read_task_log(wd)
+  done = [e for e in events if e["event"] == "done"]
+  starts = {(e["phase"], e["worker"]): e["t"] for e in events if e["event"] == "start"}
+  first = min(starts.values())
+  trained = [e for e in done if e["phase"] < T]
+  W = 1 + max(e["worker"] for e in done)
+  path_steps, actor_steps, steady_steps = (collections.Counter() for _ in range(3))
+  for e in trained:
+    path_steps[e["worker"]] += e["steps"]
+    actor_steps[e["actor"]] += e["steps"]
+    steady_steps[e["actor"]] += e["steps"] if e["phase"] > 0 else 0
+  steps = sum(path_steps.values())
+  results = coordinator.read_results(wd)
+  val = {
+    t: statistics.mean(results[f"{t}/{w}"]["val_loss"] for w in range(W)) for t in range(1, T + 1)
+  }
+  # When each phase's versions were read: the start of the last task (t, ·), which evaluated
+  # them first; and the steady part of the run, after phase 0 (its compilation and loads).
+  seen = {t: max(starts[(t, w)] for w in range(W)) - first for t in range(1, T + 1)}
+  steady = min(starts[(1, w)] for w in range(W))
+  return {
+    "wall_s": max(e["t"] for e in done) - first,
+    "steady_wall_s": max(e["t"] for e in done) - steady,
+    "actors": 1 + max(e["actor"] for e in done),
+    "steps": steps,
+    "steps_by_actor": dict(sorted(actor_steps.items())),
+    "steady_steps_by_actor": dict(sorted(steady_steps.items())),
+    # Seconds per inner step from each task's second step on (no compilation), the median.
+    # (A task of one step has none.)
+    "step_s": statistics.median(e["step_s"] for e in trained if e["phase"] > 0 and "step_s" in e),
+    "val_by_phase": val,
+    "seen_s_by_phase": seen,
+    "path_share": {w: n / steps for w, n in sorted(path_steps.items())},
+    "actor_share": {a: n / steps for a, n in sorted(actor_steps.items())},
+    "val_loss_mean": val[T],  # After the last outer step, own shards (the command's figure).
+  }
+
+
+def _quorum(wd, over) -> list:
+  """Module steps taken without every worker (quorum runs): [phase, module, workers used]."""
+  from dipaco_jax.runtime.elastic import executor  # pylint: disable=g-import-not-at-top
+
+  if over.get("elastic.quorum", 1.0) >= 1.0:
+    return []
+  return [[t, k, u] for t, ph in executor.quorum_steps(wd, 0).items() for k, u in ph.items()]
+
+
+def _goodput(run, own_s) -> None:
+  """Both goodputs of `run`, whole and after phase 0; own_s: each actor's own step time."""
+  for pre, by in (("", run["steps_by_actor"]), ("steady_", run["steady_steps_by_actor"])):
+    den = run["actors"] * run[f"{pre}wall_s"]
+    run[f"{pre}goodput_own"] = sum(n * own_s[int(a)] for a, n in by.items()) / den
+    run[f"{pre}goodput_clean"] = sum(by.values()) * own_s[0] / den
+
+
+def _wall_to(run, target) -> float | None:
+  """Seconds until the first phase whose mean validation loss is <= target was read."""
+  hit = [run["seen_s_by_phase"][t] for t, v in run["val_by_phase"].items() if v <= target]
+  return min(hit) if hit else None
+
+
+def main():
+  p = argparse.ArgumentParser()
+  p.add_argument("--out", required=True)
+  p.add_argument("--inner_steps", type=int, default=20)
+  p.add_argument("--outer_steps", type=int, default=4)
+  p.add_argument("--base_delay", type=float, default=0.08, help="s slept after every step")
+  p.add_argument("--slow", type=int, nargs="*", default=[3, 10])
+  p.add_argument("--seeds", type=int, nargs="+", default=[0])
+  p.add_argument("--arms", nargs="+", default=list(ARMS))
+  p.add_argument("--skip", nargs="*", default=[], help="runs left out, e.g. 10x_pace")
+  p.add_argument("--from_logs", default="", help="figures from kept run folders, no runs")
+  args = p.parse_args()
+  res = {"args": vars(args), "load_start": os.getloadavg()}
+  if args.from_logs:  # Each run's elastic/ folder kept as <dir>/<run name>/elastic.
+    run = lambda _, __, name, **over: {
+      **_figures(os.path.join(args.from_logs, name), args.outer_steps),
+      "quorum": _quorum(os.path.join(args.from_logs, name), over),
+    }
+    _seeds(args, res, args.from_logs, run)
+  else:
+    with tempfile.TemporaryDirectory() as tmp:
+      _seeds(args, res, tmp, _run)
+  res["load_end"] = os.getloadavg()
+  text = json.dumps(res, indent=1, default=float)
+  with open(args.out, "w") as f:
+    f.write(text + "\n")
+
+
+def _seeds(args, res, tmp, run_fn) -> None:
+  """Every seed's runs (run_fn: `_run`, or figures from kept logs) into res["seed<s>"]."""
+  T, _run = args.outer_steps, run_fn  # pylint: disable=redefined-outer-name
+  for seed in args.seeds:
+    r = res[f"seed{seed}"] = {}
+    base = {"seed": seed, "faults.step_delay_s": (args.base_delay,) * 4}
+    clean = r["clean"] = _run(args, tmp, f"clean{seed}", **base)
+    s = clean["step_s"]  # A clean actor's seconds per inner step (its base sleep included).
+    _goodput(clean, [s] * 4)
+    target = r["target_val_loss"] = clean["val_by_phase"][T - 1]
+    three = {**base, "elastic.num_workers": 3, "faults.step_delay_s": (args.base_delay,) * 3}
+    r["three_actors"] = _run(args, tmp, f"three{seed}", **three)
+    _goodput(r["three_actors"], [s] * 3)
+    for k in args.slow:
+      delays = list(base["faults.step_delay_s"])
+      delays[1] += (k - 1) * s
+      own = [s, k * s, s, s]
+      for arm in [a for a in args.arms if f"{k}x_{a}" not in args.skip]:
+        over = {**base, "faults.step_delay_s": tuple(delays), **ARMS[arm]}
+        if "elastic.quorum" in over:
+          over["elastic.grace_s"] = 0.25 * args.inner_steps * s  # A quarter of a fast task.
+        r[f"{k}x_{arm}"] = _run(args, tmp, f"s{seed}k{k}{arm}", **over)
+        _goodput(r[f"{k}x_{arm}"], own)
+    for run in r.values():
+      if isinstance(run, dict):
+        run["wall_to_target_s"] = _wall_to(run, target)
+    print(json.dumps(r, indent=1, default=float), flush=True)
+
+
+if __name__ == "__main__":
+  if len(sys.argv) > 1 and sys.argv[1] == "--_child":
+    _child(*sys.argv[2:5])
+  else:
+    main()

@@ -1,0 +1,101 @@
+"""Work in proportion to speed: a task's inner steps and its actor from measured step times.
+
+elastic.pace_steps: a task leased to an actor runs s = ⌊budget / step_a⌋ inner
+steps, within [min_inner_steps, H], where step_a is the actor's measured seconds
+per step (the median of its last tasks, each timed from its second step: no
+compilation) and budget is elastic.phase_budget_s, or H × the fastest actor's step
+time (0). So H stays the fast actors' count and a
+3× slower actor runs H/3. An actor within SLACK of the fastest runs H (noise on a
+shared host must not shorten equal actors' tasks). An actor not measured yet runs H.
+
+elastic.lease="speed": idle actors take ready tasks fastest first, and a slow
+actor (beyond SLACK) the least lagging runnable task, so a lagging path goes to
+a fast actor whenever more paths than actors leave a choice.
+
+No JAX, no Ray: the driver holds one Pacer; config_check calls `check`.
+"""
+# pylint: disable=invalid-name
+
+import statistics
+
+from dipaco_jax.errors import ConfigError
+
+SLACK = 1.25  # Step times within 25% of the fastest count as equal.
+_RECENT = 3  # Tasks per actor the step time is the median of.
+_SPEED_FIELDS = ("pace_steps", "token_weights", "lease")
+
+
+def check(config) -> None:
+  """The speed-proportional fields' relations, before anything starts (one line each)."""
+  e, H = config.elastic, config.dipaco.inner_steps
+  if config.dipaco.mode == "spmd":
+    for name in _SPEED_FIELDS:
+      value, default = e[name], {"pace_steps": False, "token_weights": False, "lease": "first"}
+      if value != default[name]:
+        raise ConfigError(
+          f"config.elastic.{name}={value!r}: the spmd mode runs every path in lock-step, H "
+          "inner steps each on one program, so no path trains less or waits on another; "
+          f"set it back to {default[name]!r} or run dipaco.mode='elastic'."
+        )
+  if e.min_inner_steps > H:
+    raise ConfigError(
+      f"config.elastic.min_inner_steps={e.min_inner_steps} exceeds dipaco.inner_steps={H}: "
+      f"a task runs at most H inner steps; set min_inner_steps <= {H}."
+    )
+  if not e.pace_steps and (e.phase_budget_s > 0 or e.min_inner_steps != 1):
+    raise ConfigError(
+      f"config.elastic.phase_budget_s={e.phase_budget_s}, min_inner_steps={e.min_inner_steps} "
+      "act only with elastic.pace_steps=True: set pace_steps=True, or leave them at 0 and 1."
+    )
+
+
+class Pacer:
+  """Each actor's measured step time; how many steps its next task runs; lease order."""
+
+  def __init__(self, elastic_config, H: int):
+    e = elastic_config
+    self.on, self.by_speed = bool(e.pace_steps), e.lease == "speed"
+    self.budget_s, self.floor, self.H = float(e.phase_budget_s), int(e.min_inner_steps), int(H)
+    self.times: dict[int, list[float]] = {}  # Actor -> its last tasks' seconds per step.
+
+  def observe(self, actor: int, result: dict) -> None:
+    """A finished task's result: its seconds per inner step ("step_s"), for its actor."""
+    if result.get("step_s"):
+      self.times.setdefault(int(actor), []).append(float(result["step_s"]))
+      self.times[int(actor)] = self.times[int(actor)][-_RECENT:]
+
+  def step_s(self, actor: int) -> float | None:
+    recent = self.times.get(int(actor))
+    return statistics.median(recent) if recent else None
+
+  def _fastest(self) -> float | None:
+    measured = [self.step_s(a) for a in self.times]
+    return min(measured) if measured else None
+
+  def slow(self, actor: int) -> bool:
+    """Measured beyond SLACK × the fastest actor's step time."""
+    s, f = self.step_s(actor), self._fastest()
+    return s is not None and s > SLACK * f
+
+  def steps(self, actor: int) -> int:
+    """Inner steps of `actor`'s next task: H unless pacing shortens it."""
+    s, f = self.step_s(actor), self._fastest()
+    if not self.on or s is None:
+      return self.H
+    if self.budget_s and self.budget_s < f:
+      raise ConfigError(
+        f"config.elastic.phase_budget_s={self.budget_s} is shorter than one inner step of the "
+        f"fastest actor ({f:.3g} s measured): raise it, or set 0 (H x that step time)."
+      )
+    if not self.budget_s:
+      if s <= SLACK * f:
+        return self.H
+      return max(self.floor, min(self.H, int(self.H * f / s)))
+    return max(self.floor, min(self.H, int(self.budget_s / s)))
+
+  def order(self, actors) -> list[int]:
+    """Idle actors in the order they take tasks: by index, or fastest first ("speed")."""
+    actors = list(actors)
+    if not self.by_speed:
+      return actors
+    return sorted(actors, key=lambda a: (self.step_s(a) or 0.0, a))
