@@ -45,7 +45,13 @@ def _check(result, steps=("inner", "outer", "eval")):
     outer = steps["outer"]
     assert 0 < outer["path_bytes"] <= outer["path_bound"]
     assert outer["path_bound"] < 2.01 * outer["held_module_bytes"]
-  assert 0 < inner["mfu"] <= 1.0 and inner["tokens_per_s"] > 0
+  for name, s in steps.items():
+    # Two roofline estimates of every step: the ceiling (perfect overlap) and the floor (none).
+    assert s["roofline_ceiling_s"] == max(s["compute_s"], s["memory_s"]) > 0, name
+    assert s["roofline_floor_s"] == s["compute_s"] + s["memory_s"], name
+  # The floor's time is at most twice the ceiling's (a + b <= 2 max(a, b)): MFU halves at worst.
+  assert 0 < inner["mfu_ceiling"] / 2 <= inner["mfu_floor"] < inner["mfu_ceiling"] <= 1.0
+  assert inner["tokens_per_s_ceiling"] > inner["tokens_per_s_floor"] > 0
 
 
 def test_tiny_config_on_two_v5e_slices():
@@ -81,7 +87,7 @@ def test_paper_dipaco_2x4_on_two_v5e_16_slices():
   assert "4 x (compiled step + 1 loss chunks) - 3 x (the step after its scan)" in inner["cost_from"]
   # 2 blocks x (forward, its recomputation, dq, dkv) per microbatch, 4 microbatches.
   assert "+ 32 attention kernel calls" in inner["cost_from"], inner["cost_from"]
-  assert inner["mfu"] < inner["mfu_full"]
+  assert inner["mfu_ceiling"] < inner["mfu_full_ceiling"]
 
 
 def test_v4_devices_are_tensorcores_and_dcn_is_the_chips():
