@@ -113,11 +113,13 @@ def test_the_gradient_crosses_data_once_a_step():
   assert sum(c["count"] for c in over_data) <= 2, over_data  # Not 4 microbatches' worth.
 
 
-def test_v4_devices_are_tensorcores_and_dcn_is_the_chips():
-  # libtpu describes a v4 chip as two devices (TensorCores): each gets half its peak.
-  assert aot.devices_per_chip("v4:2x2x1", 1, aot.topology_devices("v4:2x2x1", 1)) == 2
+def test_v4_is_one_device_a_chip_and_dcn_is_the_chips():
+  # v4 as its VMs run it (megacore): one device per chip, the chip's peak and HBM each.
+  assert len(aot.topology_devices("v4:2x2x1", 1)) == 4
   assert aot.devices_per_chip("v5p:2x2x1", 2, aot.topology_devices("v5p:2x2x1", 2)) == 1
   tiny = os.path.join(helpers.ROOT, "configs", "tiny.py")
+  v4 = aot.Report(config_check.load(tiny), "v4:2x2x1", slices=1)
+  assert v4.devices_per_chip == 1 and v4.peak == 275e12 and v4.mesh.shape["path"] == 4
   v5p = aot.Report(config_check.load(tiny), "v5p:2x2x1", slices=2)
   assert v5p.devices_per_chip == 1 and v5p.dcn_gbps == 50.0
   assert aot.Report(config_check.load(tiny), "v5p:2x2x1", 2, dcn_gbps=10).dcn_gbps == 10
