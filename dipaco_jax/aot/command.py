@@ -60,20 +60,31 @@ def format_report(r: dict[str, Any]) -> str:
       f"+ resident state {_g(m['resident_state'])} = {_g(m['total'])} GiB "
       f"({s['hbm_fraction']:.0%} of HBM){'' if s['fits'] else '  DOES NOT FIT'}"
     )
-    if "roofline_s" in s and step == "inner":
+    if "roofline_ceiling_s" in s:
       lines.append(
         f"[{step}] {s['flops']:.3e} flops, {s['bytes']:.3e} bytes per device "
-        f"({s['cost_from']}); roofline {s['roofline_s'] * 1e3:.1f} ms "
-        f"({s['bound']}-bound), {s['tokens_per_s']:,.0f} tokens/s, "
-        f"MFU {s['mfu']:.1%} causal convention (model flops {s['model_flops']:.3e}: 6 N + "
-        f"6 L T H K per token), {s['mfu_full']:.1%} full convention ({s['model_flops_full']:.3e}:"
-        " 6 N + 12 L T H K, PaLM)"
+        f"({s['cost_from'] if 'cost_from' in s else 'compiled step'}); roofline estimates: "
+        f"ceiling {s['roofline_ceiling_s'] * 1e3:.1f} ms = max(compute {s['compute_s'] * 1e3:.1f}"
+        f", memory {s['memory_s'] * 1e3:.1f}) ({s['bound']}-bound, perfect overlap), "
+        f"floor {s['roofline_floor_s'] * 1e3:.1f} ms (their sum, no overlap)"
       )
+    if "mfu_ceiling" in s:
+      lines.append(
+        f"[{step}] estimated MFU, roofline ceiling / floor: {s['mfu_ceiling']:.1%} / "
+        f"{s['mfu_floor']:.1%} causal convention (model flops {s['model_flops']:.3e}: 6 N + "
+        f"6 L T H K per token), {s['mfu_full_ceiling']:.1%} / {s['mfu_full_floor']:.1%} full "
+        f"({s['model_flops_full']:.3e}: 6 N + 12 L T H K, PaLM); tokens/s "
+        f"{s['tokens_per_s_ceiling']:,.0f} / {s['tokens_per_s_floor']:,.0f}"
+      )
+      if s["bound"] == "compute":
+        lines.append(
+          f"[{step}] compute-bound: the ceiling's MFU is model FLOPs / compiled FLOPs "
+          f"({s['flops_efficiency']:.1%}, compiled-FLOP efficiency), not a speed"
+        )
     if step == "outer":
       held = s["held_module_bytes"]
       lines.append(
-        f"[{step}] {s['flops']:.3e} flops, {s['bytes']:.3e} bytes per device; roofline "
-        f"{s['roofline_s'] * 1e3:.1f} ms; across 'path' {s['path_bytes'] / 2**20:.1f} MiB "
+        f"[{step}] across 'path' {s['path_bytes'] / 2**20:.1f} MiB "
         f"per device, of which over DCN {s['dcn_bytes'] / 2**20:.1f} MiB = "
         f"{s['dcn_s'] * 1e3:.0f} ms at {r['dcn_gbps_per_chip']:g} Gb/s per chip"
       )

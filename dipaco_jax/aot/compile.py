@@ -43,15 +43,14 @@ class Chip:
 # Public per-chip specs from Google Cloud's TPU system-architecture pages
 # (cloud.google.com/tpu/docs/v4, /v5e, /v5p, /v6e, read 2026-11): peak bf16
 # TFLOP/s, HBM GiB, HBM GB/s, DCN. usable_hbm is what libtpu 0.0.42 reports as
-# "available HBM" when a program does not fit (v4: per TensorCore in its
-# default chip config, where libtpu makes one device per TensorCore: the report
-# divides a chip's peak and bandwidth among its devices).
+# "available HBM" when a program does not fit (v4 in its megacore chip config,
+# one device per chip as v4 VMs run it: `topology_devices`).
 CHIPS = {
   "v4": Chip(
     flops_lib.TPU_BF16_TFLOPS["v4"] * 1e12,
     32 * GiB,
     1200e9,
-    15.25 * GiB,
+    30.75 * GiB,
     25.0,
     "no per-chip DCN figure published for v4: assumed as v5e's",
   ),
@@ -81,6 +80,9 @@ CHIPS = {
     "cloud.google.com/tpu/docs/v6e: host 4 x 200 Gb/s NIC, 8 chips (25.6 Tb/s per 256-chip pod)",
   ),
 }
+
+
+MEGACORE = {"v4": "megacore"}  # libtpu's chip config of one device per chip, where not default.
 
 
 class AotError(ValueError):
@@ -121,7 +123,9 @@ def topology_devices(topology: str, slices: int) -> list:
     desc = topologies.get_topology_desc(
       platform="tpu",
       topology_name=topology,
-      chip_config_name="default",
+      # v4's default config makes a device of each TensorCore; v4 VMs run megacore, one
+      # device per chip (its two cores one device), as v5p does by default.
+      chip_config_name=MEGACORE.get(chip_of(topology)[0], "default"),
       chips_per_host_bounds=bounds,
       num_slices=slices,
     )
@@ -135,7 +139,7 @@ def topology_devices(topology: str, slices: int) -> list:
 
 
 def devices_per_chip(topology: str, slices: int, devices: list) -> int:
-  """libtpu's devices per chip: 2 on v4 (one per TensorCore), else 1 (v5p's megacore too)."""
+  """libtpu's devices per chip: 1 on every chip `topology_devices` describes (megacore)."""
   chips = math.prod(check_topology(topology, slices)) * slices
   return max(1, len(devices) // chips)
 

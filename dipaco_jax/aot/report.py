@@ -2,9 +2,11 @@
 
 Per step: the per-chip memory (arguments, temporaries, outputs, and the rest of
 the training state that stays resident) against the chip's HBM, XLA's flops and
-bytes, a roofline time max(flops / peak, bytes / HBM bandwidth), tokens/s and
-MFU, and the collectives with the mesh axes they span (`Report.run`, printed by
-`format_report`; `ok` is the command's exit status).
+bytes, two roofline estimates of its time (`roofline`: the ceiling's
+max(flops / peak, bytes / HBM bandwidth), perfect overlap, and the floor's sum,
+no overlap), tokens/s and MFU at both, and the collectives with the mesh axes
+they span (`Report.run`, printed by `format_report`; `ok` is the command's exit
+status).
 """
 # pylint: disable=invalid-name
 
@@ -251,34 +253,68 @@ class Report:
         row.update(self._inner_row(compiled, row["collectives"]))
       elif step == "outer":
         row.update(self._outer_row(compiled, row["dcn_bytes"]))
+      else:
+        row.update(self._eval_row(compiled))
       if not row["fits"]:
         row["advice"] = self.advice(step, None, mem)
       self.result["steps"][step] = row
     return self.result
 
+  def roofline(self, flops: float, nbytes: float) -> dict[str, Any]:
+    """Two roofline estimates of a step's time from XLA's counts, neither a timing.
+
+    ceiling: max(flops / peak, bytes / HBM bandwidth), compute and memory traffic
+    overlapped perfectly; floor: their sum, no overlap. Both take the MXU at peak,
+    XLA's static byte count and no time for collectives.
+    """
+    compute_s, memory_s = flops / self.peak, nbytes / self.hbm_bw
+    return dict(
+      flops=flops,
+      bytes=nbytes,
+      compute_s=compute_s,
+      memory_s=memory_s,
+      roofline_ceiling_s=max(compute_s, memory_s),
+      roofline_floor_s=compute_s + memory_s,
+      bound="compute" if compute_s >= memory_s else "memory",
+    )
+
   def _inner_row(self, compiled, collectives: list[dict]) -> dict[str, Any]:
-    """The inner step's cost, roofline time, tokens/s and MFU, and its collectives over 'path'."""
+    """The inner step's roofline estimates, tokens/s and MFU at each, its collectives over 'path'.
+
+    At the ceiling of a compute-bound step the MFU is model FLOPs / compiled FLOPs: how much
+    of what the compiled program computes the model needs (`flops_efficiency`), not a speed.
+    """
     flops, nbytes, how = self._inner_cost(compiled)
     W, B, T = self.exp.batch_shape
-    t = max(flops / self.peak, nbytes / self.hbm_bw)
+    row = self.roofline(flops, nbytes)
     per_device = W * B * T / self.n_devices
     model_flops = {
       conv: flops_lib.model_flops_per_token(self.exp.model_cfg, T, conv) * per_device
       for conv in flops_lib.CONVENTIONS
     }
+    for end in ("ceiling", "floor"):
+      t = row[f"roofline_{end}_s"]
+      row[f"tokens_per_s_{end}"] = W * B * T / t
+      row[f"mfu_{end}"] = model_flops["causal"] / (t * self.peak)
+      row[f"mfu_full_{end}"] = model_flops["full"] / (t * self.peak)
     return dict(
-      flops=flops,
-      bytes=nbytes,
+      row,
       cost_from=how,
-      roofline_s=t,
-      bound="compute" if flops / self.peak >= nbytes / self.hbm_bw else "memory",
       model_flops=model_flops["causal"],
       model_flops_full=model_flops["full"],
-      tokens_per_s=W * B * T / t,
-      mfu=model_flops["causal"] / (t * self.peak),
-      mfu_full=model_flops["full"] / (t * self.peak),
+      flops_efficiency=model_flops["causal"] / flops,
       cross_path=[c for c in collectives if "path" in c["axes"]],
     )
+
+  def _eval_row(self, compiled) -> dict[str, Any]:
+    """The evaluation step's roofline estimates: XLA's count of its microbatch scan M times."""
+    flops, nbytes = compile_lib.cost(compiled)
+    M = int(self.config.inner.microbatches)
+    how = "compiled step" if M == 1 else f"{M} x (compiled step)"
+    chunk = int(self.config.model.loss_chunk)
+    if chunk and self.config.data.seq_len // chunk > 1:
+      how += " (its loss-chunk loop's body counted once: a lower bound)"
+    return dict(self.roofline(M * flops, M * nbytes), cost_from=how)
 
   def _outer_row(self, compiled, dcn_bytes: int) -> dict[str, Any]:
     """The outer step's cost and roofline, its DCN time, and the bound on what crosses 'path'."""
@@ -286,9 +322,7 @@ class Report:
     held = compile_lib.per_device_bytes(self.exp.abstract_state.params)
     levels = {s.level: s.num_modules for s in self.exp.topo.store_groups()}
     return dict(
-      flops=flops,
-      bytes=nbytes,
-      roofline_s=max(flops / self.peak, nbytes / self.hbm_bw),
+      self.roofline(flops, nbytes),
       # A chip's devices share its DCN link.
       dcn_s=dcn_bytes * self.devices_per_chip / self.dcn_bytes_per_s,
       # What a chip holds of its paths' modules; the outer step may move

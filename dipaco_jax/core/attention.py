@@ -176,12 +176,13 @@ def splash_kernel(heads: int, seq_len: int, blocks: tuple[int, int], interpret: 
 
 
 def splash_attention(
-  q_BxHxTxK, k_BxHxSxK, v_BxHxSxK, seg_BxT, *, blocks, mesh=None, interpret=None
+  q_BxHxTxK, k_BxHxSxK, v_BxHxSxK, seg_BxT, *, blocks, mesh=None, interpret=None, data_mapped=False
 ):
   """Causal splash attention within segments; q already scaled. [B, H, T, K] in and out.
 
   With a mesh of more than one device, under shard_map: the batch on 'data' and the heads on
-  'model' where they divide (a vmap over workers with spmd_axis_name='path' adds 'path').
+  'model' where they divide (a vmap over workers with spmd_axis_name='path' adds 'path'; one
+  over the batch's 'data' shards, `data_mapped`, adds 'data' itself).
   interpret (None: off TPU) runs Pallas's interpreter: the kernel's own code, on any backend,
   for tests (a run refuses splash off TPU: `check`).
   """
@@ -197,7 +198,7 @@ def splash_attention(
   if mesh is None or np.asarray(mesh.devices).size == 1:
     return local(q_BxHxTxK, k_BxHxSxK, v_BxHxSxK, seg_BxT)
   B, H = q_BxHxTxK.shape[:2]
-  data = "data" if B % mesh.shape["data"] == 0 else None
+  data = "data" if B % mesh.shape["data"] == 0 and not data_mapped else None
   model = "model" if H % mesh.shape["model"] == 0 else None
   spec = P(data, model)
   return jax.shard_map(

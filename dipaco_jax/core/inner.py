@@ -219,24 +219,47 @@ def microbatch(batch: dict, microbatches: int) -> dict:
   )
 
 
-def grad_sums(params: PyTree, batch: dict, model: model_lib.Transformer, microbatches: int):
+def grad_sums(
+  params: PyTree, batch: dict, model: model_lib.Transformer, microbatches: int, data_shards: int = 1
+):
   """(summed gradient, summed loss, summed weight) of the batch, scanned over microbatches > 1.
 
   The gradient sums stay float32 whatever the params' dtype; `finish_step` divides once by the
-  batch's weight, as the full-batch mean would.
+  batch's weight, as the full-batch mean would. data_shards = d > 1 (the batch split over a
+  'data' mesh axis of d devices, the params not): each microbatch's gradient is taken per shard
+  (a vmap over its d row blocks, spmd_axis_name='data', so each device computes its own) and
+  summed in a [d, ...] float32 accumulator, one row a device; the d rows are summed after the
+  scan. The data-parallel reduction is then one all-reduce a step, not one a microbatch (the
+  compiler hoists most of those out of the scan, but not the tied embedding's, whose gradient
+  is summed over the loss chunks' loop first). The same sums up to their order.
   """
-  grad_sums_of = jax.value_and_grad(loss_sums, has_aux=True)
+  grad_sums_of = one_grad = jax.value_and_grad(loss_sums, has_aux=True)
+  if data_shards > 1:
+    shard_model = model.clone(data_mapped=True)
+    per_shard = jax.vmap(
+      lambda p, mb: one_grad(p, mb, shard_model), in_axes=(None, 0), spmd_axis_name="data"
+    )
+    # Device k holds rows [k B/d, (k+1) B/d) of the batch, so rows [k b, (k+1) b) of each
+    # strided microbatch of b d rows (`microbatch`): row block k of [d, b, ...].
+    split = lambda x: x.reshape((data_shards, x.shape[0] // data_shards) + x.shape[1:])
+    grad_sums_of = lambda p, mb, _: per_shard(p, jax.tree.map(split, mb))
+    shape = lambda p: (data_shards,) + p.shape
+  else:
+    shape = lambda p: p.shape
 
   def body(carry, mb):
     g_acc, l_acc, w_acc = carry
     (l, w), g = grad_sums_of(params, mb, model)
-    return (jax.tree.map(jnp.add, g_acc, g), l_acc + l, w_acc + w), None
+    g = jax.tree.map(lambda x: x.astype(jnp.float32), g)
+    return (jax.tree.map(jnp.add, g_acc, g), l_acc + l.sum(), w_acc + w.sum()), None
 
-  zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+  zeros = jax.tree.map(lambda p: jnp.zeros(shape(p), jnp.float32), params)
   zero = jnp.zeros((), jnp.float32)
   (g_sum, loss_sum, weight), _ = jax.lax.scan(
     body, (zeros, zero, zero), microbatch(batch, microbatches)
   )
+  if data_shards > 1:
+    g_sum = jax.tree.map(lambda g: g.sum(0), g_sum)  # The one reduction over 'data'.
   return g_sum, loss_sum, weight
 
 
@@ -248,15 +271,17 @@ def train_step(
   model: model_lib.Transformer,
   tx: optax.GradientTransformation,
   microbatches: int,
+  data_shards: int = 1,
 ):
   """One optimizer step on one path; returns (params, opt_state, metrics).
 
   microbatches > 1 accumulates the gradient over that many parts of the batch
   inside this one step (`grad_sums`, then `finish_step`): the same update up to
-  the order of summation.
+  the order of summation; `data_shards`: grad_sums'.
   """
   if microbatches > 1:
-    return finish_step(params, opt_state, *grad_sums(params, batch, model, microbatches), tx=tx)
+    sums = grad_sums(params, batch, model, microbatches, data_shards)
+    return finish_step(params, opt_state, *sums, tx=tx)
   (loss, _), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, model)
   return _update(params, opt_state, loss, grads, tx)
 

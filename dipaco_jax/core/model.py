@@ -162,6 +162,7 @@ class Attention(nn.Module):
   cfg: ModelConfig
   decode: bool = False
   mesh: Any = None  # The program's mesh: splash runs under shard_map over it.
+  data_mapped: bool = False  # Under a vmap over 'data' shards (Transformer.data_mapped).
 
   @nn.compact
   def __call__(self, x_BxTxD, segment_ids_BxT, positions_BxT):
@@ -229,6 +230,7 @@ class Attention(nn.Module):
         segment_ids_BxT,
         blocks=blocks,
         mesh=self.mesh,
+        data_mapped=self.data_mapped,
       )
       out_BxTxHxK = jnp.swapaxes(out_BxHxTxK, 1, 2)
     else:
@@ -250,13 +252,16 @@ class Block(nn.Module):
   cfg: ModelConfig
   decode: bool = False
   mesh: Any = None
+  data_mapped: bool = False
 
   @nn.compact
   def __call__(self, x_BxTxD, segment_ids_BxT, positions_BxT):
     cfg = self.cfg
     dtype = jnp.dtype(cfg.dtype)
     h_BxTxD = nn.RMSNorm(dtype=dtype, name="attn_norm")(x_BxTxD)
-    attn = Attention(cfg, decode=self.decode, mesh=self.mesh, name="attn")
+    attn = Attention(
+      cfg, decode=self.decode, mesh=self.mesh, data_mapped=self.data_mapped, name="attn"
+    )
     x_BxTxD = x_BxTxD + attn(h_BxTxD, segment_ids_BxT, positions_BxT)
     h_BxTxD = nn.RMSNorm(dtype=dtype, name="mlp_norm")(x_BxTxD)
     form = weight_grads(cfg, attention_lib.platform_of(self.mesh))
@@ -286,6 +291,9 @@ class Transformer(nn.Module):
   # The mesh the model's program is compiled over (the spmd Experiment's), or None (one device,
   # or a jit that shards by propagation): model.attention=splash runs under shard_map over it.
   mesh: Any = None
+  # True under a vmap over the batch's 'data' shards with spmd_axis_name='data' (each device's
+  # own gradient, inner.grad_sums): that vmap maps 'data', so splash's shard_map must not.
+  data_mapped: bool = False
 
   @nn.compact
   def __call__(
@@ -310,7 +318,9 @@ class Transformer(nn.Module):
     # Decoding takes no gradient: nothing to rematerialise.
     block_cls = Block if cfg.remat == "none" or decode else nn.remat(Block, policy=policy)
     for i in range(cfg.num_layers):
-      block = block_cls(cfg, decode=decode, mesh=self.mesh, name=f"block_{i}")
+      block = block_cls(
+        cfg, decode=decode, mesh=self.mesh, data_mapped=self.data_mapped, name=f"block_{i}"
+      )
       x_BxTxD = block(x_BxTxD, segment_ids_BxT, positions_BxT)
     hidden_BxTxD = x_BxTxD
     table_VxD = embed.variables["params"]["token"] if cfg.tie_embeddings else None

@@ -95,6 +95,10 @@ class Recipe:
   model: model_lib.Transformer
   inner_tx: optax.GradientTransformation
   outer_tx: optax.GradientTransformation
+  # The 'data' shards of the batch whose gradients the microbatch scan keeps apart until it
+  # ends (inner.grad_sums): the mesh's 'data' axis, 1 without a mesh or with FSDP (which
+  # shards the gradient over 'data' as it goes).
+  data_shards: int = 1
 
   @classmethod
   def from_config(cls, config, mesh=None) -> "Recipe":
@@ -130,6 +134,7 @@ class Recipe:
       model=model_lib.Transformer(model_cfg, mesh=mesh),
       inner_tx=inner_lib.optimizer(inner_cfg),
       outer_tx=outer_lib.optimizer(outer_cfg),
+      data_shards=1 if mesh is None or config.mesh.fsdp else int(mesh.shape["data"]),
     )
 
   @property
@@ -167,6 +172,7 @@ class Recipe:
       model=self.model,
       tx=self.inner_tx,
       microbatches=self.inner_cfg.microbatches,
+      data_shards=self.data_shards,
     )
 
   def finish_step(self, params: PyTree, opt_state: PyTree, g_sum, loss_sum, weight):

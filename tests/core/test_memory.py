@@ -36,9 +36,19 @@ def _train(cfg, batches):
 
 
 @pytest.mark.slow  # three batch-8 steps, accumulated and not, on 4 workers (16 s, load 4)
-def test_microbatches_give_the_full_batch_update():
+@pytest.mark.parametrize(
+  "mesh",
+  [
+    {},  # path 4 x data 1.
+    # path 2 x data 2, loss chunks: each device's gradient summed over the scan, then over
+    # 'data' once (inner.grad_sums' data_shards), against the full batch's.
+    {"mesh.data": 2, "model.loss_chunk": 8},
+  ],
+  ids=["path4", "path2xdata2"],
+)
+def test_microbatches_give_the_full_batch_update(mesh):
   # 8 sequences per path in 4 microbatches of 2, against one batch of 8.
-  over = {"data.batch_size": 8, "dipaco.inner_steps": 3}
+  over = {"data.batch_size": 8, "dipaco.inner_steps": 3, **mesh}
   rng = np.random.default_rng(0)
   # Segments and padding (weight 0) so the per-microbatch weights differ.
   batches = []
