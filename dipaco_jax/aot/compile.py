@@ -49,7 +49,7 @@ CHIPS = {
   "v4": Chip(
     flops_lib.TPU_BF16_TFLOPS["v4"] * 1e12,
     32 * GiB,
-    1200e9,
+    flops_lib.TPU_HBM_GBPS["v4"] * 1e9,
     30.75 * GiB,
     25.0,
     "no per-chip DCN figure published for v4: assumed as v5e's",
@@ -57,7 +57,7 @@ CHIPS = {
   "v5e": Chip(
     flops_lib.TPU_BF16_TFLOPS["v5e"] * 1e12,
     16 * GiB,
-    819e9,
+    flops_lib.TPU_HBM_GBPS["v5e"] * 1e9,
     15.75 * GiB,
     25.0,
     "cloud.google.com/tpu/docs/v6e table: v5e host 2 x 100 Gb/s NIC, 8 chips "
@@ -66,7 +66,7 @@ CHIPS = {
   "v5p": Chip(
     flops_lib.TPU_BF16_TFLOPS["v5p"] * 1e12,
     95 * GiB,
-    2765e9,
+    flops_lib.TPU_HBM_GBPS["v5p"] * 1e9,
     95.74 * GiB,
     50.0,
     "cloud.google.com/tpu/docs/v5p: DCN bandwidth per chip 50 Gb/s",
@@ -74,7 +74,7 @@ CHIPS = {
   "v6e": Chip(
     flops_lib.TPU_BF16_TFLOPS["v6e"] * 1e12,
     32 * GiB,
-    1640e9,
+    flops_lib.TPU_HBM_GBPS["v6e"] * 1e9,
     31.25 * GiB,
     100.0,
     "cloud.google.com/tpu/docs/v6e: host 4 x 200 Gb/s NIC, 8 chips (25.6 Tb/s per 256-chip pod)",

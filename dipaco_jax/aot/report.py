@@ -267,15 +267,15 @@ class Report:
     overlapped perfectly; floor: their sum, no overlap. Both take the MXU at peak,
     XLA's static byte count and no time for collectives.
     """
-    compute_s, memory_s = flops / self.peak, nbytes / self.hbm_bw
+    r = flops_lib.roofline(flops, nbytes, self.peak, self.hbm_bw)
     return dict(
       flops=flops,
       bytes=nbytes,
-      compute_s=compute_s,
-      memory_s=memory_s,
-      roofline_ceiling_s=max(compute_s, memory_s),
-      roofline_floor_s=compute_s + memory_s,
-      bound="compute" if compute_s >= memory_s else "memory",
+      compute_s=r["compute_s"],
+      memory_s=r["memory_s"],
+      roofline_ceiling_s=r["step_s_overlap"],
+      roofline_floor_s=r["step_s_serial"],
+      bound=r["bound"],
     )
 
   def _inner_row(self, compiled, collectives: list[dict]) -> dict[str, Any]:

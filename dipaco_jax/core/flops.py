@@ -60,7 +60,9 @@ def require_peak_tflops(device_kind: str, dtype: str) -> float:
   return peak
 
 
-def roofline(flops: float, nbytes: float, peak: float, bandwidth: float, model_flops: float):
+def roofline(
+  flops: float, nbytes: float, peak: float, bandwidth: float, model_flops: float | None = None
+):
   """A step's roofline estimates from its counts: FLOP/s `peak`, bytes/s `bandwidth`.
 
   Both bounds of a step that runs its FLOPs at peak and moves its bytes at full bandwidth:
@@ -71,15 +73,18 @@ def roofline(flops: float, nbytes: float, peak: float, bandwidth: float, model_f
   """
   compute_s, memory_s = flops / peak, nbytes / bandwidth
   overlap_s, serial_s = max(compute_s, memory_s), compute_s + memory_s
-  return {
+  out = {
     "compute_s": compute_s,
     "memory_s": memory_s,
     "bound": "compute" if compute_s >= memory_s else "memory",
     "step_s_overlap": overlap_s,
     "step_s_serial": serial_s,
-    "mfu_ceiling": model_flops / (overlap_s * peak),
-    "mfu_floor": model_flops / (serial_s * peak),
   }
+  if model_flops is not None:  # The MFU at each end.
+    out.update(
+      mfu_ceiling=model_flops / (overlap_s * peak), mfu_floor=model_flops / (serial_s * peak)
+    )
+  return out
 
 
 def model_flops_per_token(
