@@ -146,14 +146,37 @@ def download(pin: str, wheels: str, python_version: str) -> None:
     shutil.move(os.path.join(tmp, built[0]), wheels)
 
 
+# The device check's tiny spmd run (its trainer phase), whose shards the bundle prepares.
+TRAINER_CONFIG = "configs/tiny.py"
+SUBSAMPLE = 20  # The tiny run's share of the corpus: 1 document in 20.
+
+
+def trainer_command(workdir: str, dry_run: bool) -> list[str]:
+  """The tiny spmd run: a few inner steps, two outer steps, evaluation and a checkpoint.
+
+  One document in SUBSAMPLE: shards (what the bundle prepares) written in seconds, ~700k
+  tokens, 4x what the GPU run trains on (40 steps x 4 paths x 8 x 128).
+  """
+  H = 2 if dry_run else 20
+  fields = {
+    "data.subsample": SUBSAMPLE,
+    "dipaco.inner_steps": H,
+    "dipaco.outer_steps": 2,
+    "eval.every_steps": 2 * H,
+    "eval.batches": 2,
+    "ckpt.every_steps": 2 * H,
+    "log_every_steps": H,
+  }
+  cmd = [sys.executable, "-m", "dipaco_jax.main", f"--config={TRAINER_CONFIG}"]
+  return cmd + [f"--workdir={workdir}"] + [f"--config.{k}={v}" for k, v in fields.items()]
+
+
 def prepare_cache(cache: str) -> None:
   """The check's tiny run's shards, prepared once into `cache` (its DIPACO_CACHE_DIR)."""
-  import device_check  # pylint: disable=g-import-not-at-top  # Beside us; it imports this.
-
   with tempfile.TemporaryDirectory() as tmp:
     env = dict(os.environ, DIPACO_CACHE_DIR=cache, JAX_PLATFORMS="cpu")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
-    cmd = device_check.trainer_command(os.path.join(tmp, "run"), dry_run=True)
+    cmd = trainer_command(os.path.join(tmp, "run"), dry_run=True)
     p = subprocess.run(
       cmd + ["--config.stop_at_step=1"], cwd=ROOT, env=env, capture_output=True, text=True
     )

@@ -38,7 +38,6 @@ import device_bundle  # Beside us.
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPORT = "device_check.json"
 PATH_CONFIG = "configs/dense_150m.py"  # The paper's 150M path (mfu.py runs it as one module).
-TRAINER_CONFIG = "configs/tiny.py"
 # Phase time limits (s) within --budget_s; what a phase leaves is the next one's.
 MFU_LIMIT_S, TRAINER_LIMIT_S = 170, 150
 # The tiny sizes of --dry_run: the 150M path's config cut to a CPU's seconds.
@@ -50,7 +49,6 @@ DRY_MODEL = {
   "model.vocab_size": 512,
   "data.seq_len": 64,
 }
-SUBSAMPLE = 20  # The tiny run's share of the corpus: 1 document in 20.
 DRY_PEAK = ("--peak_tflops=1", "--hbm_gbps=50")  # A pretend CPU device: the arithmetic only.
 
 
@@ -119,26 +117,6 @@ def mfu_command(args, attention: str, out: str, budget_s: float) -> list[str]:
   for k, v in sets.items():
     cmd += ["--set", f"{k}={v}"]
   return cmd
-
-
-def trainer_command(workdir: str, dry_run: bool) -> list[str]:
-  """The tiny spmd run: a few inner steps, two outer steps, evaluation and a checkpoint.
-
-  One document in SUBSAMPLE: shards (what the bundle prepares) written in seconds, ~700k
-  tokens, 4x what the GPU run trains on (40 steps x 4 paths x 8 x 128).
-  """
-  H = 2 if dry_run else 20
-  fields = {
-    "data.subsample": SUBSAMPLE,
-    "dipaco.inner_steps": H,
-    "dipaco.outer_steps": 2,
-    "eval.every_steps": 2 * H,
-    "eval.batches": 2,
-    "ckpt.every_steps": 2 * H,
-    "log_every_steps": H,
-  }
-  cmd = [sys.executable, "-m", "dipaco_jax.main", f"--config={TRAINER_CONFIG}"]
-  return cmd + [f"--workdir={workdir}"] + [f"--config.{k}={v}" for k, v in fields.items()]
 
 
 def run_phase(cmd: list[str], env: dict, limit_s: float) -> tuple[dict, str]:
@@ -260,7 +238,9 @@ def check(args, argv) -> dict:
       report["phases"][name] = phase
       write(args.out, report)
     workdir = os.path.join(tmp, "run")
-    phase, log = run_phase(trainer_command(workdir, args.dry_run), env, share(TRAINER_LIMIT_S))
+    phase, log = run_phase(
+      device_bundle.trainer_command(workdir, args.dry_run), env, share(TRAINER_LIMIT_S)
+    )
     if phase["ok"]:
       phase["result"] = trainer_result(workdir)
       phase["result"]["shards_from_cache"] = "copied from the shard cache" in log
