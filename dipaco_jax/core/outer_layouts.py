@@ -20,7 +20,10 @@ holds L = W / path workers; per store leaf of m bytes per module, its layout
                      too where the blocks allow, else as the new slices.
 
 So at most 2 L m per leaf, whatever K and the 'data' axis, plus one psum of the
-‖Δ‖ metric (ΣK float32).
+‖Δ‖ metric (ΣK float32). A slice-local group (core/slices.py: each module's workers
+in one TPU slice) runs `_split`/`_split_coded` (or `_replicated*`) on its slice's
+modules over 'in_slice' alone, the program on the sliced view of the mesh: none of
+its bytes cross the DCN.
 """
 # pylint: disable=invalid-name
 
