@@ -160,7 +160,7 @@ def _leaf_name(key_path) -> str:
 def stacked_specs(tree: PyTree, mesh: Mesh, *, leading: str | None, fsdp: bool = False) -> PyTree:
   """Specs for a tree whose leaves have a leading stacked axis (W or K).
 
-  `leading` names the mesh axis for that axis ('path' or None = replicate);
+  `leading` names the mesh axis for that axis ('path', 'slice' or None = replicate);
   fsdp also splits each matrix over 'data' (see _inner_spec).
   """
   msize = mesh.shape["model"]
@@ -241,7 +241,6 @@ def store_specs(
   topo: topology.Topology,
   fsdp: bool = False,
   compression: tuple[str, int] | None = None,
-  slice_local: bool = True,
 ) -> PyTree:
   """Each store group's layout over 'path', which fixes the outer step's collectives.
 
@@ -256,11 +255,11 @@ def store_specs(
   that codes blocks also fixes where a leaf may be cut (`_with_path`).
   On a multislice mesh, a group whose modules' workers each sit in one slice
   (`slices.is_local`) has K on 'slice' and an inner dim on 'in_slice' of the
-  sliced view (core/slices.py): its exchange stays inside each slice.
-  slice_local=False keeps the whole-'path' layout (the same numbers).
+  sliced view (core/slices.py): its exchange stays inside each slice (the
+  same numbers as the whole-'path' layout, fewer bytes and less memory: no switch).
   """
   npath = mesh.shape["path"]
-  S = slices.mesh_slices(mesh) if slice_local else 1
+  S = slices.mesh_slices(mesh)
   compressed = compression is not None
   coding = compression if compressed and compression[0] in comp.BLOCKED else None
   out = {}
