@@ -204,6 +204,7 @@ def test_a_level_inside_one_slice_sends_nothing_over_dcn(tmp_path, compression):
       "--topology=v5e:2x2",
       "--slices=2",
       f"--set=outer.compression={compression}",
+      "--levels=level_1,level_2",
       f"--out={out}",
     ],
     cwd=helpers.ROOT,
