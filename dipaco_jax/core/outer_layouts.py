@@ -20,7 +20,10 @@ holds L = W / path workers; per store leaf of m bytes per module, its layout
                      too where the blocks allow, else as the new slices.
 
 So at most 2 L m per leaf, whatever K and the 'data' axis, plus one psum of the
-‖Δ‖ metric (ΣK float32).
+‖Δ‖ metric (ΣK float32). A slice-local group (core/slices.py: each module's workers
+in one TPU slice) runs `_split`/`_split_coded` (or `_replicated*`) on its slice's
+modules over 'in_slice' alone, the program on the sliced view of the mesh: none of
+its bytes cross the DCN.
 """
 # pylint: disable=invalid-name
 
@@ -36,6 +39,7 @@ from dipaco_jax.config import sections
 from dipaco_jax.core import compression as comp
 from dipaco_jax.core import outer
 from dipaco_jax.core import sharding
+from dipaco_jax.core import slices
 from dipaco_jax.core import topology as topo_lib
 
 
@@ -47,17 +51,29 @@ def _data_part(x: jax.Array, dim: int, ndata: int) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class _Here:
-  """One store group as this device sees it inside the shard_map: its workers and weights."""
+  """One store group as this device sees it inside the shard_map: its workers and weights.
 
-  s: topo_lib.StoreGroup
+  A slice-local group (core/slices.py) sees its slice's modules and workers only, and
+  its exchange crosses 'in_slice'; any other crosses all of 'path'.
+  """
+
+  s: topo_lib.StoreGroup  # The whole group (its K rows in the ‖Δ‖ metric).
+  idx_W: np.ndarray  # Each worker's module among the rows here (of the slice's, if local).
   w_KxW: jax.Array  # Each worker's weight in each module's Δ (outer.weights).
   trained_K: jax.Array  # Modules with an active worker this phase.
   shape: dict  # The mesh's axis sizes.
   cfg: sections.OuterConfig
+  ax: str | tuple = "path"  # The axis the exchange crosses ('path', or its sliced names).
+  row0: int | jax.Array = 0  # The first row here's index in K (a local group's slice).
+
+  @property
+  def inner(self) -> str:  # The name that marks the exchanged dim in a spec (path_dim).
+    return self.ax if isinstance(self.ax, str) else self.ax[-1]
 
   @property
   def npath(self) -> int:
-    return self.shape["path"]
+    axes = (self.ax,) if isinstance(self.ax, str) else self.ax
+    return int(np.prod([self.shape[a] for a in axes]))
 
   @property
   def ndata(self) -> int:
@@ -65,15 +81,11 @@ class _Here:
 
   @property
   def p(self) -> jax.Array:
-    return jax.lax.axis_index("path")
+    return jax.lax.axis_index(self.ax)
 
   @property
   def L(self) -> int:  # Workers per device.
-    return len(self.s.module_of_worker) // self.npath
-
-  @property
-  def idx_W(self) -> np.ndarray:  # Each worker's module.
-    return self.s.module_of_worker
+    return len(self.idx_W) // self.npath
 
   @property
   def idx_L(self) -> jax.Array:  # This device's workers' modules.
@@ -120,14 +132,14 @@ def _replicated(x_K, x_L, spec, here: _Here) -> _Leaf:
   if data_split(d):
     # Each of a path's data-parallel devices sums its own part across paths.
     i = max(free(d), key=lambda i: d.shape[i])
-    part = jax.lax.psum(_data_part(d, i, ndata), "path")
+    part = jax.lax.psum(_data_part(d, i, ndata), here.ax)
     d = jax.lax.all_gather(part, "data", axis=i, tiled=True)
   else:
-    d = jax.lax.psum(d, "path")
+    d = jax.lax.psum(d, here.ax)
   return _Leaf(d, here.trained_K, 0, lambda new, _: new[idx_L], None)
 
 
-def _rows_to_owners(enc_L, n: int, cfg, w_KxL, ndata: int, split_data: bool):
+def _rows_to_owners(enc_L, n: int, cfg, w_KxL, ndata: int, split_data: bool, ax):
   """The L workers' wire rows to their owners, summed in float32 there, gathered back.
 
   Each worker's rows (every leading module dim folded into R rows of n values) are
@@ -136,19 +148,19 @@ def _rows_to_owners(enc_L, n: int, cfg, w_KxL, ndata: int, split_data: bool):
   weighted sum in float32, and an all_gather returns the float32 sums to every device.
   Returns the pseudo-gradient [K, R, n] (K = 1).
   """
-  npath = jax.lax.axis_size("path")
+  npath = jax.lax.axis_size(ax)
   parts = npath * (ndata if split_data else 1)
   R = enc_L["q"].shape[1]
   pad = -R % parts
   enc = {k: jnp.pad(v, [(0, 0), (0, pad), (0, 0)]) for k, v in enc_L.items()}
   if split_data:
     enc = {k: _data_part(v, 1, ndata) for k, v in enc.items()}
-  got = {k: jax.lax.all_to_all(v, "path", 1, 0, tiled=True) for k, v in enc.items()}
-  w_KxW = jax.lax.all_gather(w_KxL, "path", axis=1, tiled=True)
+  got = {k: jax.lax.all_to_all(v, ax, 1, 0, tiled=True) for k, v in enc.items()}
+  w_KxW = jax.lax.all_gather(w_KxL, ax, axis=1, tiled=True)
   d = outer.average(
     w_KxW, comp.decode(got, cfg.compression, cfg.compression_block, n, cfg.compression_keep)
   )
-  d = jax.lax.all_gather(d, "path", axis=1, tiled=True)
+  d = jax.lax.all_gather(d, ax, axis=1, tiled=True)
   if split_data:
     d = jax.lax.all_gather(d, "data", axis=1, tiled=True)
   return d[:, :R]
@@ -163,7 +175,7 @@ def _replicated_coded(x_K, x_L, spec, here: _Here, e_L) -> _Leaf:
   n = rows.shape[-1]
   enc = {k: v.reshape(v.shape[0], -1, v.shape[-1]) for k, v in enc.items()}
   split = here.ndata > 1 and "data" not in sharding.spec_axes(spec)
-  d = _rows_to_owners(enc, n, cfg, here.w_KxL, here.ndata, split)
+  d = _rows_to_owners(enc, n, cfg, here.w_KxL, here.ndata, split, here.ax)
   # K = 1, or a K > 1 leaf that no dim of splits over 'path' (sharding._with_path).
   return _Leaf(d.reshape(x_K.shape), here.trained_K, 0, lambda new, _: new[idx_L], e_new)
 
@@ -174,19 +186,19 @@ def _slices_back(here: _Here, j: int, split: bool, x0_L) -> Callable:
 
   def to_workers(new, wire):
     if wire is not None:  # The update's codes cross; each worker rebuilds from its start copy.
-      got = {k: jax.lax.all_to_all(v[idx_W], "path", 0, j, tiled=True) for k, v in wire.items()}
+      got = {k: jax.lax.all_to_all(v[idx_W], here.ax, 0, j, tiled=True) for k, v in wire.items()}
       if split:
         got = {k: jax.lax.all_gather(v, "data", axis=j, tiled=True) for k, v in got.items()}
       return outer.apply_update(x0_L, got, cfg)
-    y = jax.lax.all_to_all(new[idx_W], "path", 0, j, tiled=True)
+    y = jax.lax.all_to_all(new[idx_W], here.ax, 0, j, tiled=True)
     return jax.lax.all_gather(y, "data", axis=j, tiled=True) if split else y
 
   return to_workers
 
 
-def _split_axis(spec, param_spec) -> tuple[int, bool]:
+def _split_axis(spec, param_spec, here: _Here) -> tuple[int, bool]:
   """(j, the dim on 'path'; whether 'data' splits it in the store but not in the params)."""
-  j = sharding.path_dim(spec)
+  j = sharding.path_dim(spec, here.inner)
   data = sharding.spec_axes(spec[j : j + 1]) - sharding.spec_axes(param_spec[j : j + 1])
   return j, "data" in data
 
@@ -198,9 +210,9 @@ def _split(x_K, x_L, spec, param_spec, here: _Here) -> _Leaf:
   slice j forms the pseudo-gradient of that slice of every module. With 'data' there too
   (and not in the params'), a device moves its part.
   """
-  j, split = _split_axis(spec, param_spec)
+  j, split = _split_axis(spec, param_spec, here)
   part = _data_part(x_L, j, here.ndata) if split else x_L
-  x_W = jax.lax.all_to_all(part, "path", j, 0, tiled=True)
+  x_W = jax.lax.all_to_all(part, here.ax, j, 0, tiled=True)
   d = outer.delta(x_K, x_W, here.w_KxW, here.idx_W)
   return _Leaf(d, here.trained_K, 0, _slices_back(here, j, split, None), None)
 
@@ -213,7 +225,7 @@ def _split_coded(x_K, x_L, spec, param_spec, here: _Here, e_L, x0_L) -> _Leaf:
   owners, the decoded float32 values cross instead (the same numbers).
   """
   cfg, kind, npath, ndata = here.cfg, here.cfg.compression, here.npath, here.ndata
-  j, split = _split_axis(spec, param_spec)
+  j, split = _split_axis(spec, param_spec, here)
   d_L = x0_L.astype(jnp.float32) - x_L.astype(jnp.float32)
   enc, value, e_new = outer.sent(cfg, d_L, e_L)
   n = comp.as_rows(d_L).shape[-1]
@@ -230,7 +242,7 @@ def _split_coded(x_K, x_L, spec, param_spec, here: _Here, e_L, x0_L) -> _Leaf:
   else:
     kind_here = kind
   cut = lambda v: _data_part(v, j, ndata) if split else v
-  got = {k: jax.lax.all_to_all(cut(v), "path", j, 0, tiled=True) for k, v in enc.items()}
+  got = {k: jax.lax.all_to_all(cut(v), here.ax, j, 0, tiled=True) for k, v in enc.items()}
   n_here = part if last else n
   dec = comp.decode(got, kind_here, cfg.compression_block, n_here, cfg.compression_keep)
   d = outer.average(here.w_KxW, dec)
@@ -239,7 +251,7 @@ def _split_coded(x_K, x_L, spec, param_spec, here: _Here, e_L, x0_L) -> _Leaf:
 
 def _leaf(x_K, x_L, spec, param_spec, here: _Here, e_L, x0_L) -> _Leaf:
   """One store leaf's outer step on its layout (the module docstring's table)."""
-  j = sharding.path_dim(spec)
+  j = sharding.path_dim(spec, here.inner)
   coded = here.cfg.compression != "none"
   if j == 0:
     return _own(x_K, x_L, here, e_L)
@@ -276,6 +288,19 @@ def _downlink_here(old, new, spec, cfg, shape):
   return (old.astype(jnp.float32) + mine.reshape(old.shape)).astype(old.dtype), None
 
 
+def _here(s: topo_lib.StoreGroup, alpha_W, cfg, shape, ax) -> _Here:
+  """Group `s` as this device sees it; ax None: slice-local, its slice's modules and workers."""
+  w_KxW, norm_K, _ = outer.weights(s, alpha_W, cfg)
+  if ax is not None:
+    return _Here(s, s.module_of_worker, w_KxW, norm_K > 0, shape, cfg, ax)
+  v = slices.local_view(s, shape[slices.SLICE])
+  K, W = v.num_modules, len(v.module_of_worker)
+  i = jax.lax.axis_index(slices.SLICE)
+  w = jax.lax.dynamic_slice(w_KxW, (i * K, i * W), (K, W))
+  trained = jax.lax.dynamic_slice_in_dim(norm_K > 0, i * K, K)
+  return _Here(s, v.module_of_worker, w, trained, shape, cfg, slices.IN_SLICE, i * K)
+
+
 def _group(store_g, params_g, specs_g, pspecs_g, here: _Here, ef_g, start_g, mesh, sq):
   """One store group's leaves on their layouts: (pseudo-gradients, masks, way back, ‖Δ‖², ef).
 
@@ -294,7 +319,7 @@ def _group(store_g, params_g, specs_g, pspecs_g, here: _Here, ef_g, start_g, mes
     back.append(leaf.to_workers)
     part = jnp.sum(jnp.square(d.astype(jnp.float32)), axis=tuple(range(1, d.ndim)))
     part = jax.lax.dynamic_update_slice(
-      jnp.zeros(here.s.num_modules, jnp.float32), part, (leaf.row,)
+      jnp.zeros(here.s.num_modules, jnp.float32), part, (here.row0 + leaf.row,)
     )
     for a in mesh.axis_names:  # A copy replicated over `a` is counted once.
       if a not in sharding.spec_axes(sp):
@@ -321,6 +346,15 @@ def sharded_outer_step(
   start each worker's phase-start params (`paths.assemble(store)`); the update comes back
   coded too (`outer.downlink`, on the store and at every worker).
   """
+  is_spec = lambda x: isinstance(x, PartitionSpec)
+  names_slices = lambda t: any(
+    slices.names_slices(sp) for sp in jax.tree.leaves(t, is_leaf=is_spec)
+  )
+  local = {s.name for s in topo.store_groups() if names_slices(specs[0][s.name])}
+  if local:  # Every array read on the sliced view (the same devices; core/slices.py).
+    mesh = slices.slice_mesh(mesh)
+    specs = jax.tree.map(slices.on_slices, specs, is_leaf=is_spec)
+  ax = slices.PATH if local else "path"
   store_specs, opt_specs, param_specs = specs
   compressed = cfg.compression != "none"
   feedback = compressed and cfg.error_feedback
@@ -335,8 +369,7 @@ def sharded_outer_step(
         if ef_L is not None:
           new_ef[s.name] = ef_L[s.name]
         continue
-      w_KxW, norm_K, _ = outer.weights(s, alpha_W, cfg)
-      here = _Here(s, w_KxW, norm_K > 0, mesh.shape, cfg)
+      here = _here(s, alpha_W, cfg, mesh.shape, ax if s.name not in local else None)
       pick = lambda t, g=s.name: None if t is None else t[g]
       d, m, back[s.name], sq[s.level], e = _group(
         store[s.name],

@@ -21,6 +21,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dipaco_jax.core import compression as comp
+from dipaco_jax.core import slices
 from dipaco_jax.core import topology
 from dipaco_jax.errors import ConfigError
 from dipaco_jax.types import PyTree
@@ -159,7 +160,7 @@ def _leaf_name(key_path) -> str:
 def stacked_specs(tree: PyTree, mesh: Mesh, *, leading: str | None, fsdp: bool = False) -> PyTree:
   """Specs for a tree whose leaves have a leading stacked axis (W or K).
 
-  `leading` names the mesh axis for that axis ('path' or None = replicate);
+  `leading` names the mesh axis for that axis ('path', 'slice' or None = replicate);
   fsdp also splits each matrix over 'data' (see _inner_spec).
   """
   msize = mesh.shape["model"]
@@ -189,9 +190,14 @@ def owns_its_modules(s: topology.StoreGroup, npath: int) -> bool:
 
 
 def _with_path(
-  spec: P, shape: Sequence[int], mesh: Mesh, fsdp: bool, coding: tuple[str, int] | None = None
+  spec: P,
+  shape: Sequence[int],
+  mesh: Mesh,
+  fsdp: bool,
+  coding: tuple[str, int] | None = None,
+  axis: str = "path",
 ) -> P:
-  """`spec` with 'path' also on one inner dim (after any axis already there).
+  """`spec` with 'path' (or `axis`: 'in_slice', core/slices.py) also on one inner dim.
 
   Without FSDP the modules are also split over 'data' on that dim where it
   divides, so that each of a path's data-parallel devices moves its own part.
@@ -206,7 +212,7 @@ def _with_path(
   are few: dealt over every owner they would be mostly padding).
   Unchanged when no dim divides: that leaf stays replicated over 'path'.
   """
-  added = [("path",)] if fsdp or mesh.shape["data"] == 1 else [("data", "path"), ("path",)]
+  added = [(axis,)] if fsdp or mesh.shape["data"] == 1 else [("data", axis), (axis,)]
   for axes in added:
     best = None
     for i in range(1, len(shape)):
@@ -247,8 +253,13 @@ def store_specs(
   crosses back coded (the replicated layout sends codes up but gathers the
   float32 sums back, as each device runs Nesterov on the whole module); a kind
   that codes blocks also fixes where a leaf may be cut (`_with_path`).
+  On a multislice mesh, a group whose modules' workers each sit in one slice
+  (`slices.is_local`) has K on 'slice' and an inner dim on 'in_slice' of the
+  sliced view (core/slices.py): its exchange stays inside each slice (the
+  same numbers as the whole-'path' layout, fewer bytes and less memory: no switch).
   """
   npath = mesh.shape["path"]
+  S = slices.mesh_slices(mesh)
   compressed = compression is not None
   coding = compression if compressed and compression[0] in comp.BLOCKED else None
   out = {}
@@ -256,6 +267,15 @@ def store_specs(
     sub = store[s.name]
     if owns_its_modules(s, npath):
       out[s.name] = stacked_specs(sub, mesh, leading="path", fsdp=fsdp)
+    elif slices.is_local(s, npath, S):
+      view = slices.slice_mesh(mesh)
+      specs = stacked_specs(sub, mesh, leading=slices.SLICE, fsdp=fsdp)
+      out[s.name] = jax.tree.map(
+        lambda sp, x, v=view: _with_path(sp, x.shape, v, fsdp, coding, slices.IN_SLICE),
+        specs,
+        sub,
+        is_leaf=lambda x: isinstance(x, P),
+      )
     elif s.num_modules == 1 and not compressed:
       out[s.name] = stacked_specs(sub, mesh, leading=None, fsdp=fsdp)
     else:
@@ -269,10 +289,10 @@ def store_specs(
   return out
 
 
-def path_dim(spec: P) -> int | None:
-  """The dim that 'path' splits in a spec (alone or with another axis), or None."""
+def path_dim(spec: P, axis: str = "path") -> int | None:
+  """The dim that 'path' (or `axis`) splits in a spec (alone or with another axis), or None."""
   for i, entry in enumerate(spec):
-    if entry == "path" or (isinstance(entry, tuple) and "path" in entry):
+    if entry == axis or (isinstance(entry, tuple) and axis in entry):
       return i
   return None
 
@@ -314,7 +334,17 @@ def batch_spec() -> P:
 
 
 def named(mesh: Mesh, specs: PyTree) -> PyTree:
-  return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+  """NamedShardings of `specs` on `mesh`, a slice-local store's on its sliced view."""
+  view = None
+
+  def one(s):
+    nonlocal view
+    if not slices.names_slices(s):
+      return NamedSharding(mesh, s)
+    view = view or slices.slice_mesh(mesh)
+    return NamedSharding(view, s)
+
+  return jax.tree.map(one, specs, is_leaf=lambda x: isinstance(x, P))
 
 
 def describe(mesh: Mesh) -> str:

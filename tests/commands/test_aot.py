@@ -9,6 +9,7 @@ compiled for a 2-slice topology: each step fits in 90% of HBM, and the TPU
 HLO of the inner step holds no collective whose group spans 'path'.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -183,3 +184,38 @@ def test_a_compressed_outer_step_compiles_and_sends_codes():
   a, b = none["steps"]["outer"], fp4["steps"]["outer"]
   assert a["fits"] and b["fits"]
   assert 0 < b["path_bytes"] < a["path_bytes"] / 4, (b["path_bytes"], a["path_bytes"])
+
+
+@pytest.mark.parametrize("compression", ["none", "fp4"])
+def test_a_level_inside_one_slice_sends_nothing_over_dcn(tmp_path, compression):
+  """benchmarks/outer_levels.py on the tiny grid, 2 x v5e:2x2 (path 4: 2 slices x 2).
+
+  Level 1 (blocks 0-1): module i on paths 2i, 2i + 1, both in slice i, so its exchange
+  stays on ICI (core/slices.py): across 'path' but not over the DCN, but for the ‖Δ‖
+  metric's psum (K = 2 float32: two MegaScale all-reduces, 512 bytes as compiled). Level 2
+  (blocks 2-3): module j on paths j and 2 + j, one in each slice: its bytes cross.
+  """
+  out = tmp_path / "levels.json"
+  proc = subprocess.run(
+    [
+      sys.executable,
+      "benchmarks/outer_levels.py",
+      "--config=configs/tiny.py",
+      "--topology=v5e:2x2",
+      "--slices=2",
+      f"--set=outer.compression={compression}",
+      "--levels=level_1,level_2",
+      f"--out={out}",
+    ],
+    cwd=helpers.ROOT,
+    capture_output=True,
+    text=True,
+    env={**os.environ, "PYTHONPATH": helpers.ROOT},
+    check=False,
+  )
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  rows = json.loads(out.read_text())["levels"]
+  one, two = rows["level_1"], rows["level_2"]
+  assert one["slice_local"] and not two["slice_local"]
+  assert one["path_bytes"] > 100_000 and one["dcn_bytes"] <= 1024, one
+  assert two["dcn_bytes"] > 100_000, two
