@@ -48,6 +48,7 @@ from dipaco_jax.runtime import early_stopping
 from dipaco_jax.runtime import faults as faults_lib
 from dipaco_jax.runtime.elastic import grid as grid_lib
 from dipaco_jax.runtime.elastic import jit_cache
+from dipaco_jax.runtime.elastic import pacing
 from dipaco_jax.runtime.elastic import storage
 from dipaco_jax.runtime.elastic import streamed
 from dipaco_jax.runtime.elastic import task_checks
@@ -124,9 +125,20 @@ class PathWorker(task_io.TaskStorage, task_checks.TaskChecks):
     self._shard_sets = {}  # Routing phase -> its shards, opened on first use.
     self._ahead = dispatch.dispatch_ahead(config)  # As the spmd loop: on TPU/GPU, off on CPU.
     self._progress = None  # The running task's: see progress().
+    # (phase, worker) -> seconds of steps its task may run (elastic.pace_steps: stop_after).
+    self._stops = {}
 
   def pid(self) -> int:
     return os.getpid()
+
+  def stop_after(self, phase: int, worker: int, seconds: float) -> None:
+    """Task (phase, worker) stops at its first step `seconds` after the end of its first.
+
+    The driver's wall deadline for an actor with no measured step time yet
+    (elastic.pace_steps: pacing.Pacer.stop_after_s), sent once while the task runs
+    (max_concurrency=2), or with the lease. Durations only: no two clocks compared.
+    """
+    self._stops[(int(phase), int(worker))] = float(seconds)
 
   def progress(self) -> dict | None:
     """The running training task's progress, or None (the driver asks when its lease expires).
@@ -182,12 +194,18 @@ class PathWorker(task_io.TaskStorage, task_checks.TaskChecks):
     return {"path": int(path), "docs": len(s_N), "seconds": time.time() - start}
 
   def run(
-    self, phase: int, worker: int, faults: dict | None = None, steps: int | None = None
+    self,
+    phase: int,
+    worker: int,
+    faults: dict | None = None,
+    steps: int | None = None,
+    stop_after_s: float | None = None,
   ) -> dict:
     """Task (phase, worker): validation at step phase*H if due, then H inner steps (none at T).
 
     `steps`: fewer inner steps than H (elastic.pace_steps: the driver's pacing.Pacer);
-    a retry that finds a save past them keeps the save's steps.
+    a retry that finds a save past them keeps the save's steps. `stop_after_s`: the
+    deadline of `stop_after`, given with the lease (an actor not measured yet).
 
     With elastic.progress_every_steps = n > 0 the task saves its progress every n
     inner steps, and an attempt that finds a save resumes there (the same bytes
@@ -198,10 +216,13 @@ class PathWorker(task_io.TaskStorage, task_checks.TaskChecks):
     self._progress = {"phase": int(phase), "worker": int(worker), "start": start}
     span = self.grid.sched.span(int(phase))
     self._progress.update(steps=0, of=span[1] - span[0], last=None)
+    if stop_after_s is not None:
+      self.stop_after(phase, worker, stop_after_s)
     try:
       return self._run(start, phase, worker, faults, steps)
     finally:
       self._progress = None
+      self._stops.clear()  # Its deadline, and any that came after its own task ended.
 
   def _run(self, start: float, phase: int, worker: int, faults: dict | None, steps=None) -> dict:
     """run's body; `start`: when the attempt began."""
@@ -276,6 +297,7 @@ class PathWorker(task_io.TaskStorage, task_checks.TaskChecks):
     pending, m = None, None  # pending: a dispatched step's metrics, unread.
 
     resumed = len(losses)
+    floor = int(self.config.elastic.min_inner_steps)  # A deadline stops no task below it.
     read_at = []  # When each step's metrics were read: the step time without the compilation.
     # config.profile: the window's steps this task runs, traced into profile/w<worker>.
     window = profiling.Window(self.config, os.path.join(wd, "profile", f"w{worker}"))
@@ -292,6 +314,10 @@ class PathWorker(task_io.TaskStorage, task_checks.TaskChecks):
       if n_steps < s1 - s0:
         self._progress["of"] = max(n_steps - len(losses), 0)
       for i in range(len(losses), n_steps):
+        limit = self._stops.get((phase, worker))
+        if pacing.past_deadline(limit, read_at[:1], len(losses), floor, time.time()):
+          result["deadline_s"] = limit  # Stopped by it: fewer steps.
+          break
         # config.dispatch_ahead (docs/performance.md): step i+1 is dispatched before step i's
         # metrics are read, so the host's batch and bookkeeping overlap step i+1 on the device.
         window.before(s0 + i + 1)

@@ -83,3 +83,54 @@ def test_a_slow_actor_leases_the_least_lagging_runnable_task(tmp_path):
   q.modules_updated(0, ["m/0"])  # Worker 0's phase 1 is ready: pending (0, 1), (0, 2), (1, 0).
   assert q.lease(1, True) == (1, 0)  # Slow: the path furthest ahead.
   assert q.lease(2) == (0, 1)  # Fast: the most lagging.
+
+
+# ---- The wall deadline of an actor not measured yet (phase 0's tasks). ----
+
+
+def test_an_unmeasured_actors_deadline_is_slack_times_h_fast_steps_or_the_budget():
+  p = _pacer(H=10)
+  assert p.stop_after_s() is None  # Nobody measured: no deadline, every task runs H.
+  p.observe(0, _task(10, 3.4))  # 0.34 s a step -> 1.25 · 10 · 0.34 = 4.25 s of steps.
+  assert p.stop_after_s() == pytest.approx(4.25)
+  assert _pacer(H=10, pace_steps=False).stop_after_s() is None  # Pacing off: never.
+  budget = _pacer(H=10, phase_budget_s=2.0)
+  budget.observe(0, _task(10, 3.4))
+  assert budget.stop_after_s() == 2.0  # phase_budget_s as set.
+  short = _pacer(H=10, phase_budget_s=0.2)  # Below one measured step (0.34 s): one line.
+  short.observe(0, _task(10, 3.4))
+  with pytest.raises(ConfigError, match=r"phase_budget_s=0.2 is shorter than one inner step"):
+    short.stop_after_s()
+
+
+def _steps_until_deadline(H, step_s, limit_s, floor=1) -> int:
+  """Steps a task of H steps of step_s seconds runs under pacing.past_deadline (worker.py's loop).
+
+  Before each step the worker asks past_deadline with the end of its first step (t = step_s,
+  its start at 0) and the steps done so far.
+  """
+  done = 0
+  while done < H:
+    first = [step_s] if done else []
+    if pacing.past_deadline(limit_s, first, done, floor, now=done * step_s):
+      break
+    done += 1
+  return done
+
+
+def test_a_task_stops_at_its_first_step_past_the_deadline_and_not_below_the_floor():
+  f, H = 0.34, 10
+  limit = pacing.SLACK * H * f  # 4.25 s, as the pacer's above.
+  # 3x slower (1.02 s): steps end at 1.02, 2.04, ... 5.10; the check before step n+1 is at
+  # n · 1.02, i.e. (n - 1) · 1.02 s after the first step: 4 · 1.02 = 4.08 < 4.25, 5 · 1.02 =
+  # 5.10 >= 4.25 -> it stops after 6 steps, not 10 (the pacer then gives ⌊10/3⌋ = 3).
+  assert _steps_until_deadline(H, 3 * f, limit) == 6
+  # 10x slower (3.4 s): 1 · 3.4 < 4.25 <= 2 · 3.4 -> 3 steps instead of 10 (34 s -> 10.2 s).
+  assert _steps_until_deadline(H, 10 * f, limit) == 3
+  # Equal actors within SLACK never stop early: H steps of up to 1.25 f take (H - 1) · 1.25 f
+  # = 3.825 s after the first < 4.25 s, so with pacing on and equal speeds every task still
+  # runs H steps, the same inner steps as with pacing off (the results bit-identical).
+  assert _steps_until_deadline(H, 1.25 * f, limit) == H
+  # The floor: a deadline already past (0 s) still lets min_inner_steps run.
+  assert _steps_until_deadline(H, f, 0.0, floor=4) == 4
+  assert _steps_until_deadline(H, f, None) == H  # No deadline: H.
