@@ -2,11 +2,20 @@
 
 import types
 
+import numpy as np
 import pytest
+import test_elastic_end_to_end
 
+from dipaco_jax import train
 from dipaco_jax.errors import ConfigError
+from dipaco_jax.runtime import faults as faults_lib
 from dipaco_jax.runtime.elastic import coordinator as coord_lib
 from dipaco_jax.runtime.elastic import pacing
+from dipaco_jax.runtime.elastic import storage
+
+import helpers
+
+ray_cluster = test_elastic_end_to_end.ray_cluster  # The local Ray cluster fixture (4 CPUs).
 
 
 def _pacer(H=30, **kw):
@@ -134,3 +143,40 @@ def test_a_task_stops_at_its_first_step_past_the_deadline_and_not_below_the_floo
   # The floor: a deadline already past (0 s) still lets min_inner_steps run.
   assert _steps_until_deadline(H, f, 0.0, floor=4) == 4
   assert _steps_until_deadline(H, f, None) == H  # No deadline: H.
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_cluster")
+def test_a_slow_actors_phase_0_task_stops_at_the_deadline(tmp_path):
+  # Actor 1 sleeps 3 s after each inner step, actor 0 0.2 s; H = 6, T = 1, 4 paths on the 2.
+  # Actor 0's task (0, 0) ends first: 0.2 s a step -> the deadline 1.25 · 6 · 0.2 = 1.5 s of
+  # steps for actor 1's running (0, 1), which stops at its first step past it, after the
+  # floor of 2: 2 steps (~6 s of sleeps) instead of 6 (~18 s). Actor 0, measured, runs H on
+  # the rest. (Its wall is mostly the actors' start-up and compilation: not asserted.)
+  H = 6
+  cfg = helpers.elastic_config(
+    **{
+      "data.shard_dir": str(tmp_path / "shards"),
+      "dipaco.inner_steps": H,
+      "dipaco.outer_steps": 1,
+      "eval.every_steps": H,
+      "ckpt.every_steps": H,
+      "elastic.num_workers": 2,
+      "elastic.pace_steps": True,
+      "elastic.min_inner_steps": 2,
+    }
+  )
+  wd = str(tmp_path / "run")
+  out = train.train_and_evaluate(cfg, wd, faults_lib.Faults(step_delay_s=(0.2, 3.0)))
+  assert out["step"] == H and out["status"]["done"] == 8 and np.isfinite(out["train_loss_mean"])
+  events = storage.read_task_log(wd)
+  done = {(e["phase"], e["worker"]): e for e in events if e["event"] == "done"}
+  slow = [e for (t, _), e in done.items() if t == 0 and e["actor"] == 1]
+  fast = [e for (t, _), e in done.items() if t == 0 and e["actor"] == 0]
+  assert slow and fast, done
+  first = slow[0]  # Its phase-0 task leased before any step time: stopped by the deadline.
+  assert 2 <= first["steps"] < H and first["deadline_s"] > 0, first
+  assert all(e["steps"] == H and "deadline_s" not in e for e in fast), fast
+  told = [e for e in events if e["event"] in ("deadline", "start") and e.get("actor") == 1]
+  assert any(e["event"] == "deadline" or "stop_after_s" in e for e in told), told
