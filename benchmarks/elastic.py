@@ -62,28 +62,26 @@ ONE = {"dipaco.level_groups": ("embed,block_0-1,head",), "dipaco.modules_per_lev
 
 
 def _config(H, T, shard_dir, **kw):
+  """config/micro.py's model at batch B, length L, H x T steps (`kw` on top)."""
   from dipaco_jax import config_check  # pylint: disable=g-import-not-at-top
+  from dipaco_jax.config import micro  # pylint: disable=g-import-not-at-top
 
-  over = {
-    "model.d_model": 32,
-    "model.num_layers": 2,
-    "model.num_heads": 2,
-    "model.head_dim": 16,
-    "model.max_len": L,
-    **GRID,
-    "dipaco.inner_steps": H,
-    "dipaco.outer_steps": T,
-    "inner.warmup_steps": 2,
-    "data.seq_len": L,
-    "data.batch_size": B,
-    "ckpt.every_steps": H,
-    "eval.every_steps": H,
-    "eval.batches": 1,
-    "ckpt.async_save": False,
-    "early_stopping.enabled": False,
-    "mesh.cpu_devices": 0,
-    "data.shard_dir": shard_dir,
-  }
+  over = micro.overrides(
+    **{
+      "model.max_len": L,
+      **GRID,
+      "dipaco.inner_steps": H,
+      "dipaco.outer_steps": T,
+      "data.seq_len": L,
+      "data.batch_size": B,
+      "ckpt.every_steps": H,
+      "eval.every_steps": H,
+      "ckpt.async_save": False,
+      "early_stopping.enabled": False,
+      "mesh.cpu_devices": 0,
+      "data.shard_dir": shard_dir,
+    }
+  )
   over.update(kw)
   return config_check.load(os.path.join(ROOT, "configs", "tiny.py"), **over)
 

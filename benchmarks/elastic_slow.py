@@ -49,31 +49,26 @@ ARMS = {
 
 def _config(args, shard_dir, **kw):
   from dipaco_jax import config_check  # pylint: disable=g-import-not-at-top
+  from dipaco_jax.config import micro  # pylint: disable=g-import-not-at-top
 
   H = args.inner_steps
-  over = {
-    "model.d_model": 32,
-    "model.num_layers": 2,
-    "model.num_heads": 2,
-    "model.head_dim": 16,
-    "model.max_len": 64,
-    "dipaco.level_groups": ("embed,head", "block_0", "block_1"),
-    "dipaco.modules_per_level": (1, 2, 2),
-    "dipaco.inner_steps": H,
-    "dipaco.outer_steps": args.outer_steps,
-    "dipaco.mode": "elastic",
-    "inner.warmup_steps": 2,
-    "data.seq_len": 64,
-    "data.batch_size": 4,
-    "ckpt.every_steps": H,
-    "eval.every_steps": H,
-    "eval.batches": 2,
-    "early_stopping.enabled": False,
-    "mesh.cpu_devices": 0,
-    "elastic.num_workers": 4,
-    "data.shard_dir": shard_dir,
-    **kw,
-  }
+  over = micro.overrides(
+    **{
+      "dipaco.inner_steps": H,
+      "dipaco.outer_steps": args.outer_steps,
+      "dipaco.mode": "elastic",
+      "data.seq_len": 64,
+      "data.batch_size": 4,
+      "ckpt.every_steps": H,
+      "eval.every_steps": H,
+      "eval.batches": 2,
+      "early_stopping.enabled": False,
+      "mesh.cpu_devices": 0,
+      "elastic.num_workers": 4,
+      "data.shard_dir": shard_dir,
+      **kw,
+    }
+  )
   return config_check.load(os.path.join(ROOT, "configs", "tiny.py"), **over)
 
 

@@ -14,6 +14,7 @@ from tensorboard.compat.tensorflow_stub import pywrap_tensorflow
 from dipaco_jax import config_check
 from dipaco_jax import data as data_lib
 from dipaco_jax import serve
+from dipaco_jax.config import micro
 from dipaco_jax.core import model as model_lib
 from dipaco_jax.core import paths
 from dipaco_jax.io import checkpoint
@@ -59,26 +60,8 @@ def train_small_run(workdir, *flags) -> None:
 
 
 def micro_config(**overrides):
-  """configs/tiny.py shrunk to a seconds-long model (vocab 256, d 32, 2 blocks)."""
-  base = {
-    "model.vocab_size": 256,
-    "model.d_model": 32,
-    "model.num_layers": 2,
-    "model.num_heads": 2,
-    "model.head_dim": 16,
-    "model.max_len": 64,
-    "dipaco.level_groups": ("embed,head", "block_0", "block_1"),
-    "dipaco.modules_per_level": (1, 2, 2),
-    "dipaco.inner_steps": 2,
-    "dipaco.outer_steps": 2,
-    "inner.warmup_steps": 2,
-    "data.seq_len": 16,
-    "data.batch_size": 2,
-    "ckpt.every_steps": 2,
-    "eval.every_steps": 2,
-    "eval.batches": 1,
-    "ckpt.async_save": False,
-  }
+  """configs/tiny.py shrunk to a seconds-long model (config/micro.py's, vocab 256)."""
+  base = micro.overrides(**{"model.vocab_size": 256, "ckpt.async_save": False})
   base.update(overrides)
   return config_check.load(os.path.join(ROOT, "configs", "tiny.py"), **base)
 

@@ -38,27 +38,12 @@ import numpy as np
 
 from dipaco_jax import config_check
 from dipaco_jax import errors
+from dipaco_jax.config import micro
 from dipaco_jax.config import schema
 from dipaco_jax.core import experiment
 
-# The base: configs/tiny.py at a micro size (4 workers on 4 fake devices), as tests/helpers.py.
-BASE = {
-  "model.d_model": 32,
-  "model.num_layers": 2,
-  "model.num_heads": 2,
-  "model.head_dim": 16,
-  "model.max_len": 64,
-  "dipaco.level_groups": ("embed,head", "block_0", "block_1"),
-  "dipaco.modules_per_level": (1, 2, 2),
-  "dipaco.inner_steps": 2,
-  "dipaco.outer_steps": 2,
-  "inner.warmup_steps": 2,
-  "data.seq_len": 16,
-  "data.batch_size": 2,
-  "ckpt.every_steps": 2,
-  "eval.every_steps": 2,
-  "eval.batches": 1,
-}
+# The base: configs/tiny.py at a micro size (4 workers on 4 fake devices), as the tests'.
+BASE = micro.overrides()
 # Fields whose values name files, hosts or run-time behaviour only (no size derives from them).
 SKIP_SECTIONS = ("faults", "profile")
 SKIP = {

@@ -632,7 +632,8 @@ class ElasticConfig(f.Section):
     False,
     f.boolean(),
     "Work in proportion to speed (docs/elastic.md): a task's inner steps from its actor's measured "
-    "step time within phase_budget_s (at most H, at least min_inner_steps).",
+    "step time within phase_budget_s (at most H, at least min_inner_steps); an actor not "
+    "measured yet (phase 0) stops at that budget's wall deadline instead.",
   )
   phase_budget_s: float = f.field(
     0.0,

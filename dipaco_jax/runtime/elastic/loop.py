@@ -80,6 +80,7 @@ class EventLoop:
     self.accepted_here = 0
     self.saves_progress = 0 < e.progress_every_steps < grid.H
     self.pacer = pacing.Pacer(e, grid.H)  # Steps and lease order from measured speed.
+    self.told = set()  # Running futures given the pacer's wall deadline (once each).
     self.probes = {}  # future of pid() -> worker actor coming back from a failure.
     self.ex_probes, self.held = {}, {}  # The same for executors; reports held while they restart.
     self.records = records_lib.PhaseRecords(config, workdir, exp, grid, self.results)
@@ -211,6 +212,9 @@ class EventLoop:
         return
       steps = self.pacer.steps(i)
       paced = {"steps": steps} if steps < self.grid.H else {}
+      stop = self.pacer.stop_after_s() if self.pacer.step_s(i) is None else None
+      if stop is not None:  # Not measured yet: a wall deadline (pacing.py).
+        paced["stop_after_s"] = stop
       spec = self.faults.at(
         "lease",
         actor=i,
@@ -221,6 +225,8 @@ class EventLoop:
       future = self.workers[i].run.remote(*task, faults=spec, **paced)
       self.faults.at("leased", future=future, actor=i, spec=spec)
       self.running[future] = (i, tuple(task), time.time())
+      if stop is not None:
+        self.told.add(future)
       self.log(event="start", phase=task[0], worker=task[1], actor=i, **paced)
 
   def _poll_executors(self) -> None:
@@ -297,6 +303,7 @@ class EventLoop:
   def _on_task(self, f) -> None:
     """A task's result to the queue (once per task) and the executors; a dead actor's requeued."""
     actor, task, start = self.running.pop(f)
+    self.told.discard(f)
     try:
       result = self.ray.get(f)
     except self.ray_errors.RayActorError as err:
@@ -310,6 +317,7 @@ class EventLoop:
       raise err.as_instanceof_cause() from None
     self.task_time = time.time() - start
     self.pacer.observe(actor, result)
+    self._deadlines()
     if not self.call(self.coord.complete, task[0], task[1], result):
       self.log(event="duplicate", phase=task[0], worker=task[1], actor=actor)
       return
@@ -323,9 +331,24 @@ class EventLoop:
       seconds=result["end"] - result["start"],
       pid=result["pid"],
       steps=len(result["loss"]),
-      **{k: result[k] for k in ("resumed_at_step", "cpus", "step_s") if k in result},
+      **{k: result[k] for k in ("resumed_at_step", "cpus", "step_s", "deadline_s") if k in result},
     )
     self._report(*task)
+
+  def _deadlines(self) -> None:
+    """Running tasks of actors not measured yet get the pacer's wall deadline (pace_steps).
+
+    Once each, when a finished task first gives the pacer a step time: the phase-0
+    tasks of a slow actor then stop near the fast actors' wall instead of after H steps.
+    """
+    limit = self.pacer.stop_after_s()
+    if limit is None:
+      return
+    for f, (actor, task, _) in self.running.items():
+      if f not in self.told and self.pacer.step_s(actor) is None:
+        self.told.add(f)
+        self.workers[actor].stop_after.remote(*task, limit)  # Answers at once; not awaited.
+        self.log(event="deadline", phase=task[0], worker=task[1], actor=actor, seconds=limit)
 
   def _on_poll(self, f) -> None:
     """An executor's poll: the modules its clock stepped, and whether it still waits."""

@@ -6,7 +6,14 @@ per step (the median of its last tasks, each timed from its second step: no
 compilation) and budget is elastic.phase_budget_s, or H × the fastest actor's step
 time (0). So H stays the fast actors' count and a
 3× slower actor runs H/3. An actor within SLACK of the fastest runs H (noise on a
-shared host must not shorten equal actors' tasks). An actor not measured yet runs H.
+shared host must not shorten equal actors' tasks).
+
+An actor not measured yet (every actor in phase 0) runs up to H steps against a wall
+deadline instead: once any actor is measured, its task stops at its first step after
+`stop_after_s` seconds of steps (counted from the end of its own first step, so its
+compilation and loads are not counted), no fewer than min_inner_steps. The deadline is
+phase_budget_s, or SLACK × H × the fastest step time: the same budget the measured
+actors' step counts divide, with the slack that keeps an equal actor at H.
 
 elastic.lease="speed": idle actors take ready tasks fastest first, and a slow
 actor (beyond SLACK) the least lagging runnable task, so a lagging path goes to
@@ -49,6 +56,17 @@ def check(config) -> None:
     )
 
 
+def past_deadline(limit_s, first_step_end, steps_done: int, floor: int, now: float) -> bool:
+  """A task's next step is past its deadline: limit_s seconds after its first step ended.
+
+  `first_step_end`: [when this attempt's first step ended], or [] before it; no deadline
+  (limit_s None) or fewer than `floor` steps done: never.
+  """
+  if limit_s is None or not first_step_end or steps_done < floor:
+    return False
+  return now - first_step_end[0] >= limit_s
+
+
 class Pacer:
   """Each actor's measured step time; how many steps its next task runs; lease order."""
 
@@ -82,16 +100,28 @@ class Pacer:
     s, f = self.step_s(actor), self._fastest()
     if not self.on or s is None:
       return self.H
-    if self.budget_s and self.budget_s < f:
-      raise ConfigError(
-        f"config.elastic.phase_budget_s={self.budget_s} is shorter than one inner step of the "
-        f"fastest actor ({f:.3g} s measured): raise it, or set 0 (H x that step time)."
-      )
+    self._check_budget(f)
     if not self.budget_s:
       if s <= SLACK * f:
         return self.H
       return max(self.floor, min(self.H, int(self.H * f / s)))
     return max(self.floor, min(self.H, int(self.budget_s / s)))
+
+  def stop_after_s(self) -> float | None:
+    """Seconds of steps after its first an unmeasured actor's task may run (None: no limit)."""
+    f = self._fastest()
+    if not self.on or f is None:
+      return None
+    self._check_budget(f)
+    return self.budget_s or SLACK * self.H * f
+
+  def _check_budget(self, fastest: float) -> None:
+    """phase_budget_s must hold one inner step of the fastest actor."""
+    if self.budget_s and self.budget_s < fastest:
+      raise ConfigError(
+        f"config.elastic.phase_budget_s={self.budget_s} is shorter than one inner step of the "
+        f"fastest actor ({fastest:.3g} s measured): raise it, or set 0 (H x that step time)."
+      )
 
   def order(self, actors) -> list[int]:
     """Idle actors in the order they take tasks: by index, or fastest first ("speed")."""

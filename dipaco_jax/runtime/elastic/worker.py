@@ -26,6 +26,9 @@ Streamed (outer.fragments, outer.overlap), `phase` counts the schedule's units
 (fragments.py): a task trains one unit's inner steps from the params streamed.py
 assembles, keeps its params for the next unit, and sends the deltas of the groups
 its unit's end syncs.
+
+The task's files are task_io.py's (TaskStorage), its evaluations and guard
+task_checks.py's (TaskChecks): PathWorker mixes both in.
 """
 # pylint: disable=invalid-name
 
@@ -36,7 +39,6 @@ import time
 import jax
 import numpy as np
 
-from dipaco_jax import data as data_lib
 from dipaco_jax import routing
 from dipaco_jax.core import guard as guard_lib
 from dipaco_jax.io import profiling
@@ -46,15 +48,11 @@ from dipaco_jax.runtime import early_stopping
 from dipaco_jax.runtime import faults as faults_lib
 from dipaco_jax.runtime.elastic import grid as grid_lib
 from dipaco_jax.runtime.elastic import jit_cache
+from dipaco_jax.runtime.elastic import pacing
 from dipaco_jax.runtime.elastic import storage
 from dipaco_jax.runtime.elastic import streamed
-
-
-def _write_all(writes, plan: faults_lib.Plan, kind: str) -> None:
-  """Runs `writes` in order, telling the fault plan after each one."""
-  for n, write in enumerate(writes, 1):
-    write()
-    plan.at("wrote", kind=kind, n=n, of=len(writes))
+from dipaco_jax.runtime.elastic import task_checks
+from dipaco_jax.runtime.elastic import task_io
 
 
 def _pin_cpus(node: str, cpus) -> None:
@@ -86,7 +84,7 @@ def programs(recipe) -> dict:
   }
 
 
-class PathWorker:
+class PathWorker(task_io.TaskStorage, task_checks.TaskChecks):
   """One worker actor: any (phase, worker) task, one at a time."""
 
   def __init__(
@@ -127,9 +125,20 @@ class PathWorker:
     self._shard_sets = {}  # Routing phase -> its shards, opened on first use.
     self._ahead = dispatch.dispatch_ahead(config)  # As the spmd loop: on TPU/GPU, off on CPU.
     self._progress = None  # The running task's: see progress().
+    # (phase, worker) -> seconds of steps its task may run (elastic.pace_steps: stop_after).
+    self._stops = {}
 
   def pid(self) -> int:
     return os.getpid()
+
+  def stop_after(self, phase: int, worker: int, seconds: float) -> None:
+    """Task (phase, worker) stops at its first step `seconds` after the end of its first.
+
+    The driver's wall deadline for an actor with no measured step time yet
+    (elastic.pace_steps: pacing.Pacer.stop_after_s), sent once while the task runs
+    (max_concurrency=2), or with the lease. Durations only: no two clocks compared.
+    """
+    self._stops[(int(phase), int(worker))] = float(seconds)
 
   def progress(self) -> dict | None:
     """The running training task's progress, or None (the driver asks when its lease expires).
@@ -152,123 +161,6 @@ class PathWorker:
       "elapsed_s": now - p["start"],
       "since_step_s": None if p["last"] is None else now - p["last"],
     }
-
-  def _shards(self, k: int) -> data_lib.ShardSet:
-    """Routing phase k's shard set."""
-    if k not in self._shard_sets:
-      self._shard_sets[k] = data_lib.ShardSet(routing.shard_dir(self.config, self.workdir, k))
-    return self._shard_sets[k]
-
-  def _batcher(self, worker: int, k: int) -> data_lib.WorkerBatcher:
-    d = self.config.data
-    return data_lib.WorkerBatcher(
-      self._shards(k),
-      "train",
-      [worker],
-      seq_len=d.seq_len,
-      batch_size=d.batch_size,
-      seed=d.seed,
-      holdout=self._rest,
-      interleave=d.interleave,
-    )
-
-  def _load_groups(self, worker: int, file_of, template=None):
-    """Worker `worker`'s params (or a params-shaped tree): each group's from file_of(group, e)."""
-    template = template or self.grid.module_template
-    parts = {}
-    for g, e in self.grid.modules_of_worker(worker):
-      parts.update(storage.load_tree(file_of(g, e), template(g)))
-    return parts
-
-  def _load_params(self, phase: int, worker: int):
-    """The path's modules at version `phase` (the store)."""
-    return self._load_groups(worker, lambda g, e: storage.module_file(self.workdir, g, e, phase))
-
-  def _receive(self, phase: int, worker: int):
-    """The path's modules at version `phase` and the bytes read for them (the downlink).
-
-    With outer.compression, a module this actor holds at version phase − 1 (its last
-    task read it) is rebuilt from the compressed update u<phase> with the executor's
-    program (the same bytes as v<phase>); any other is read whole.
-    """
-    parts, nbytes, held = {}, 0, {}
-    for g, e in self.grid.modules_of_worker(worker):
-      prev = self._held.get((g, e))
-      update = storage.module_file(self.workdir, g, e, phase, "u")
-      if self.recipe.compressed and prev is not None and prev[0] == phase - 1 and update.exists():
-        tree = jax.device_get(
-          self._rebuild(prev[1], storage.load_tree(update, self.grid.delta_template(g)))
-        )
-        nbytes += storage.size(update)
-      else:
-        f = storage.module_file(self.workdir, g, e, phase)
-        tree = storage.load_tree(f, self.grid.module_template(g))
-        nbytes += storage.size(f)
-      held[(g, e)] = (phase, tree)
-      parts.update(tree)
-    self._held = held
-    return parts, nbytes
-
-  def _group_writes(self, file_of, tree, worker: int, groups=None) -> list:
-    """Writes of worker `worker`'s groups (those in `groups`, if given) of `tree` to file_of(g)."""
-    return [
-      functools.partial(storage.save_tree, file_of(g), {g: tree[g]})
-      for g, _ in self.grid.modules_of_worker(worker)
-      if groups is None or g in groups
-    ]
-
-  def _residual(self, phase: int, worker: int):
-    """The worker's error-feedback residual at the start of `phase` (zeros at phase 0)."""
-    if phase == 0:
-      return self.recipe.init_ef(self.grid.params_template())
-    return self._load_groups(
-      worker,
-      lambda g, _: storage.ef_file(self.workdir, worker, phase, g),
-      template=lambda g: self.grid.ef_template(g),
-    )
-
-  def _val_batches(self, worker: int, k: int, split: str = "validation") -> list:
-    """The first eval.batches batches of the worker's validation shard, or of its held-out docs.
-
-    Of routing phase k's shards. Split "validation": the spmd loop's eval_batches; "heldout":
-    shard_plan's stop_batches.
-    """
-    key = (split, k, worker)
-    if key not in self._val:
-      d = self.config.data
-      source = "train" if split == "heldout" else split
-      n = self._shards(k).num_docs(source)[worker]
-      if split == "heldout":
-        n = self._heldout.count(int(n))
-      # An empty validation shard (allow_validation), or a training shard too small to spare a
-      # held-out document: the loss reads NaN, as the synchronous Feed's padding-only batches.
-      if n == 0:
-        self._val[key] = []
-      else:
-        it = data_lib.WorkerBatcher(
-          self._shards(k),
-          source,
-          [worker],
-          seq_len=d.seq_len,
-          batch_size=d.batch_size,
-          seed=d.seed,
-          shuffle=False,
-          holdout=self._heldout if split == "heldout" else None,
-        )
-        self._val[key] = [it.next_batch() for _ in range(self.config.eval.batches)]
-    return self._val[key]
-
-  def _evaluate(self, params, worker: int, k: int, split: str = "validation") -> float:
-    """Token-weighted loss on the worker's own shard of routing phase k (Experiment.evaluate's)."""
-    batches = self._val_batches(worker, k, split)
-    if not batches:  # No document to score (see _val_batches).
-      return float("nan")
-    loss_sum = weight = 0.0
-    for batch in batches:
-      out = jax.device_get(self._eval(params, batch))
-      loss_sum, weight = loss_sum + out["loss_sum"], weight + out["weight"]
-    weight = np.asarray(weight)
-    return float(np.where(weight > 0, np.asarray(loss_sum) / np.maximum(weight, 1.0), np.nan)[0])
 
   def score(self, step: int, path: int, faults: dict | None = None) -> dict:
     """Re-shard scoring task: path `path` at module version `step` scores the router split.
@@ -301,64 +193,19 @@ class PathWorker:
     storage.save_array(storage.scores_file(self.workdir, k, int(path)), s_N)
     return {"path": int(path), "docs": len(s_N), "seconds": time.time() - start}
 
-  def _saved_progress(self, phase: int, worker: int):
-    """Task (phase, worker)'s newest complete mid-task save: (record, folder), or None."""
-    at = storage.progress_dir(self.workdir, worker, phase) / "at.json"
-    if not at.exists():
-      return None
-    rec = storage.load_json(at)
-    if rec.get("H") != self.grid.H or not 0 < rec.get("step", 0) < self.grid.H:
-      raise ValueError(
-        f"{at} records step {rec.get('step')} of a task of {rec.get('H')} inner steps, but "
-        f"dipaco.inner_steps is {self.grid.H}: rerun with the config that wrote this workdir, "
-        "or use a new --workdir."
-      )
-    return rec, at.parent / f"s{rec['step']:06d}"
-
-  def _save_progress(self, phase, worker, rec, params, opt, batcher, plan) -> None:
-    """A mid-task save after rec["step"] inner steps; at.json names it once it is complete."""
-    top = storage.progress_dir(self.workdir, worker, phase)
-    folder = top / f"s{rec['step']:06d}"
-    params, opt = jax.device_get((params, opt))
-    writes = self._group_writes(lambda g: folder / f"{g}.npz", params, worker)
-    writes.append(functools.partial(storage.save_tree, folder / "opt.npz", opt))
-    writes.append(functools.partial(storage.save_json, folder / "data.json", batcher.get_state()))
-    writes.append(functools.partial(storage.save_json, top / "at.json", rec))
-    _write_all(writes, plan, "progress")
-    for old in top.glob("s*"):  # The saves before this one.
-      if old.name != folder.name:
-        old.rmtree(missing_ok=True)
-
-  def _guard(self, phase: int, worker: int, start_params, losses_so_far, unit: int | None = None):
-    """The recipe's divergence guard for task (phase, worker), as the spmd loop's for it.
-
-    The phase's reference norms: the path's modules at version `phase`, which the
-    task started from. The loss window: this worker's earlier steps, read from its
-    earlier tasks' results (the run's, as the spmd guard's in one process). Streamed:
-    `unit` is the task's, `phase` its phase, and `start_params` the phase's start.
-    """
-    kept = f"every module up to outer step {phase} is kept"
-    guard = self.recipe.guard([self.grid.topo.worker_labels()[worker]], kept=kept)
-    guard.start_phase(phase, jax.device_get(self._norms(start_params)))
-    n, earlier = self.recipe.guard_cfg.stuck_steps - len(losses_so_far), []
-    t = phase if unit is None else unit
-    while n > 0 and t > 0:
-      done = storage.worker_out_dir(self.workdir, worker, t) / "done.json"
-      if not done.exists():  # A shorter window: the rule fires later, never wrongly.
-        break
-      losses = list(storage.load_json(done)["loss"])  # H, or fewer (elastic.pace_steps).
-      earlier = losses[-n:] + earlier
-      n, t = n - len(losses), t - 1
-    guard.seed_losses([[x] for x in earlier + list(losses_so_far)])
-    return guard
-
   def run(
-    self, phase: int, worker: int, faults: dict | None = None, steps: int | None = None
+    self,
+    phase: int,
+    worker: int,
+    faults: dict | None = None,
+    steps: int | None = None,
+    stop_after_s: float | None = None,
   ) -> dict:
     """Task (phase, worker): validation at step phase*H if due, then H inner steps (none at T).
 
     `steps`: fewer inner steps than H (elastic.pace_steps: the driver's pacing.Pacer);
-    a retry that finds a save past them keeps the save's steps.
+    a retry that finds a save past them keeps the save's steps. `stop_after_s`: the
+    deadline of `stop_after`, given with the lease (an actor not measured yet).
 
     With elastic.progress_every_steps = n > 0 the task saves its progress every n
     inner steps, and an attempt that finds a save resumes there (the same bytes
@@ -369,10 +216,13 @@ class PathWorker:
     self._progress = {"phase": int(phase), "worker": int(worker), "start": start}
     span = self.grid.sched.span(int(phase))
     self._progress.update(steps=0, of=span[1] - span[0], last=None)
+    if stop_after_s is not None:
+      self.stop_after(phase, worker, stop_after_s)
     try:
       return self._run(start, phase, worker, faults, steps)
     finally:
       self._progress = None
+      self._stops.clear()  # Its deadline, and any that came after its own task ended.
 
   def _run(self, start: float, phase: int, worker: int, faults: dict | None, steps=None) -> dict:
     """run's body; `start`: when the attempt began."""
@@ -447,6 +297,7 @@ class PathWorker:
     pending, m = None, None  # pending: a dispatched step's metrics, unread.
 
     resumed = len(losses)
+    floor = int(self.config.elastic.min_inner_steps)  # A deadline stops no task below it.
     read_at = []  # When each step's metrics were read: the step time without the compilation.
     # config.profile: the window's steps this task runs, traced into profile/w<worker>.
     window = profiling.Window(self.config, os.path.join(wd, "profile", f"w{worker}"))
@@ -463,6 +314,10 @@ class PathWorker:
       if n_steps < s1 - s0:
         self._progress["of"] = max(n_steps - len(losses), 0)
       for i in range(len(losses), n_steps):
+        limit = self._stops.get((phase, worker))
+        if pacing.past_deadline(limit, read_at[:1], len(losses), floor, time.time()):
+          result["deadline_s"] = limit  # Stopped by it: fewer steps.
+          break
         # config.dispatch_ahead (docs/performance.md): step i+1 is dispatched before step i's
         # metrics are read, so the host's batch and bookkeeping overlap step i+1 on the device.
         window.before(s0 + i + 1)
@@ -524,7 +379,7 @@ class PathWorker:
         storage.save_json, storage.worker_data_file(wd, worker, phase + 1), batcher.get_state()
       )
     )
-    _write_all(writes, plan, "output")  # The last one: everything but done.json.
+    task_io.write_all(writes, plan, "output")  # The last one: everything but done.json.
     clock["save"] = time.time() - t0
     # The outer exchange's uplink: the delta files' bytes (codes and scales with compression).
     groups = self.grid.modules_of_worker(worker)

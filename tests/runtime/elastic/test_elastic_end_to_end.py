@@ -292,7 +292,7 @@ def test_the_commands_own_cluster_listens_on_loopback_only_and_keeps_its_token_p
     "from dipaco_jax import train\n"
     "from dipaco_jax.runtime import faults\n"
     "import json\n"
-    "cfg = helpers.microhelpers.elastic_config(**json.loads(sys.argv[2]))\n"
+    "cfg = helpers.elastic_config(**json.loads(sys.argv[2]))\n"
     "out = train.train_and_evaluate(cfg, sys.argv[3], faults.Faults(stop_after_tasks=1))\n"
     "assert out['stopped'], out\n"
   )

@@ -207,3 +207,40 @@ def test_a_paced_task_runs_its_steps_and_a_retry_past_them_keeps_the_save(tmp_pa
   out = w.run(0, 1, steps=2)  # Leased again, now paced to 2: the save's 4 steps stand.
   assert out["resumed_at_step"] == 4 and out["loss"] == full["loss"][:4]
   assert "step_s" not in out and out["grad_norm"] > 0
+
+
+def test_a_task_stops_at_its_deadline_after_the_floor_and_says_so(tmp_path, monkeypatch):
+  """stop_after (the driver's call while a task runs, or with its lease) ends it early."""
+  from dipaco_jax.runtime.elastic import driver  # pylint: disable=g-import-not-at-top
+  from dipaco_jax.runtime.elastic import worker as worker_lib  # pylint: disable=g-import-not-at-top
+
+  six = {"dipaco.inner_steps": 6, "eval.every_steps": 6, "ckpt.every_steps": 6}
+  paced = {"elastic.pace_steps": True, "elastic.min_inner_steps": 2}
+  cfg = helpers.elastic_config(**{"data.shard_dir": str(tmp_path / "s"), **six, **paced})
+  wd = str(tmp_path / "wd")
+  driver._prepare(cfg, wd, grid_lib.Grid(cfg))  # pylint: disable=protected-access
+  w = worker_lib.PathWorker(cfg, wd, 0)
+  full = w.run(0, 1)
+  assert len(full["loss"]) == 6 and "deadline_s" not in full
+  # The driver's call arrives during step 3 (a deadline of 0 s: already past): the check
+  # before step 4 stops it, with 3 steps trained, the same 3 as the full task's first.
+  seen, step = [], w._step  # pylint: disable=protected-access
+
+  def third_step_tells(*args):
+    seen.append(1)
+    if len(seen) == 3:
+      w.stop_after(0, 1, 0.0)
+    return step(*args)
+
+  monkeypatch.setattr(w, "_step", third_step_tells)
+  out = w.run(0, 1)
+  assert out["loss"] == full["loss"][:3] and out["deadline_s"] == 0.0
+  done = storage.load_json(storage.worker_out_dir(wd, 1, 1) / "done.json")
+  assert len(done["loss"]) == 3  # What token_weights and the next task's guard read.
+  # With the lease, already past: elastic.min_inner_steps (2) still run.
+  seen.clear()
+  assert w.run(0, 1, stop_after_s=0.0)["loss"] == full["loss"][:2]
+  # A deadline for a task that already ended is dropped with it: the next runs all H.
+  w.stop_after(0, 1, 0.0)
+  w.run(0, 2)  # Another task ends: the deadlines cleared.
+  assert len(w.run(0, 1)["loss"]) == 6

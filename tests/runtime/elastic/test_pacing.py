@@ -2,11 +2,20 @@
 
 import types
 
+import numpy as np
 import pytest
+import test_elastic_end_to_end
 
+from dipaco_jax import train
 from dipaco_jax.errors import ConfigError
+from dipaco_jax.runtime import faults as faults_lib
 from dipaco_jax.runtime.elastic import coordinator as coord_lib
 from dipaco_jax.runtime.elastic import pacing
+from dipaco_jax.runtime.elastic import storage
+
+import helpers
+
+ray_cluster = test_elastic_end_to_end.ray_cluster  # The local Ray cluster fixture (4 CPUs).
 
 
 def _pacer(H=30, **kw):
@@ -83,3 +92,91 @@ def test_a_slow_actor_leases_the_least_lagging_runnable_task(tmp_path):
   q.modules_updated(0, ["m/0"])  # Worker 0's phase 1 is ready: pending (0, 1), (0, 2), (1, 0).
   assert q.lease(1, True) == (1, 0)  # Slow: the path furthest ahead.
   assert q.lease(2) == (0, 1)  # Fast: the most lagging.
+
+
+# ---- The wall deadline of an actor not measured yet (phase 0's tasks). ----
+
+
+def test_an_unmeasured_actors_deadline_is_slack_times_h_fast_steps_or_the_budget():
+  p = _pacer(H=10)
+  assert p.stop_after_s() is None  # Nobody measured: no deadline, every task runs H.
+  p.observe(0, _task(10, 3.4))  # 0.34 s a step -> 1.25 · 10 · 0.34 = 4.25 s of steps.
+  assert p.stop_after_s() == pytest.approx(4.25)
+  assert _pacer(H=10, pace_steps=False).stop_after_s() is None  # Pacing off: never.
+  budget = _pacer(H=10, phase_budget_s=2.0)
+  budget.observe(0, _task(10, 3.4))
+  assert budget.stop_after_s() == 2.0  # phase_budget_s as set.
+  short = _pacer(H=10, phase_budget_s=0.2)  # Below one measured step (0.34 s): one line.
+  short.observe(0, _task(10, 3.4))
+  with pytest.raises(ConfigError, match=r"phase_budget_s=0.2 is shorter than one inner step"):
+    short.stop_after_s()
+
+
+def _steps_until_deadline(H, step_s, limit_s, floor=1) -> int:
+  """Steps a task of H steps of step_s seconds runs under pacing.past_deadline (worker.py's loop).
+
+  Before each step the worker asks past_deadline with the end of its first step (t = step_s,
+  its start at 0) and the steps done so far.
+  """
+  done = 0
+  while done < H:
+    first = [step_s] if done else []
+    if pacing.past_deadline(limit_s, first, done, floor, now=done * step_s):
+      break
+    done += 1
+  return done
+
+
+def test_a_task_stops_at_its_first_step_past_the_deadline_and_not_below_the_floor():
+  f, H = 0.34, 10
+  limit = pacing.SLACK * H * f  # 4.25 s, as the pacer's above.
+  # 3x slower (1.02 s): steps end at 1.02, 2.04, ... 5.10; the check before step n+1 is at
+  # n · 1.02, i.e. (n - 1) · 1.02 s after the first step: 4 · 1.02 = 4.08 < 4.25, 5 · 1.02 =
+  # 5.10 >= 4.25 -> it stops after 6 steps, not 10 (the pacer then gives ⌊10/3⌋ = 3).
+  assert _steps_until_deadline(H, 3 * f, limit) == 6
+  # 10x slower (3.4 s): 1 · 3.4 < 4.25 <= 2 · 3.4 -> 3 steps instead of 10 (34 s -> 10.2 s).
+  assert _steps_until_deadline(H, 10 * f, limit) == 3
+  # Equal actors within SLACK never stop early: H steps of up to 1.25 f take (H - 1) · 1.25 f
+  # = 3.825 s after the first < 4.25 s, so with pacing on and equal speeds every task still
+  # runs H steps, the same inner steps as with pacing off (the results bit-identical).
+  assert _steps_until_deadline(H, 1.25 * f, limit) == H
+  # The floor: a deadline already past (0 s) still lets min_inner_steps run.
+  assert _steps_until_deadline(H, f, 0.0, floor=4) == 4
+  assert _steps_until_deadline(H, f, None) == H  # No deadline: H.
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_cluster")
+def test_a_slow_actors_phase_0_task_stops_at_the_deadline(tmp_path):
+  # Actor 1 sleeps 3 s after each inner step, actor 0 0.2 s; H = 6, T = 1, 4 paths on the 2.
+  # Actor 0's task (0, 0) ends first: 0.2 s a step -> the deadline 1.25 · 6 · 0.2 = 1.5 s of
+  # steps for actor 1's running (0, 1), which stops at its first step past it, after the
+  # floor of 2: 2 steps (~6 s of sleeps) instead of 6 (~18 s). Actor 0, measured, runs H on
+  # the rest. (Its wall is mostly the actors' start-up and compilation: not asserted.)
+  H = 6
+  cfg = helpers.elastic_config(
+    **{
+      "data.shard_dir": str(tmp_path / "shards"),
+      "dipaco.inner_steps": H,
+      "dipaco.outer_steps": 1,
+      "eval.every_steps": H,
+      "ckpt.every_steps": H,
+      "elastic.num_workers": 2,
+      "elastic.pace_steps": True,
+      "elastic.min_inner_steps": 2,
+    }
+  )
+  wd = str(tmp_path / "run")
+  out = train.train_and_evaluate(cfg, wd, faults_lib.Faults(step_delay_s=(0.2, 3.0)))
+  assert out["step"] == H and out["status"]["done"] == 8 and np.isfinite(out["train_loss_mean"])
+  events = storage.read_task_log(wd)
+  done = {(e["phase"], e["worker"]): e for e in events if e["event"] == "done"}
+  slow = [e for (t, _), e in done.items() if t == 0 and e["actor"] == 1]
+  fast = [e for (t, _), e in done.items() if t == 0 and e["actor"] == 0]
+  assert slow and fast, done
+  first = slow[0]  # Its phase-0 task leased before any step time: stopped by the deadline.
+  assert 2 <= first["steps"] < H and first["deadline_s"] > 0, first
+  assert all(e["steps"] == H and "deadline_s" not in e for e in fast), fast
+  told = [e for e in events if e["event"] in ("deadline", "start") and e.get("actor") == 1]
+  assert any(e["event"] == "deadline" or "stop_after_s" in e for e in told), told
