@@ -68,6 +68,8 @@ def format_report(r: dict[str, Any]) -> str:
         f", memory {s['memory_s'] * 1e3:.1f}) ({s['bound']}-bound, perfect overlap), "
         f"floor {s['roofline_floor_s'] * 1e3:.1f} ms (their sum, no overlap)"
       )
+    if s.get("cost_missing"):
+      lines.append(f"[{step}] cost estimate incomplete: {s['cost_missing']}")
     if "mfu_ceiling" in s:
       lines.append(
         f"[{step}] estimated MFU, roofline ceiling / floor: {s['mfu_ceiling']:.1%} / "
