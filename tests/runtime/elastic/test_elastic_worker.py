@@ -48,18 +48,23 @@ def _watch_progress(w, monkeypatch) -> list:
   return seen
 
 
-def test_worker_resumes_from_its_progress_save_with_the_same_bytes(tmp_path, monkeypatch):
-  """A task killed after a save resumes there; a save cut short is skipped; the same bytes."""
+def _six_step_workdir(tmp_path, **over):
+  """An elastic micro config of 6 inner steps (eval, ckpt at 6) and its prepared workdir."""
   from dipaco_jax.runtime.elastic import driver  # pylint: disable=g-import-not-at-top
-  from dipaco_jax.runtime.elastic import worker as worker_lib  # pylint: disable=g-import-not-at-top
 
   six = {"dipaco.inner_steps": 6, "eval.every_steps": 6, "ckpt.every_steps": 6}
-  cfg = helpers.elastic_config(
-    **{"data.shard_dir": str(tmp_path / "s"), "elastic.progress_every_steps": 2, **six}
-  )
+  cfg = helpers.elastic_config(**{"data.shard_dir": str(tmp_path / "s"), **six, **over})
   wd = str(tmp_path / "wd")
   grid = grid_lib.Grid(cfg)
   driver._prepare(cfg, wd, grid)  # pylint: disable=protected-access
+  return cfg, wd, grid
+
+
+def test_worker_resumes_from_its_progress_save_with_the_same_bytes(tmp_path, monkeypatch):
+  """A task killed after a save resumes there; a save cut short is skipped; the same bytes."""
+  from dipaco_jax.runtime.elastic import worker as worker_lib  # pylint: disable=g-import-not-at-top
+
+  cfg, wd, grid = _six_step_workdir(tmp_path, **{"elastic.progress_every_steps": 2})
   for s in grid.groups:  # Version 1 = version 0: task (1, w) reads it (and evaluates it).
     for e in range(s.num_modules):
       for kind in ("v", "opt"):
@@ -179,16 +184,9 @@ def test_scoring_tasks_give_the_drivers_scores_and_router(tmp_path, monkeypatch)
 
 def test_a_paced_task_runs_its_steps_and_a_retry_past_them_keeps_the_save(tmp_path, monkeypatch):
   """run(steps=n) trains the first n of H steps (timed); a retry with a save past n ends there."""
-  from dipaco_jax.runtime.elastic import driver  # pylint: disable=g-import-not-at-top
   from dipaco_jax.runtime.elastic import worker as worker_lib  # pylint: disable=g-import-not-at-top
 
-  six = {"dipaco.inner_steps": 6, "eval.every_steps": 6, "ckpt.every_steps": 6}
-  cfg = helpers.elastic_config(
-    **{"data.shard_dir": str(tmp_path / "s"), "elastic.progress_every_steps": 4, **six}
-  )
-  wd = str(tmp_path / "wd")
-  grid = grid_lib.Grid(cfg)
-  driver._prepare(cfg, wd, grid)  # pylint: disable=protected-access
+  cfg, wd, grid = _six_step_workdir(tmp_path, **{"elastic.progress_every_steps": 4})
   w = worker_lib.PathWorker(cfg, wd, 0)
   full = w.run(0, 1)
   short = w.run(0, 1, steps=2)
@@ -211,14 +209,10 @@ def test_a_paced_task_runs_its_steps_and_a_retry_past_them_keeps_the_save(tmp_pa
 
 def test_a_task_stops_at_its_deadline_after_the_floor_and_says_so(tmp_path, monkeypatch):
   """stop_after (the driver's call while a task runs, or with its lease) ends it early."""
-  from dipaco_jax.runtime.elastic import driver  # pylint: disable=g-import-not-at-top
   from dipaco_jax.runtime.elastic import worker as worker_lib  # pylint: disable=g-import-not-at-top
 
-  six = {"dipaco.inner_steps": 6, "eval.every_steps": 6, "ckpt.every_steps": 6}
   paced = {"elastic.pace_steps": True, "elastic.min_inner_steps": 2}
-  cfg = helpers.elastic_config(**{"data.shard_dir": str(tmp_path / "s"), **six, **paced})
-  wd = str(tmp_path / "wd")
-  driver._prepare(cfg, wd, grid_lib.Grid(cfg))  # pylint: disable=protected-access
+  cfg, wd, _ = _six_step_workdir(tmp_path, **paced)
   w = worker_lib.PathWorker(cfg, wd, 0)
   full = w.run(0, 1)
   assert len(full["loss"]) == 6 and "deadline_s" not in full
