@@ -49,7 +49,11 @@ ARMS = {
   "quorum_grace_discount": {**QUORUM, "elastic.late_deltas": "discount"},
   "pace": PACE,
   "pace_speed_lease": {**PACE, "elastic.lease": "speed"},
+  # Pace, 2 outer steps more, the inner schedule of the others' T (so the same for T phases):
+  # the paced run trains fewer tokens a phase; this shows its wall to the clean run's losses.
+  "pace_long": PACE,
 }
+LONGER = 2  # The _long arms' extra outer steps.
 
 
 def _config(args, shard_dir, **kw):
@@ -99,7 +103,8 @@ def _run(args, tmp, name, **over):
   t0 = time.time()
   subprocess.run([sys.executable, __file__, "--_child", spec, wd, out], check=True)
   command_s = time.time() - t0
-  res = {**_figures(wd, args.outer_steps), "quorum": _quorum(wd, over), "command_s": command_s}
+  T = over.get("dipaco.outer_steps", args.outer_steps)
+  res = {**_figures(wd, T), "quorum": _quorum(wd, over), "command_s": command_s}
   return {**res, "load": os.getloadavg()}
 
 
@@ -227,7 +232,6 @@ def _seeds(args, res, tmp, run_fn, save) -> None:
     if key not in r:
       r[key] = run_fn(args, tmp, name, **over)
       _goodput(r[key], own)
-      r[key]["wall_to_target_s"] = _wall_to(r[key], r.get("target_val_loss"))
       save(res)
 
   for seed in args.seeds:
@@ -237,7 +241,6 @@ def _seeds(args, res, tmp, run_fn, save) -> None:
     s = r["clean"]["step_s"]  # A clean actor's seconds per inner step (its base sleep included).
     _goodput(r["clean"], [s] * 4)
     r["target_val_loss"] = r["clean"]["val_by_phase"][str(T - 1)]
-    r["clean"]["wall_to_target_s"] = _wall_to(r["clean"], r["target_val_loss"])
     three = {**base, "elastic.num_workers": 3, "faults.step_delay_s": (args.base_delay,) * 3}
     if "three" not in args.skip:
       _run(r, "three_actors", f"three{seed}", [s] * 3, **three)
@@ -246,6 +249,9 @@ def _seeds(args, res, tmp, run_fn, save) -> None:
       delays[1] += (k - 1) * s
       for arm in [a for a in args.arms if f"{k}x_{a}" not in args.skip]:
         over = {**base, "faults.step_delay_s": tuple(delays), **ARMS[arm]}
+        if arm.endswith("_long"):
+          over["dipaco.outer_steps"] = T + LONGER
+          over["inner.total_steps"] = args.inner_steps * T
         if "elastic.quorum" in over:
           over["elastic.grace_s"] = 0.25 * args.inner_steps * s  # A quarter of a fast task.
         _run(r, f"{k}x_{arm}", f"s{seed}k{k}{arm}", [s, k * s, s, s], **over)
@@ -257,22 +263,31 @@ def _goals(res) -> None:
 
   3x: goodput against each actor's own step time >= 0.90; wall to the target within 10% of the
   pool's summed speed's bound (the clean run's x 4 / (3 + 1/k)); final loss within the clean
-  runs' range over the seeds. 10x: wall no later than the 3 actors' + 10%.
+  runs' range over the seeds. 10x: wall no later than the 3 actors' + 10%. Also the wall to
+  the clean run's final loss (a _long arm trains past it).
   """
   seeds = [v for k, v in res.items() if k.startswith("seed") and "clean" in v]
   finals = [v["clean"]["val_loss_mean"] for v in seeds]
   res["clean_final_loss_range"] = [min(finals), max(finals)] if finals else None
   for r in seeds:
     clean, three = r["clean"], r.get("three_actors")
+    T = str(max(int(t) for t in clean["val_by_phase"]))
+    for run in (v for v in r.values() if isinstance(v, dict)):
+      run["wall_to_target_s"] = _wall_to(run, r.get("target_val_loss"))
+      run["wall_to_clean_final_s"] = _wall_to(run, clean["val_loss_mean"])
     for key, run in r.items():
       if not key[0].isdigit() or "x_" not in key or not isinstance(run, dict):
         continue
       k = int(key.split("x_")[0])
-      g = run["goals"] = {"final_loss_in_range": min(finals) <= run["val_loss_mean"] <= max(finals)}
+      g = run["goals"] = {
+        "final_loss_in_range": min(finals) <= run["val_loss_mean"] <= max(finals),
+        "val_loss_after_clean_T": run["val_by_phase"][T],
+      }
       for pre, first in (("", 0.0), ("from_step_", run["first_step_s"])):
-        bound = (_from(clean, pre, "wall_to_target_s") or 0) * 4 / (3 + 1 / k)
-        hit = run["wall_to_target_s"]
-        g[f"{pre}target_over_bound"] = None if hit is None else (hit - first) / bound
+        for to in ("target", "clean_final"):
+          bound = (_from(clean, pre, f"wall_to_{to}_s") or 0) * 4 / (3 + 1 / k)
+          hit = run[f"wall_to_{to}_s"]
+          g[f"{pre}{to}_over_bound"] = None if hit is None or not bound else (hit - first) / bound
         g[f"{pre}goodput_own_ge_0.90"] = run[f"{pre}goodput_own"] >= 0.90
         if three is not None:
           g[f"{pre}wall_over_three_actors"] = run[f"{pre}wall_s"] / three[f"{pre}wall_s"]

@@ -39,25 +39,41 @@ def test_goodput_by_hand():
 
 
 def test_goals_by_hand():
-  clean0 = {"val_loss_mean": 6.0, "wall_to_target_s": 30.0, "first_step_s": 4.0}
-  three = {"wall_s": 40.0, "from_step_wall_s": 38.0}
+  # Clean seed 0: T = 3, the target its loss after outer step 2 (6.5, read at 30 s), its final
+  # 6.0 read at 40 s; seed 1's clean run ends at 6.2: the range [6.0, 6.2].
+  clean0 = {
+    "val_by_phase": {"1": 7.0, "2": 6.5, "3": 6.0},
+    "seen_s_by_phase": {"1": 10.0, "2": 30.0, "3": 40.0},
+    "val_loss_mean": 6.0,
+    "first_step_s": 4.0,
+  }
+  clean1 = {"val_by_phase": {"3": 6.2}, "seen_s_by_phase": {"3": 41.0}, "val_loss_mean": 6.2}
+  three = {"wall_s": 40.0, "from_step_wall_s": 38.0, **clean1}
   run = {**_slow_run(), "goodput_own": 0.91, "from_step_goodput_own": 0.95, "wall_s": 50.0}
-  run["from_step_wall_s"] = 48.0
+  run.update(from_step_wall_s=48.0, val_by_phase={"1": 7.2, "2": 6.8, "3": 6.1})
+  run["seen_s_by_phase"] = {"1": 10.0, "2": 20.0, "3": 36.0}
+  long = {**run, "val_by_phase": {**run["val_by_phase"], "4": 6.05, "5": 5.9}, "val_loss_mean": 5.9}
+  long["seen_s_by_phase"] = {**run["seen_s_by_phase"], "4": 45.0, "5": 50.0}
+  seed0 = {"clean": clean0, "three_actors": three, "3x_pace": run, "3x_pace_long": long}
   res = {
-    "seed0": {"clean": clean0, "three_actors": three, "3x_pace": run, "target_val_loss": 7.0},
-    "seed1": {"clean": {"val_loss_mean": 6.2, "wall_to_target_s": 31.0, "first_step_s": 3.0}},
+    "seed0": {**seed0, "target_val_loss": 6.5},
+    "seed1": {"clean": clean1, "target_val_loss": 6.6},
   }
   elastic_slow._goals(res)
   g = run["goals"]
   assert res["clean_final_loss_range"] == [6.0, 6.2]
   assert g["final_loss_in_range"]  # 6.1 in [6.0, 6.2].
+  assert (clean0["wall_to_target_s"], clean0["wall_to_clean_final_s"]) == (30.0, 40.0)
+  assert (run["wall_to_target_s"], run["wall_to_clean_final_s"]) == (36.0, None)  # 6.1 > 6.0.
   # The summed speed of 3 actors and one 3x slower: 3 + 1/3; bound = 30 x 4 / (10/3) = 36.
   assert g["target_over_bound"] == pytest.approx(1.0)
   # From the first inner step: (36 - 2) / ((30 - 4) x 1.2) = 34 / 31.2.
   assert g["from_step_target_over_bound"] == pytest.approx(34 / 31.2)
+  assert g["clean_final_over_bound"] is None
   assert g["goodput_own_ge_0.90"] and g["from_step_goodput_own_ge_0.90"]
   assert g["wall_over_three_actors"] == pytest.approx(50 / 40)
   assert g["from_step_wall_over_three_actors"] == pytest.approx(48 / 38)
-  run["val_loss_mean"] = 6.25  # Above the range's top.
-  elastic_slow._goals(res)
-  assert not run["goals"]["final_loss_in_range"]
+  # The longer run reaches the clean final 6.0 at its phase 5 (50 s): 50 / (40 x 1.2).
+  gl = long["goals"]
+  assert gl["clean_final_over_bound"] == pytest.approx(50 / 48)
+  assert gl["val_loss_after_clean_T"] == 6.1 and not gl["final_loss_in_range"]  # 5.9 < 6.0.
