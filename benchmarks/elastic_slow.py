@@ -202,7 +202,8 @@ def main():
   res = {"args": vars(args), "load_start": os.getloadavg()}
   if args.resume and os.path.exists(args.out):
     with open(args.out) as f:
-      res = {**json.load(f), "args_resumed": vars(args), "load_resumed": os.getloadavg()}
+      res = json.load(f)
+    res.setdefault("resumed", []).append({"args": vars(args), "load": os.getloadavg()})
 
   def save(res):
     res["load_end"] = os.getloadavg()
