@@ -16,7 +16,11 @@ log (first task start -> last task end):
   s: the clean run's median seconds per inner step (tasks of phases >= 1, timed from their
   second step: no compilation; a task's fixed cost is what goodput loses);
   wall_to_target: until every path's version reaching the clean run's mean validation loss
-    after outer step T-1 was read (the start of the tasks that evaluate it);
+    after outer step T-1 was read (the start of the tasks that evaluate it), against the bound
+    the pool's summed speed allows: the clean run's x 4 / (3 + 1/k);
+  each also "from the first inner step" (the first task's steps began: the actors' start-up,
+    compilation cache loads and Ray's queueing before it left out) and over the command
+    (process launch to exit, `command_s`);
   final val loss (own shards, after the last outer step); each path's and actor's share of the
   inner steps trained (tokens: every step reads the same batch shape).
 """
@@ -30,6 +34,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -44,7 +49,11 @@ ARMS = {
   "quorum_grace_discount": {**QUORUM, "elastic.late_deltas": "discount"},
   "pace": PACE,
   "pace_speed_lease": {**PACE, "elastic.lease": "speed"},
+  # Pace, 2 outer steps more, the inner schedule of the others' T (so the same for T phases):
+  # the paced run trains fewer tokens a phase; this shows its wall to the clean run's losses.
+  "pace_long": PACE,
 }
+LONGER = 2  # The _long arms' extra outer steps.
 
 
 def _config(args, shard_dir, **kw):
@@ -91,8 +100,12 @@ def _run(args, tmp, name, **over):
   """A child command (its own local Ray cluster); its figures (goodput: `_goodput`)."""
   wd, out = os.path.join(tmp, name), os.path.join(tmp, name + ".json")
   spec = repr({"args": vars(args), "shards": os.path.join(tmp, "shards"), "over": over})
+  t0 = time.time()
   subprocess.run([sys.executable, __file__, "--_child", spec, wd, out], check=True)
-  return {**_figures(wd, args.outer_steps), "quorum": _quorum(wd, over)}
+  command_s = time.time() - t0
+  T = over.get("dipaco.outer_steps", args.outer_steps)
+  res = {**_figures(wd, T), "quorum": _quorum(wd, over), "command_s": command_s}
+  return {**res, "load": os.getloadavg()}
 
 
 def _figures(wd, T) -> dict:
@@ -113,14 +126,18 @@ def _figures(wd, T) -> dict:
     steady_steps[e["actor"]] += e["steps"] if e["phase"] > 0 else 0
   steps = sum(path_steps.values())
   results = coordinator.read_results(wd)
-  val = {
-    t: statistics.mean(results[f"{t}/{w}"]["val_loss"] for w in range(W)) for t in range(1, T + 1)
+  val = {  # JSON's keys: strings, as a resumed file reads them back.
+    str(t): statistics.mean(results[f"{t}/{w}"]["val_loss"] for w in range(W))
+    for t in range(1, T + 1)
   }
   # When each phase's versions were read: the start of the last task (t, ·), which evaluated
   # them first; and the steady part of the run, after phase 0 (its compilation and loads).
-  seen = {t: max(starts[(t, w)] for w in range(W)) - first for t in range(1, T + 1)}
+  seen = {str(t): max(starts[(t, w)] for w in range(W)) - first for t in range(1, T + 1)}
   steady = min(starts[(1, w)] for w in range(W))
+  # The first inner step's start: a task's own clock ("start", then its "load"); the same host.
+  stepped = min(r["start"] + r["clock"]["load"] for r in results.values() if r.get("clock"))
   return {
+    "first_step_s": stepped - first,
     "wall_s": max(e["t"] for e in done) - first,
     "steady_wall_s": max(e["t"] for e in done) - steady,
     "actors": 1 + max(e["actor"] for e in done),
@@ -134,7 +151,7 @@ def _figures(wd, T) -> dict:
     "seen_s_by_phase": seen,
     "path_share": {w: n / steps for w, n in sorted(path_steps.items())},
     "actor_share": {a: n / steps for a, n in sorted(actor_steps.items())},
-    "val_loss_mean": val[T],  # After the last outer step, own shards (the command's figure).
+    "val_loss_mean": val[str(T)],  # After the last outer step, own shards (the command's figure).
   }
 
 
@@ -149,7 +166,12 @@ def _quorum(wd, over) -> list:
 
 def _goodput(run, own_s) -> None:
   """Both goodputs of `run`, whole and after phase 0; own_s: each actor's own step time."""
-  for pre, by in (("", run["steps_by_actor"]), ("steady_", run["steady_steps_by_actor"])):
+  run["from_step_wall_s"] = run["wall_s"] - run["first_step_s"]
+  for pre, by in (
+    ("", run["steps_by_actor"]),
+    ("from_step_", run["steps_by_actor"]),
+    ("steady_", run["steady_steps_by_actor"]),
+  ):
     den = run["actors"] * run[f"{pre}wall_s"]
     run[f"{pre}goodput_own"] = sum(n * own_s[int(a)] for a, n in by.items()) / den
     run[f"{pre}goodput_clean"] = sum(by.values()) * own_s[0] / den
@@ -157,65 +179,125 @@ def _goodput(run, own_s) -> None:
 
 def _wall_to(run, target) -> float | None:
   """Seconds until the first phase whose mean validation loss is <= target was read."""
+  if target is None:
+    return None
   hit = [run["seen_s_by_phase"][t] for t, v in run["val_by_phase"].items() if v <= target]
   return min(hit) if hit else None
 
 
 def main():
   p = argparse.ArgumentParser()
-  p.add_argument("--out", required=True)
+  p.add_argument("--out", required=True, help="JSON, rewritten after every run")
   p.add_argument("--inner_steps", type=int, default=20)
   p.add_argument("--outer_steps", type=int, default=4)
   p.add_argument("--base_delay", type=float, default=0.08, help="s slept after every step")
   p.add_argument("--slow", type=int, nargs="*", default=[3, 10])
   p.add_argument("--seeds", type=int, nargs="+", default=[0])
   p.add_argument("--arms", nargs="+", default=list(ARMS))
-  p.add_argument("--skip", nargs="*", default=[], help="runs left out, e.g. 10x_pace")
+  p.add_argument("--skip", nargs="*", default=[], help="runs left out: 10x_pace, three")
+  p.add_argument("--resume", action="store_true", help="keep --out's runs, run only the rest")
+  p.add_argument("--workdir", default="", help="keep the runs' folders here (else a temp dir)")
   p.add_argument("--from_logs", default="", help="figures from kept run folders, no runs")
   args = p.parse_args()
   res = {"args": vars(args), "load_start": os.getloadavg()}
+  if args.resume and os.path.exists(args.out):
+    with open(args.out) as f:
+      res = json.load(f)
+    res.setdefault("resumed", []).append({"args": vars(args), "load": os.getloadavg()})
+
+  def save(res):
+    res["load_end"] = os.getloadavg()
+    _goals(res)
+    with open(args.out, "w") as f:
+      f.write(json.dumps(res, indent=1, default=float) + "\n")
+
   if args.from_logs:  # Each run's elastic/ folder kept as <dir>/<run name>/elastic.
     run = lambda _, __, name, **over: {
       **_figures(os.path.join(args.from_logs, name), args.outer_steps),
       "quorum": _quorum(os.path.join(args.from_logs, name), over),
     }
-    _seeds(args, res, args.from_logs, run)
+    _seeds(args, res, args.from_logs, run, save)
+  elif args.workdir:
+    _seeds(args, res, args.workdir, _run, save)
   else:
     with tempfile.TemporaryDirectory() as tmp:
-      _seeds(args, res, tmp, _run)
-  res["load_end"] = os.getloadavg()
-  text = json.dumps(res, indent=1, default=float)
-  with open(args.out, "w") as f:
-    f.write(text + "\n")
+      _seeds(args, res, tmp, _run, save)
+  save(res)
 
 
-def _seeds(args, res, tmp, run_fn) -> None:
+def _seeds(args, res, tmp, run_fn, save) -> None:
   """Every seed's runs (run_fn: `_run`, or figures from kept logs) into res["seed<s>"]."""
-  T, _run = args.outer_steps, run_fn  # pylint: disable=redefined-outer-name
+  T = args.outer_steps
+
+  def _run(r, key, name, own, **over):  # pylint: disable=redefined-outer-name
+    if key not in r:
+      r[key] = run_fn(args, tmp, name, **over)
+      _goodput(r[key], own)
+      save(res)
+
   for seed in args.seeds:
-    r = res[f"seed{seed}"] = {}
+    r = res.setdefault(f"seed{seed}", {})
     base = {"seed": seed, "faults.step_delay_s": (args.base_delay,) * 4}
-    clean = r["clean"] = _run(args, tmp, f"clean{seed}", **base)
-    s = clean["step_s"]  # A clean actor's seconds per inner step (its base sleep included).
-    _goodput(clean, [s] * 4)
-    target = r["target_val_loss"] = clean["val_by_phase"][T - 1]
+    _run(r, "clean", f"clean{seed}", [0.0] * 4, **base)
+    s = r["clean"]["step_s"]  # A clean actor's seconds per inner step (its base sleep included).
+    _goodput(r["clean"], [s] * 4)
+    r["target_val_loss"] = r["clean"]["val_by_phase"][str(T - 1)]
     three = {**base, "elastic.num_workers": 3, "faults.step_delay_s": (args.base_delay,) * 3}
-    r["three_actors"] = _run(args, tmp, f"three{seed}", **three)
-    _goodput(r["three_actors"], [s] * 3)
+    if "three" not in args.skip:
+      _run(r, "three_actors", f"three{seed}", [s] * 3, **three)
     for k in args.slow:
       delays = list(base["faults.step_delay_s"])
       delays[1] += (k - 1) * s
-      own = [s, k * s, s, s]
       for arm in [a for a in args.arms if f"{k}x_{a}" not in args.skip]:
         over = {**base, "faults.step_delay_s": tuple(delays), **ARMS[arm]}
+        if arm.endswith("_long"):
+          over["dipaco.outer_steps"] = T + LONGER
+          over["inner.total_steps"] = args.inner_steps * T
         if "elastic.quorum" in over:
           over["elastic.grace_s"] = 0.25 * args.inner_steps * s  # A quarter of a fast task.
-        r[f"{k}x_{arm}"] = _run(args, tmp, f"s{seed}k{k}{arm}", **over)
-        _goodput(r[f"{k}x_{arm}"], own)
-    for run in r.values():
-      if isinstance(run, dict):
-        run["wall_to_target_s"] = _wall_to(run, target)
+        _run(r, f"{k}x_{arm}", f"s{seed}k{k}{arm}", [s, k * s, s, s], **over)
     print(json.dumps(r, indent=1, default=float), flush=True)
+
+
+def _goals(res) -> None:
+  """Issue #46's goals per run with a slow actor: the figures each is judged by, and met or not.
+
+  3x: goodput against each actor's own step time >= 0.90; wall to the target within 10% of the
+  pool's summed speed's bound (the clean run's x 4 / (3 + 1/k)); final loss within the clean
+  runs' range over the seeds. 10x: wall no later than the 3 actors' + 10%. Also the wall to
+  the clean run's final loss (a _long arm trains past it).
+  """
+  seeds = [v for k, v in res.items() if k.startswith("seed") and "clean" in v]
+  finals = [v["clean"]["val_loss_mean"] for v in seeds]
+  res["clean_final_loss_range"] = [min(finals), max(finals)] if finals else None
+  for r in seeds:
+    clean, three = r["clean"], r.get("three_actors")
+    T = str(max(int(t) for t in clean["val_by_phase"]))
+    for run in (v for v in r.values() if isinstance(v, dict)):
+      run["wall_to_target_s"] = _wall_to(run, r.get("target_val_loss"))
+      run["wall_to_clean_final_s"] = _wall_to(run, clean["val_loss_mean"])
+    for key, run in r.items():
+      if not key[0].isdigit() or "x_" not in key or not isinstance(run, dict):
+        continue
+      k = int(key.split("x_")[0])
+      g = run["goals"] = {
+        "final_loss_in_range": min(finals) <= run["val_loss_mean"] <= max(finals),
+        "val_loss_after_clean_T": run["val_by_phase"][T],
+      }
+      for pre, first in (("", 0.0), ("from_step_", run["first_step_s"])):
+        for to in ("target", "clean_final"):
+          bound = (_from(clean, pre, f"wall_to_{to}_s") or 0) * 4 / (3 + 1 / k)
+          hit = run[f"wall_to_{to}_s"]
+          g[f"{pre}{to}_over_bound"] = None if hit is None or not bound else (hit - first) / bound
+        g[f"{pre}goodput_own_ge_0.90"] = run[f"{pre}goodput_own"] >= 0.90
+        if three is not None:
+          g[f"{pre}wall_over_three_actors"] = run[f"{pre}wall_s"] / three[f"{pre}wall_s"]
+
+
+def _from(run, pre, key):
+  """A clean run's `key` seconds (from its first lease), or from its first inner step."""
+  v = run.get(key)
+  return v if v is None or not pre else v - run["first_step_s"]
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ sys.path.insert(0, ROOT)
 PAPER_PATH_BYTES = 571.5 * 2**20  # One path of dipaco_2x4 / 16x16, float32 (docs/communication.md).
 
 
-def _config(kind: str, H: int, T: int, shard_dir: str):
+def _config(kind: str, H: int, T: int, shard_dir: str, F: int = 1, tau: int = 0):
   from dipaco_jax import config_check  # pylint: disable=g-import-not-at-top
 
   over = {
@@ -60,12 +60,14 @@ def _config(kind: str, H: int, T: int, shard_dir: str):
     "data.shard_dir": shard_dir,
     "dipaco.mode": "elastic",
     "outer.compression": kind,
+    "outer.fragments": F,
+    "outer.overlap": tau,
   }
   return config_check.load(os.path.join(ROOT, "configs", "tiny.py"), **over)
 
 
-def run(kind: str, gbps: float, H: int, T: int, shard_dir: str) -> dict:
-  """One run over a link of `gbps`: per phase, its tasks' clocks and bytes."""
+def run(kind: str, gbps: float, H: int, T: int, shard_dir: str, F: int = 1, tau: int = 0) -> dict:
+  """One run over a link of `gbps`: per task (a phase, or a streamed unit), clocks and bytes."""
   import numpy as np  # pylint: disable=g-import-not-at-top
 
   from dipaco_jax.runtime.elastic import driver  # pylint: disable=g-import-not-at-top
@@ -73,7 +75,7 @@ def run(kind: str, gbps: float, H: int, T: int, shard_dir: str) -> dict:
   from dipaco_jax.runtime.elastic import grid as grid_lib  # pylint: disable=g-import-not-at-top
   from dipaco_jax.runtime.elastic import worker as worker_lib  # pylint: disable=g-import-not-at-top
 
-  cfg = _config(kind, H, T, shard_dir)
+  cfg = _config(kind, H, T, shard_dir, F, tau)
   grid = grid_lib.Grid(cfg)
   fp32 = sum(
     int(np.prod(x.shape)) * 4
@@ -86,10 +88,10 @@ def run(kind: str, gbps: float, H: int, T: int, shard_dir: str) -> dict:
     _, _, alpha = driver._prepare(cfg, wd, grid)  # pylint: disable=protected-access
     worker = worker_lib.PathWorker(cfg, wd, 0)
     ex = exec_lib.OuterExecutor(cfg, wd, 0, [s.name for s in grid.groups], alpha)
-    phases = []
-    for t in range(T + 1):  # Phase T: the last download (and the final evaluation).
+    phases, started = [], time.perf_counter()
+    for t in range(grid.U + 1):  # Task U: the last download (and the final evaluation).
       r = worker.run(t, 0, faults=link)
-      if t < T:
+      if t < grid.U:
         ex.report(t, 0)
       c = r.get("clock", {})
       phases.append(
@@ -103,7 +105,17 @@ def run(kind: str, gbps: float, H: int, T: int, shard_dir: str) -> dict:
           "save_s": c.get("save", 0.0),
         }
       )
-  return {"kind": kind, "gbps": gbps, "path_fp32_bytes": fp32, "scale": scale, "phases": phases}
+    wall = time.perf_counter() - started
+  return {
+    "kind": kind,
+    "gbps": gbps,
+    "fragments": F,
+    "overlap": tau,
+    "path_fp32_bytes": fp32,
+    "scale": scale,
+    "wall_s": wall,
+    "phases": phases,
+  }
 
 
 def summary(r: dict, H: int) -> dict:
@@ -128,18 +140,62 @@ def summary(r: dict, H: int) -> dict:
   }
 
 
+def streamed_summary(r: dict, T: int) -> dict:
+  """A run's exchange per phase over all its tasks (T uploads, T downloads), and its steps.
+
+  Every link second is exposed: a task reads and writes its modules itself, inside the task.
+  The last task (evaluation only) keeps no clock: its download's sleep is its bytes' time.
+  """
+  per = (len(r["phases"]) - 1) // T  # Tasks a phase (units, streamed); the last only evaluates.
+  total = lambda k, ph=r["phases"]: sum(p[k] for p in ph)
+  down, up = total("bytes_down") * r["scale"], total("bytes_up") * r["scale"]
+  last = r["phases"][-1]["bytes_down"] * r["scale"] * 8 / (r["gbps"] * 1e9)
+  steady = r["phases"][per : T * per]  # Phases 1..T-1: no compilation.
+  return {
+    "kind": r["kind"],
+    "gbps": r["gbps"],
+    "fragments": r["fragments"],
+    "overlap": r["overlap"],
+    "tasks_per_phase": per,
+    "scaled_mib_down_per_phase": down / T / 2**20,
+    "scaled_mib_up_per_phase": up / T / 2**20,
+    "link_expected_s_per_phase": (down + up) * 8 / (r["gbps"] * 1e9) / T,
+    "exposed_s_per_phase": (total("link_s") + last) / T,
+    "steps_s_per_phase": total("steps_s", steady) / (T - 1),
+    "other_s_per_phase": (total("load_s", steady) + total("save_s", steady)) / (T - 1),
+    "wall_s": r["wall_s"],
+  }
+
+
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--gbps", type=float, nargs="+", default=[1.0, 0.1])
   ap.add_argument("--kinds", nargs="+", default=["none", "fp4"])
   ap.add_argument("--inner_steps", type=int, default=20)
   ap.add_argument("--outer_steps", type=int, default=2)
+  ap.add_argument(
+    "--fragments",
+    type=int,
+    default=1,
+    help="> 1: each kind also streamed, F fragments with overlap H // F - 1 (whole-run rows)",
+  )
   ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "link_cpu.json"))
   a = ap.parse_args()
-  started = time.time()
+  started, load_start = time.time(), os.getloadavg()
+  H, T, F = a.inner_steps, a.outer_steps, a.fragments
+  arms = [(1, 0)] + ([(F, H // F - 1)] if F > 1 else [])
   with tempfile.TemporaryDirectory() as shards:
-    runs = [run(k, g, a.inner_steps, a.outer_steps, shards) for g in a.gbps for k in a.kinds]
-  rows = [summary(r, a.inner_steps) for r in runs]
+    runs = [run(k, g, H, T, shards, f, tau) for g in a.gbps for k in a.kinds for f, tau in arms]
+  rows = [summary(r, a.inner_steps) for r in runs if r["fragments"] == 1]
+  streamed = [streamed_summary(r, T) for r in runs] if F > 1 else []
+  for x in streamed:
+    print(
+      f"| {x['gbps'] * 1000:g} Mb/s | {x['kind']} | F={x['fragments']}, τ={x['overlap']} |"
+      f" {x['tasks_per_phase']} tasks | {x['scaled_mib_down_per_phase']:.1f}"
+      f" / {x['scaled_mib_up_per_phase']:.1f} MiB |"
+      f" exposed {x['exposed_s_per_phase']:.2f} s ({x['link_expected_s_per_phase']:.2f}) |"
+      f" steps {x['steps_s_per_phase']:.2f} s | wall {x['wall_s']:.1f} s |"
+    )
   print(
     "| link | compression | bytes up / down a phase (this run) | scaled to a paper path (MiB) |"
     " exposed s a phase (expected) | inner steps s | exposed share of this phase |"
@@ -155,8 +211,11 @@ def main() -> None:
     "command": " ".join(["python", "benchmarks/link.py", *sys.argv[1:]]),
     "args": vars(a),
     "rows": rows,
+    "streamed_rows": streamed,
     "runs": runs,
     "wall_s": time.time() - started,
+    "load_start": load_start,
+    "load_end": os.getloadavg(),
   }
   import timing  # pylint: disable=g-import-not-at-top  # Beside this script; imports jax.
 
