@@ -19,13 +19,7 @@ DTYPES = ("float32", "bfloat16")
 # What a block keeps for its backward pass: everything; only its input (recomputes the rest);
 # the outputs of its weight matmuls (recomputes the cheap rest); all of those but the MLP's
 # input projection and gate (the widest, F per position). model.py maps them to policies.
-REMAT = (
-  "none",
-  "full",
-  "save_matmuls",
-  "save_matmuls_except_mlp_in",
-  "save_attention_except_mlp_in",
-)
+REMAT = ("none", "full", "save_matmuls", "save_matmuls_except_mlp_in")
 # The attention kernel (core/attention.py): auto picks splash on TPU, cuDNN on GPU where the
 # shape allows, XLA otherwise.
 ATTENTION = ("auto", "xla", "splash", "cudnn")
@@ -112,9 +106,7 @@ class ModelConfig(f.Section):
     f.choice(REMAT),
     'Backward-pass memory: "none" (keep all) | "full" (recompute blocks) | "save_matmuls" '
     '(keep weight-matmul outputs) | "save_matmuls_except_mlp_in" (all but the MLP\'s widest, '
-    'its input projection and gate: recomputed) | "save_attention_except_mlp_in" (the '
-    "attention kernel's inputs and outputs instead of its projections: the backward runs no "
-    "forward kernel again; docs/results/tpu.md, v6e).",
+    "its input projection and gate: recomputed).",
   )
   attention: str = f.field(
     "auto",

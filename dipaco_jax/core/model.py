@@ -26,19 +26,6 @@ from dipaco_jax.types import PyTree
 # that keep some of them: "save_matmuls_except_mlp_in" keeps all but the MLP's input projection
 # (and SwiGLU's gate), its widest, which the backward recomputes from the saved rest.
 MATMULS = ("query", "key", "value", "attn_out", "mlp_in", "mlp_gate", "mlp_out")
-# The attention kernel's inputs as it takes them (queries scaled and rotated, keys rotated, in
-# its layout), named for "save_attention_except_mlp_in".
-KERNEL_INPUTS = ("attention_q", "attention_k", "attention_v")
-
-
-def _with_kernel_outputs(names):
-  """A remat policy saving the named values and every Pallas kernel's outputs."""
-  # Splash's output and log-sum-exp are what its backward reads: saved, the backward runs no
-  # forward kernel again (a remat by name alone recomputes them, the whole forward kernel).
-  by_name = jax.checkpoint_policies.save_only_these_names(*names)
-  return lambda prim, *args, **params: prim.name == "pallas_call" or by_name(prim, *args, **params)
-
-
 REMAT_POLICIES = {
   "none": None,
   "full": jax.checkpoint_policies.nothing_saveable,
@@ -46,9 +33,6 @@ REMAT_POLICIES = {
   "save_matmuls_except_mlp_in": jax.checkpoint_policies.save_only_these_names(
     *(n for n in MATMULS if n not in ("mlp_in", "mlp_gate"))
   ),
-  # The attention's projections (query, key, value) are not kept: the kernel's inputs are,
-  # so the backward recomputes neither the rotation nor the layout change nor the kernel.
-  "save_attention_except_mlp_in": _with_kernel_outputs(("attn_out", "mlp_out", *KERNEL_INPUTS)),
 }
 # model.mlp: "gelu" is up (D -> F), GELU, down (F -> D): 2 D F weights. "swiglu" is
 # down(silu(gate x) * up x) with gate and up both D -> F: 3 D F weights, so a SwiGLU of width
@@ -240,9 +224,9 @@ class Attention(nn.Module):
       blocks = attention_lib.splash_blocks(cfg, T)
       to_bhtk = lambda x: jnp.swapaxes(x, 1, 2)
       out_BxHxTxK = attention_lib.splash_attention(
-        checkpoint_name(to_bhtk(q_BxTxHxK * jnp.asarray(scale, q_BxTxHxK.dtype)), "attention_q"),
-        checkpoint_name(to_bhtk(k_BxSxHxK), "attention_k"),
-        checkpoint_name(to_bhtk(v_BxSxHxK), "attention_v"),
+        to_bhtk(q_BxTxHxK * jnp.asarray(scale, q_BxTxHxK.dtype)),
+        to_bhtk(k_BxSxHxK),
+        to_bhtk(v_BxSxHxK),
         segment_ids_BxT,
         blocks=blocks,
         mesh=self.mesh,
@@ -251,9 +235,9 @@ class Attention(nn.Module):
       out_BxTxHxK = jnp.swapaxes(out_BxHxTxK, 1, 2)
     else:
       out_BxTxHxK = attention_lib.xla_attention(
-        checkpoint_name(q_BxTxHxK, "attention_q"),
-        checkpoint_name(k_BxSxHxK, "attention_k"),
-        checkpoint_name(v_BxSxHxK, "attention_v"),
+        q_BxTxHxK,
+        k_BxSxHxK,
+        v_BxSxHxK,
         mask_BxTxS,
         causal=causal,
         scale=scale,

@@ -9,7 +9,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dipaco_jax.core import attention as attention_lib
 from dipaco_jax.core import flops
 from dipaco_jax.core import inner
 from dipaco_jax.core import model as model_lib
@@ -356,41 +355,6 @@ def test_save_matmuls_except_mlp_in_keeps_no_mlp_width_activation(capsys):
   )
   np.testing.assert_allclose(loss_x, loss, rtol=1e-6)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), grads_x, grads)
-
-
-def test_save_attention_except_mlp_in_keeps_the_kernels_inputs_and_outputs(capsys):
-  # In place of the attention's projections the policy keeps what the attention kernel takes
-  # (queries scaled and rotated, keys rotated, values) and, for a Pallas kernel, what it
-  # returns: the splash kernel's output and its log-sum-exp, so the backward pass runs its
-  # dq and dkv kernels and no forward kernel again. Loss and gradients are those of the
-  # policy it refines (the same ops, kept instead of recomputed).
-  params, batch = _params(_cfg(num_layers=1)), _batch(_tokens(5))
-  model = model_lib.Transformer(_cfg(num_layers=1, remat="save_attention_except_mlp_in"))
-  f = lambda p: model.apply({"params": p}, batch["inputs"]).sum()
-  jax.ad_checkpoint.print_saved_residuals(f, params)
-  lines = capsys.readouterr().out.splitlines()
-  named = {m.group(1) for l in lines for m in [re.search(r"named '(\w+)'", l)] if m}
-  assert named == {"attention_q", "attention_k", "attention_v", "attn_out"}
-  assert not [l for l in lines if f"[2,{T},{2 * D}]" in l]  # No MLP-width activation.
-  loss, grads = _loss_and_grads(
-    _cfg(num_layers=1, remat="save_matmuls_except_mlp_in"), params, batch
-  )
-  loss_x, grads_x = _loss_and_grads(
-    _cfg(num_layers=1, remat="save_attention_except_mlp_in"), params, batch
-  )
-  np.testing.assert_allclose(loss_x, loss, rtol=1e-6)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), grads_x, grads)
-  # The splash kernel (Pallas's interpreter off TPU): [B, H, T, K] = [1, 2, 256, 64], its
-  # output [H, T, K] and log-sum-exp [H, T, 128] (one per lane) a row, kept by the policy.
-  q = jnp.ones((1, 2, 256, 64), jnp.bfloat16)
-  seg = jnp.ones((1, 256), jnp.int32)
-  splash = lambda q, k, v: attention_lib.splash_attention(
-    q, k, v, seg, blocks=(128, 128), interpret=True
-  ).sum()
-  policy = model_lib.REMAT_POLICIES["save_attention_except_mlp_in"]
-  jax.ad_checkpoint.print_saved_residuals(jax.checkpoint(splash, policy=policy), q, q, q)
-  kept = [l for l in capsys.readouterr().out.splitlines() if "_splash_attention" in l]
-  assert [l.split(" ")[0] for l in kept] == ["bf16[2,256,64]", "f32[2,256,128]"], kept
 
 
 def test_input_first_matmul_gradients_by_hand():
