@@ -52,7 +52,7 @@ def op_rows(hlo_text: str) -> list[dict]:
   inside = set(re.findall(r"(?:calls|to_apply)=%?([\w.\-]+)", hlo_text))
   rows, current, shapes = [], None, {}
   for line in hlo_text.splitlines():
-    name = hlo._computation_name(line)  # pylint: disable=protected-access
+    name = hlo.computation_name(line)
     if name is not None:
       current, shapes = name, {}
       continue
@@ -64,10 +64,10 @@ def op_rows(hlo_text: str) -> list[dict]:
     if op in _FREE or op.endswith("-done"):
       continue
     if op in ("slice-start", "copy-start"):  # ((operand), result, context): what it moves.
-      moved = hlo._split_top(shape.strip()[1:-1])[1]  # pylint: disable=protected-access
+      moved = hlo.split_top(shape.strip()[1:-1])[1]
       sizes = [2 * array_bytes(moved, t) for t in (True, False)]
     else:
-      operands = [shapes.get(a.strip().lstrip("%"), "") for a in hlo._split_top(args)]  # pylint: disable=protected-access
+      operands = [shapes.get(a.strip().lstrip("%"), "") for a in hlo.split_top(args)]
       sizes = [
         array_bytes(shape, t) + sum(array_bytes(o, t) for o in operands) for t in (True, False)
       ]

@@ -88,7 +88,7 @@ _BRANCHES_RE = re.compile(r"\bbranch_computations=\{([^}]*)\}")
 _TRIP_RE = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 
 
-def _computation_name(line: str) -> str | None:
+def computation_name(line: str) -> str | None:
   """The name a computation's header line declares (`ENTRY %main (...) -> ... {`), else None."""
   if not line or line[0].isspace() or not line.rstrip().endswith("{"):
     return None
@@ -100,7 +100,7 @@ def _condition_bounds(hlo_text: str) -> dict[str, int]:
   """N of each computation that is a loop condition `x < constant(N)` (one s32 constant)."""
   out, current, consts, lt = {}, None, [], False
   for line in hlo_text.splitlines() + ["}"]:
-    name = _computation_name(line)
+    name = computation_name(line)
     if name is not None:
       current, consts, lt = name, [], False
     elif line.startswith("}"):
@@ -129,7 +129,7 @@ def trip_counts(hlo_text: str) -> dict[str, int]:
   bounds = _condition_bounds(hlo_text)
   entry, current = None, None
   for line in hlo_text.splitlines():
-    name = _computation_name(line)
+    name = computation_name(line)
     if name is not None:
       current = name
       if line.startswith("ENTRY"):
@@ -157,7 +157,7 @@ def trip_counts(hlo_text: str) -> dict[str, int]:
       memo[comp] = sum(count(c, (*seen, comp)) * f for c, f in callers[comp])
     return memo[comp]
 
-  names = {_computation_name(line) for line in hlo_text.splitlines()} - {None}
+  names = {computation_name(line) for line in hlo_text.splitlines()} - {None}
   return {n: count(n) for n in names}
 
 
@@ -183,7 +183,7 @@ def _shape_bytes(shape: str) -> int:
   return total
 
 
-def _split_top(s: str) -> list[str]:
+def split_top(s: str) -> list[str]:
   """Splits `a, (b, c), d` on the commas outside brackets."""
   parts, depth, start = [], 0, 0
   for i, ch in enumerate(s):
@@ -201,7 +201,7 @@ def _split_top(s: str) -> list[str]:
 def _tuple_elements(shape: str) -> list[str]:
   shape = shape.strip()
   if shape.startswith("(") and shape.endswith(")"):
-    return _split_top(shape[1:-1])
+    return split_top(shape[1:-1])
   return [shape]
 
 
@@ -241,7 +241,7 @@ def _mesh_groups(m: re.Match) -> tuple[tuple[int, ...], ...]:
   if m.group(1) is not None:  # maximal_mesh: a single device.
     return ((int(m.group(1)),),)
   names, sizes = [], []
-  for item in _split_top(m.group(2)):
+  for item in split_top(m.group(2)):
     name, size = item.rsplit("=", 1)
     names.append(name.strip().strip("'"))
     sizes.append(int(size))
@@ -249,7 +249,7 @@ def _mesh_groups(m: re.Match) -> tuple[tuple[int, ...], ...]:
   # Split each mesh axis into its referenced sub-axes (pre_size, size) so
   # every grouped axis becomes one dimension of a reshaped device array.
   refs = []
-  for item in _split_top(m.group(4)):
+  for item in split_top(m.group(4)):
     sub = re.fullmatch(r"'?([^':]+)'?(?::\((\d+)\)(\d+))?", item.strip())
     if sub is None:
       raise ValueError(f"unparsed mesh axis {item!r} in replica_groups")
@@ -337,7 +337,7 @@ def collectives(hlo_text: str) -> list[Collective]:
   out, seen, transfers = [], set(), {}
   runs, trips = trip_counts(hlo_text), 1
   for line in hlo_text.splitlines():
-    name = _computation_name(line)
+    name = computation_name(line)
     if name is not None:
       trips = runs.get(name, 1)
       continue
@@ -372,7 +372,7 @@ def custom_calls(hlo_text: str, prefix: str = "") -> list[CustomCall]:
   """The custom calls whose instruction name starts with `prefix`, with their trip counts."""
   out, runs, trips = [], trip_counts(hlo_text), 1
   for line in hlo_text.splitlines():
-    name = _computation_name(line)
+    name = computation_name(line)
     if name is not None:
       trips = runs.get(name, 1)
       continue
