@@ -5,8 +5,10 @@ multislice 'path' spans slices over DCN while 'data' and 'model' stay inside a
 slice on ICI. Inside a path, matrices are split over 'model' (tensor
 parallel) by parameter name and batches over 'data'. With FSDP
 (config.mesh.fsdp) every matrix and its optimizer state is also split over
-'data' on its largest dim not on 'model' (d_model in this model): the step
-all-gathers it for use and reduce-scatters its gradient, both inside a path.
+'data' on its largest dim not on 'model' (d_model in this model): the model
+all-gathers it where a block uses it (`gathered`) and sums its gradient over
+'data' into each device's shard (a reduce-scatter, or an all-reduce that each
+device then slices, as the compiler chooses), both inside a path.
 """
 # pylint: disable=invalid-name
 
