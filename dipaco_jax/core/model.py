@@ -16,6 +16,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from dipaco_jax.config import sections
 from dipaco_jax.core import attention as attention_lib
+from dipaco_jax.core import sharding
 from dipaco_jax.types import PyTree
 
 # Each config.model.remat choice (config/sections.py REMAT) as a policy: "none" keeps every
@@ -294,6 +295,16 @@ class Transformer(nn.Module):
   # True under a vmap over the batch's 'data' shards with spmd_axis_name='data' (each device's
   # own gradient, inner.grad_sums): that vmap maps 'data', so splash's shard_map must not.
   data_mapped: bool = False
+  # config.mesh.fsdp on `mesh`: each group's params are gathered over 'data' where it is used
+  # (sharding.gathered), inside the remat of a block so that the backward gathers them again.
+  fsdp: bool = False
+
+  def _gathered(self, cls, methods=None):
+    """`cls` reading its params gathered for use (FSDP), or `cls` itself."""
+    if not self.fsdp or self.mesh is None:
+      return cls
+    use = lambda v: sharding.gathered(v, self.mesh)
+    return nn.map_variables(cls, "params", trans_in_fn=use, methods=methods)
 
   @nn.compact
   def __call__(
@@ -312,19 +323,23 @@ class Transformer(nn.Module):
       segment_ids_BxT = jnp.ones((B, T), jnp.int32)
     if positions_BxT is None:
       positions_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    embed = Embed(cfg, name="embed")
-    x_BxTxD = embed(inputs_BxT, positions_BxT)
+    embed = self._gathered(Embed)(cfg, name="embed")
+    # The table as the embedding used it (gathered, with FSDP): a tied head reads the same one,
+    # so that its two uses' gradients are summed before they are reduced over 'data'.
+    x_BxTxD, table_VxD = embed(inputs_BxT, positions_BxT)
     policy = REMAT_POLICIES[cfg.remat]
     # Decoding takes no gradient: nothing to rematerialise.
-    block_cls = Block if cfg.remat == "none" or decode else nn.remat(Block, policy=policy)
+    block_cls = self._gathered(Block)
+    block_cls = block_cls if cfg.remat == "none" or decode else nn.remat(block_cls, policy=policy)
     for i in range(cfg.num_layers):
       block = block_cls(
         cfg, decode=decode, mesh=self.mesh, data_mapped=self.data_mapped, name=f"block_{i}"
       )
       x_BxTxD = block(x_BxTxD, segment_ids_BxT, positions_BxT)
     hidden_BxTxD = x_BxTxD
-    table_VxD = embed.variables["params"]["token"] if cfg.tie_embeddings else None
-    head = Head(cfg, weight_grads(cfg, attention_lib.platform_of(self.mesh)), name="head")
+    table_VxD = table_VxD if cfg.tie_embeddings else None
+    head_cls = self._gathered(Head, methods=["__call__", "features"])
+    head = head_cls(cfg, weight_grads(cfg, attention_lib.platform_of(self.mesh)), name="head")
     if not unembed:
       return head.features(x_BxTxD.astype(dtype), table_VxD)
     logits_BxTxV = head(x_BxTxD.astype(dtype), table_VxD)
@@ -334,7 +349,7 @@ class Transformer(nn.Module):
 
 
 class Embed(nn.Module):
-  """Token (and, when configured, learned position) embeddings."""
+  """Token (and, when configured, learned position) embeddings, and the token table."""
 
   cfg: ModelConfig
 
@@ -347,7 +362,7 @@ class Embed(nn.Module):
     if cfg.positions == "learned":
       pos_LxD = self.param("position", nn.initializers.normal(0.02), (cfg.max_len, cfg.d_model))
       x_BxTxD = x_BxTxD + jnp.take(pos_LxD, positions_BxT, axis=0)
-    return x_BxTxD.astype(jnp.dtype(cfg.dtype))
+    return x_BxTxD.astype(jnp.dtype(cfg.dtype)), table_VxD
 
 
 class Unembed(nn.Module):

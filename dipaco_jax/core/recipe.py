@@ -131,7 +131,7 @@ class Recipe:
       init=d.init,
       inner_steps=d.inner_steps,
       outer_steps=d.outer_steps,
-      model=model_lib.Transformer(model_cfg, mesh=mesh),
+      model=model_lib.Transformer(model_cfg, mesh=mesh, fsdp=mesh is not None and config.mesh.fsdp),
       inner_tx=inner_lib.optimizer(inner_cfg),
       outer_tx=outer_lib.optimizer(outer_cfg),
       data_shards=1 if mesh is None or config.mesh.fsdp else int(mesh.shape["data"]),

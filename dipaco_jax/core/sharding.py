@@ -5,11 +5,14 @@ multislice 'path' spans slices over DCN while 'data' and 'model' stay inside a
 slice on ICI. Inside a path, matrices are split over 'model' (tensor
 parallel) by parameter name and batches over 'data'. With FSDP
 (config.mesh.fsdp) every matrix and its optimizer state is also split over
-'data' on its largest dim not on 'model' (d_model in this model): the step
-all-gathers it for use and reduce-scatters its gradient, both inside a path.
+'data' on its largest dim not on 'model' (d_model in this model): the model
+all-gathers it where a block uses it (`gathered`) and sums its gradient over
+'data' into each device's shard (a reduce-scatter, or an all-reduce that each
+device then slices, as the compiler chooses), both inside a path.
 """
 # pylint: disable=invalid-name
 
+import functools
 import math
 from typing import Any, Sequence
 
@@ -170,6 +173,43 @@ def stacked_specs(tree: PyTree, mesh: Mesh, *, leading: str | None, fsdp: bool =
     return P(leading, *_inner_spec(_leaf_name(kp), x.shape[1:], msize, fsize))
 
   return jax.tree_util.tree_map_with_path(spec, tree)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _for_use(x, use: NamedSharding, held: NamedSharding):
+  return jax.lax.with_sharding_constraint(x, use)
+
+
+def _for_use_fwd(x, use, held):
+  return _for_use(x, use, held), None
+
+
+def _for_use_bwd(use, held, _, g):
+  # The gradient goes straight to the held (FSDP) layout: each device reduces only its own
+  # shard over 'data' (a reduce-scatter), never the whole gradient (an all-reduce).
+  return (jax.lax.with_sharding_constraint(g, held),)
+
+
+_for_use.defvjp(_for_use_fwd, _for_use_bwd)
+
+
+def gathered(tree: PyTree, mesh: Mesh) -> PyTree:
+  """One path's FSDP params (no leading axis) all-gathered over 'data' for use.
+
+  Each leaf is constrained to its spec without 'data' (split over 'model' only), its
+  gradient to its FSDP spec (worker_specs'): the step then gathers each weight where it is
+  used and reduce-scatters its gradient, rather than keeping the weight split and summing the
+  activations over 'data'. Under the workers' vmap (spmd_axis_name='path') 'path' joins each.
+  """
+  msize, fsize = mesh.shape["model"], mesh.shape["data"]
+
+  def one(kp, x):
+    name = _leaf_name(kp)
+    use = NamedSharding(mesh, P(*_inner_spec(name, x.shape, msize)))
+    held = NamedSharding(mesh, P(*_inner_spec(name, x.shape, msize, fsize)))
+    return _for_use(x, use, held)
+
+  return jax.tree_util.tree_map_with_path(one, tree)
 
 
 def worker_specs(params_W: PyTree, mesh: Mesh, fsdp: bool = False) -> PyTree:
