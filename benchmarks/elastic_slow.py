@@ -230,17 +230,17 @@ def _seeds(args, res, tmp, run_fn, save) -> None:
   T = args.outer_steps
 
   def _run(r, key, name, own, **over):  # pylint: disable=redefined-outer-name
+    """Run `key` unless kept; own: each actor's step time (None: the clean run's, once run)."""
     if key not in r:
       r[key] = run_fn(args, tmp, name, **over)
-      _goodput(r[key], own)
+      _goodput(r[key], own or [r[key]["step_s"]] * 4)
       save(res)
 
   for seed in args.seeds:
     r = res.setdefault(f"seed{seed}", {})
     base = {"seed": seed, "faults.step_delay_s": (args.base_delay,) * 4}
-    _run(r, "clean", f"clean{seed}", [0.0] * 4, **base)
+    _run(r, "clean", f"clean{seed}", None, **base)
     s = r["clean"]["step_s"]  # A clean actor's seconds per inner step (its base sleep included).
-    _goodput(r["clean"], [s] * 4)
     r["target_val_loss"] = r["clean"]["val_by_phase"][str(T - 1)]
     three = {**base, "elastic.num_workers": 3, "faults.step_delay_s": (args.base_delay,) * 3}
     if "three" not in args.skip:
