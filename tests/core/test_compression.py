@@ -15,6 +15,7 @@ from dipaco_jax.core import recipe as recipe_lib
 from dipaco_jax.core import sharding
 from dipaco_jax.errors import ConfigError
 from dipaco_jax.io import checkpoint
+from dipaco_jax.runtime.elastic import downlink
 from dipaco_jax.runtime.elastic import driver
 from dipaco_jax.runtime.elastic import executor as exec_lib
 from dipaco_jax.runtime.elastic import grid as grid_lib
@@ -446,8 +447,7 @@ def test_an_elastic_worker_reads_the_coded_update_and_rebuilds_the_version(tmp_p
   assert got[1] == v and u < v / 5  # A new actor reads v1 whole; fp4's update is ~1/7 of it.
   for x, y in zip(jax.tree.leaves(held), jax.tree.leaves(got[0]), strict=True):
     np.testing.assert_array_equal(x, y)  # The rebuilt version is v1's bytes.
-  w._held = {
-    (g, 0): (0, storage.load_tree(storage.module_file(wd, g, 0, 0), grid.module_template(g)))
-    for g in groups
-  }  # pylint: disable=protected-access
-  assert w._receive(1, 0)[1] == u  # pylint: disable=protected-access
+  link = downlink.Downlink(grid, wd, w._rebuild)  # pylint: disable=protected-access
+  assert sum(link.module(g, 0, 0)[1] for g in groups) == v  # It holds v0 (read whole)...
+  w._link = link  # pylint: disable=protected-access
+  assert w._receive(1, 0)[1] == u  # pylint: disable=protected-access  # ... so reads u1 only.

@@ -58,17 +58,17 @@ class TaskChecks:
     weight = np.asarray(weight)
     return float(np.where(weight > 0, np.asarray(loss_sum) / np.maximum(weight, 1.0), np.nan)[0])
 
-  def _guard(self, phase: int, worker: int, start_params, losses_so_far, unit: int | None = None):
+  def _guard(self, phase: int, worker: int, norms, losses_so_far, unit: int | None = None):
     """The recipe's divergence guard for task (phase, worker), as the spmd loop's for it.
 
-    The phase's reference norms: the path's modules at version `phase`, which the
-    task started from. The loss window: this worker's earlier steps, read from its
-    earlier tasks' results (the run's, as the spmd guard's in one process). Streamed:
-    `unit` is the task's, `phase` its phase, and `start_params` the phase's start.
+    `norms`: the phase's reference norms (of the path's modules at version `phase`,
+    which the task started from; on the host). The loss window: this worker's earlier
+    steps, read from its earlier tasks' results (the run's, as the spmd guard's in one
+    process). Streamed: `unit` is the task's, `phase` its phase, `norms` the phase start's.
     """
     kept = f"every module up to outer step {phase} is kept"
     guard = self.recipe.guard([self.grid.topo.worker_labels()[worker]], kept=kept)
-    guard.start_phase(phase, jax.device_get(self._norms(start_params)))
+    guard.start_phase(phase, norms)
     n, earlier = self.recipe.guard_cfg.stuck_steps - len(losses_so_far), []
     t = phase if unit is None else unit
     while n > 0 and t > 0:

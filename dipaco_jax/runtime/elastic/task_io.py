@@ -5,7 +5,7 @@ programs and the caches these read). A task reads only versioned inputs (the
 path's modules at version `phase`, the worker's AdamW state and data position
 at `phase`) and writes versioned outputs for `phase + 1`, so a retry writes the
 same bytes. With outer.compression a module the actor still holds from its last
-task is rebuilt from the compressed update (`_receive`).
+task is rebuilt from the compressed update (`_receive`, downlink.py).
 """
 # pylint: disable=invalid-name
 
@@ -64,25 +64,16 @@ class TaskStorage:
     """The path's modules at version `phase` and the bytes read for them (the downlink).
 
     With outer.compression, a module this actor holds at version phase − 1 (its last
-    task read it) is rebuilt from the compressed update u<phase> with the executor's
-    program (the same bytes as v<phase>); any other is read whole.
+    task read it) is rebuilt from the compressed update u<phase> (downlink.py: the same
+    bytes as v<phase>); any other is read whole.
     """
-    parts, nbytes, held = {}, 0, {}
-    for g, e in self.grid.modules_of_worker(worker):
-      prev = self._held.get((g, e))
-      update = storage.module_file(self.workdir, g, e, phase, "u")
-      if self.recipe.compressed and prev is not None and prev[0] == phase - 1 and update.exists():
-        tree = jax.device_get(
-          self._rebuild(prev[1], storage.load_tree(update, self.grid.delta_template(g)))
-        )
-        nbytes += storage.size(update)
-      else:
-        f = storage.module_file(self.workdir, g, e, phase)
-        tree = storage.load_tree(f, self.grid.module_template(g))
-        nbytes += storage.size(f)
-      held[(g, e)] = (phase, tree)
+    parts, nbytes = {}, 0
+    mods = self.grid.modules_of_worker(worker)
+    for g, e in mods:
+      tree, n = self._link.module(g, e, phase)
       parts.update(tree)
-    self._held = held
+      nbytes += n
+    self._link.keep(mods)
     return parts, nbytes
 
   def _group_writes(self, file_of, tree, worker: int, groups=None) -> list:

@@ -46,6 +46,7 @@ from dipaco_jax.routing import scoring
 from dipaco_jax.runtime import dispatch
 from dipaco_jax.runtime import early_stopping
 from dipaco_jax.runtime import faults as faults_lib
+from dipaco_jax.runtime.elastic import downlink
 from dipaco_jax.runtime.elastic import grid as grid_lib
 from dipaco_jax.runtime.elastic import jit_cache
 from dipaco_jax.runtime.elastic import pacing
@@ -115,9 +116,10 @@ class PathWorker(task_io.TaskStorage, task_checks.TaskChecks):
     self._step, self._init_opt, self._eval = fns["step"], fns["init_opt"], fns["eval"]
     self._norms, self._deltas, self._finite = fns["norms"], fns["deltas"], fns["finite"]
     self._logp, self._encode, self._rebuild = fns["logp"], fns["encode"], fns["rebuild"]
-    # (group, module) -> (version, params) of the last task's modules: with compression the
-    # next phase reads their updates' codes instead of the new versions (`_receive`).
-    self._held = {}
+    # The last task's modules: with compression, the next reads their updates' codes instead
+    # of the new versions (downlink.py).
+    self._link = downlink.Downlink(self.grid, self.workdir, self._rebuild)
+    self._ref = {}  # Streamed: worker -> (phase, the guard's reference norms) from its first unit.
     # (split, routing phase, worker) -> its evaluation batches (the same at every evaluation).
     self._val = {}
     # Early stopping on held-out training documents (shard_plan's): trained on the rest only.
@@ -242,10 +244,14 @@ class PathWorker(task_io.TaskStorage, task_checks.TaskChecks):
     saved = self._saved_progress(phase, worker) if phase < self.grid.U else None
     batcher = self._batcher(worker, k) if phase < self.grid.U else None
     losses = []
-    if sched.streamed:  # Its modules and own params; Δ is against the store (`against`).
-      start_params, down = streamed.start(self.grid, wd, worker, unit)
+    if sched.streamed:  # Its modules and own params, Δ's reference, the guard's (streamed.py).
+      kept = self._ref.get(worker)
+      start_params, against, ref, down = streamed.inputs(
+        self.grid, wd, worker, unit, self._link, need_ref=kept is None or kept[0] != outer
+      )
     else:
       start_params, down = self._receive(phase, worker)  # The path's modules: what Δ is against.
+      against = start_params
     link_down = 0.0
     if phase > 0:  # The outer exchange's downlink (phase 0 reads the initial θ̄).
       result["bytes_down"] = down
@@ -285,12 +291,11 @@ class PathWorker(task_io.TaskStorage, task_checks.TaskChecks):
         else:
           batcher.set_state(storage.load_json(storage.worker_data_file(wd, worker, phase)))
     if not sched.streamed:
-      guard = self._guard(phase, worker, start_params, losses)
-    else:  # The phase's reference norms: its first unit's start.
-      ref = (
-        start_params if first else streamed.start(self.grid, wd, worker, sched.first_unit(outer))[0]
-      )
-      guard = self._guard(outer, worker, ref, losses, unit=unit)
+      guard = self._guard(phase, worker, jax.device_get(self._norms(start_params)), losses)
+    else:  # The phase's reference norms: its first unit's start (kept for its later units).
+      if ref is not None:
+        self._ref[worker] = (outer, jax.device_get(self._norms(ref)))
+      guard = self._guard(outer, worker, self._ref[worker][1], losses, unit=unit)
     # "link": time in the fault plan's link hooks (a benchmark's injected transfer delay).
     clock = {"load": time.time() - start - link_down, "progress_save": 0.0, "link": link_down}
     t0 = time.time()
@@ -345,9 +350,6 @@ class PathWorker(task_io.TaskStorage, task_checks.TaskChecks):
     if not bool(self._finite(params)):  # Nothing non-finite leaves the task (as spmd's saves).
       guard.not_finite(s1)
     sent = sched.synced(unit)  # Every group, unless streamed: the fragment its end syncs.
-    against = start_params
-    if sched.streamed:
-      against = streamed.store(self.grid, wd, worker, unit, sent)[0]
     mine = lambda tree: {g: tree[g] for g in tree if g in sent}
     deltas = self._deltas(against, mine(params))
     residual = None
