@@ -8,8 +8,9 @@ here unpickles. Layout (t = outer steps applied, i.e. the phase that reads it):
 
   store/<group>/m<e>/v<t>.npz      module e of a store group after t outer steps
   store/<group>/m<e>/opt<t>.npz    its outer momentum
-  store/<group>/m<e>/u<t>.npz      outer.compression: the update v<t> − v<t-1>, codes and scales
-                                   (v<t> = v<t-1> + decoded u<t>: what a worker with v<t-1> reads)
+  store/<group>/m<e>/u<t>.npz      outer.compression: the update v<t> − v<s>, codes and scales
+                                   (v<t> = v<s> + decoded u<t>: what a worker holding v<s> reads,
+                                   downlink.py; s = t-1, streamed the module's version before)
   workers/w<w>/opt<t>.npz          worker w's AdamW state at the start of phase t
   workers/w<w>/data<t>.json        its data position at the start of phase t
   workers/w<w>/out<t>/delta_<group>.npz  its delta θ_module − θ_w after phase t-1's inner steps
