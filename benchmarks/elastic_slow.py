@@ -2,15 +2,15 @@ r"""One slow worker actor (3x, 10x) under each elastic policy: goodput, wall to 
 
   python benchmarks/elastic_slow.py --out /tmp/slow.json [--slow 3 10 --seeds 0 1]
 
-The successor of elastic_quorum.py. A 2-block d=32 model (benchmarks/elastic.py's), 4 paths
-(2x2 grid, shared embedding) on 4 worker actors of one local Ray cluster, H inner steps x T
-outer steps. Every actor sleeps `--base_delay` s after each inner step (the steps of this tiny
-model are far shorter than the fixed cost per task on a loaded 2-core CPU; the sleep stands for
-a real model's step and frees the CPU), and actor 1 sleeps more: (k - 1) x the clean step time,
-so it is k x slower. Per seed: a clean run (no slow actor) measures the step time s and the
-target loss; a run on 3 actors (the slow one gone) is the 10x goal's reference; then per k,
-the arms (ARMS): waiting for all, quorum + grace, and the new policies. Per run, from the task
-log (first task start -> last task end):
+The successor of elastic_quorum.py. A 2-block d=32 model (benchmarks/elastic.py's), 4 paths (2x2
+grid, shared embedding; `--modules 4 4`: 16 paths) on 4 worker actors of one local Ray cluster,
+H inner steps x T outer steps. Every actor sleeps `--base_delay` s after each inner step (the
+steps of this tiny model are far shorter than the fixed cost per task on a loaded 2-core CPU;
+the sleep stands for a real model's step and frees the CPU), and actor 1 sleeps more: (k - 1) x
+the clean step time, so it is k x slower. Per seed: a clean run (no slow actor) measures the
+step time s and the target loss; a run on 3 actors (the slow one gone) is the 10x goal's
+reference; then per k, the arms (ARMS): waiting for all, quorum + grace, and the new policies.
+Per run, from the task log (first task start -> last task end):
   goodput_own   = Σ_tasks steps x its actor's own step time (s, or k·s) / (actors x wall);
   goodput_clean = Σ_tasks steps x s / (actors x wall)  (a k=3 actor among 4 caps it at 0.83);
   s: the clean run's median seconds per inner step (tasks of phases >= 1, timed from their
@@ -49,6 +49,8 @@ ARMS = {
   "quorum_grace_discount": {**QUORUM, "elastic.late_deltas": "discount"},
   "pace": PACE,
   "pace_speed_lease": {**PACE, "elastic.lease": "speed"},
+  # Every task H steps, a slow actor deferring to faster ones (more paths than actors).
+  "speed_lease": {"elastic.lease": "speed"},
   # Pace, 2 outer steps more, the inner schedule of the others' T (so the same for T phases):
   # the paced run trains fewer tokens a phase; this shows its wall to the clean run's losses.
   "pace_long": PACE,
@@ -74,6 +76,7 @@ def _config(args, shard_dir, **kw):
       "early_stopping.enabled": False,
       "mesh.cpu_devices": 0,
       "elastic.num_workers": 4,
+      "dipaco.modules_per_level": (1, *args.modules),
       "data.shard_dir": shard_dir,
       **kw,
     }
@@ -99,7 +102,8 @@ def _child(spec: str, workdir: str, out: str) -> None:
 def _run(args, tmp, name, **over):
   """A child command (its own local Ray cluster); its figures (goodput: `_goodput`)."""
   wd, out = os.path.join(tmp, name), os.path.join(tmp, name + ".json")
-  spec = repr({"args": vars(args), "shards": os.path.join(tmp, "shards"), "over": over})
+  shards = os.path.join(tmp, "shards_" + "x".join(map(str, args.modules)))
+  spec = repr({"args": vars(args), "shards": shards, "over": over})
   t0 = time.time()
   subprocess.run([sys.executable, __file__, "--_child", spec, wd, out], check=True)
   command_s = time.time() - t0
@@ -192,6 +196,9 @@ def main():
   p.add_argument("--outer_steps", type=int, default=4)
   p.add_argument("--base_delay", type=float, default=0.08, help="s slept after every step")
   p.add_argument("--slow", type=int, nargs="*", default=[3, 10])
+  p.add_argument(
+    "--modules", type=int, nargs=2, default=[2, 2], help="K of the two block levels: the paths"
+  )
   p.add_argument("--seeds", type=int, nargs="+", default=[0])
   p.add_argument("--arms", nargs="+", default=list(ARMS))
   p.add_argument("--skip", nargs="*", default=[], help="runs left out: 10x_pace, three")

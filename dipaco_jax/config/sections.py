@@ -652,7 +652,8 @@ class ElasticConfig(f.Section):
     "first",
     f.choice(LEASES),
     '"first" = an idle actor takes the most lagging ready task, lowest-numbered actor first; '
-    '"speed" = fastest idle actor first, and a slow one the least lagging task.',
+    '"speed" = fastest idle actor first, a slow one the least lagging task, and nothing when '
+    "the faster actors would finish every ready task sooner (docs/elastic.md).",
   )
 
 

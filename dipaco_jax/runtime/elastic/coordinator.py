@@ -149,14 +149,22 @@ class Coordinator:
         new.append((phase, w))
     self.pending.extend(sorted(new))
 
-  def lease(self, actor: int, newest: bool = False):
-    """The next ready task for `actor` ((phase, worker)), or None; `newest`: the least lagging."""
+  def _runnable(self) -> list[int]:
+    """Indices of the pending tasks that can start now."""
     # A task reads its worker's previous phase's outputs: after a repair took that phase's
     # task off the results (its outputs moved aside), a later phase restored from the
     # snapshot waits for it. Otherwise every pending task's previous phase is done.
-    runnable = [
+    return [
       i for i, (t, w) in enumerate(self.pending) if t == 0 or _task_key(t - 1, w) in self.done
     ]
+
+  def runnable(self) -> int:
+    """How many pending tasks can start now."""
+    return len(self._runnable())
+
+  def lease(self, actor: int, newest: bool = False):
+    """The next ready task for `actor` ((phase, worker)), or None; `newest`: the least lagging."""
+    runnable = self._runnable()
     if not runnable:
       return None
     pick = max(runnable, key=lambda i: self.pending[i]) if newest else runnable[0]

@@ -207,7 +207,10 @@ class EventLoop:
         self.log(event="start_score", step=step, path=path, actor=i)
         continue
       # A slow actor takes the least lagging task (elastic.lease="speed"); the others the most.
-      task = self.call(self.coord.lease, i, self.pacer.by_speed and self.pacer.slow(i))
+      slow = self.pacer.by_speed and self.pacer.slow(i)
+      if slow and self._defer(i, busy):
+        continue
+      task = self.call(self.coord.lease, i, slow)
       if task is None:
         return
       steps = self.pacer.steps(i)
@@ -228,6 +231,14 @@ class EventLoop:
       if stop is not None:
         self.told.add(future)
       self.log(event="start", phase=task[0], worker=task[1], actor=i, **paced)
+
+  def _defer(self, actor: int, busy: set) -> bool:
+    """The slow idle `actor` leaves the ready tasks to faster actors that finish them sooner."""
+    now, task_s = time.time(), self.pacer.task_s
+    free_at = {a: now for a in range(len(self.workers)) if a not in busy and a != actor}
+    for a, _, start in self.running.values():
+      free_at[a] = None if task_s(a) is None else start + task_s(a)
+    return self.pacer.defer(actor, free_at, self.call(self.coord.runnable), now)
 
   def _poll_executors(self) -> None:
     """With a grace window, asks each owning executor every poll_s what its clock stepped."""
@@ -316,7 +327,7 @@ class EventLoop:
     except self.ray_errors.RayTaskError as err:  # The task's own error (e.g. NaN): stop.
       raise err.as_instanceof_cause() from None
     self.task_time = time.time() - start
-    self.pacer.observe(actor, result)
+    self.pacer.observe(actor, result, self.task_time)
     self._deadlines()
     if not self.call(self.coord.complete, task[0], task[1], result):
       self.log(event="duplicate", phase=task[0], worker=task[1], actor=actor)

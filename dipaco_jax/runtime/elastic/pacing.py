@@ -17,7 +17,9 @@ actors' step counts divide, with the slack that keeps an equal actor at H.
 
 elastic.lease="speed": idle actors take ready tasks fastest first, and a slow
 actor (beyond SLACK) the least lagging runnable task, so a lagging path goes to
-a fast actor whenever more paths than actors leave a choice.
+a fast actor whenever more paths than actors leave a choice; and a slow actor
+takes nothing when the others would finish every ready task sooner than it
+would finish one (`defer`): the phase does not wait for its task.
 
 No JAX, no Ray: the driver holds one Pacer; config_check calls `check`.
 """
@@ -75,15 +77,28 @@ class Pacer:
     self.on, self.by_speed = bool(e.pace_steps), e.lease == "speed"
     self.budget_s, self.floor, self.H = float(e.phase_budget_s), int(e.min_inner_steps), int(H)
     self.times: dict[int, list[float]] = {}  # Actor -> its last tasks' seconds per step.
+    self.walls: dict[int, list[float]] = {}  # Actor -> its last tasks' seconds, lease to result.
+    self.trained: dict[int, int] = {}  # Actor -> its training tasks so far.
 
-  def observe(self, actor: int, result: dict) -> None:
-    """A finished task's result: its seconds per inner step ("step_s"), for its actor."""
-    if result.get("step_s"):
-      self.times.setdefault(int(actor), []).append(float(result["step_s"]))
-      self.times[int(actor)] = self.times[int(actor)][-_RECENT:]
+  def observe(self, actor: int, result: dict, wall_s: float | None = None) -> None:
+    """A finished task's result: its seconds per inner step ("step_s"), and its whole wall."""
+    step_s = result.get("step_s")  # None for a task that trained < 2 steps (evaluation only).
+    if step_s:
+      self.trained[int(actor)] = self.trained.get(int(actor), 0) + 1
+    # A wall from an actor's second training task on: its first holds the compilation.
+    wall_s = wall_s if step_s and self.trained[int(actor)] >= 2 else None
+    for times, value in ((self.times, step_s), (self.walls, wall_s)):
+      if value:
+        times.setdefault(int(actor), []).append(float(value))
+        times[int(actor)] = times[int(actor)][-_RECENT:]
 
   def step_s(self, actor: int) -> float | None:
     recent = self.times.get(int(actor))
+    return statistics.median(recent) if recent else None
+
+  def task_s(self, actor: int) -> float | None:
+    """The median wall of `actor`'s last training tasks (lease to result), its first left out."""
+    recent = self.walls.get(int(actor))
     return statistics.median(recent) if recent else None
 
   def _fastest(self) -> float | None:
@@ -129,3 +144,26 @@ class Pacer:
     if not self.by_speed:
       return actors
     return sorted(actors, key=lambda a: (self.step_s(a) or 0.0, a))
+
+  def defer(self, actor: int, free_at: dict, runnable: int, now: float) -> bool:
+    """A slow idle `actor` leaves the `runnable` ready tasks to the others (lease="speed").
+
+    The tasks are dealt earliest finish first over the other available actors (`free_at`:
+    actor -> when it is free: now when idle, its running task's lease time + its task wall
+    when busy, None when that wall is not known); `actor` defers when every task finishes
+    sooner on another actor than its own would (it finishes a task at now + its wall). Never
+    for a fast actor, lease="first", or any wall not measured yet.
+    """
+    if not (self.by_speed and self.slow(actor)) or not free_at or runnable < 1:
+      return False
+    walls = {a: self.task_s(a) for a in [actor, *free_at]}
+    if None in walls.values() or None in free_at.values():
+      return False
+    free = {a: max(now, t) for a, t in free_at.items()}
+    mine = now + walls[actor]
+    for _ in range(runnable):
+      best = min(free, key=lambda a: (free[a] + walls[a], a))
+      if mine <= free[best] + walls[best]:
+        return False
+      free[best] += walls[best]
+    return True

@@ -2,6 +2,7 @@
 
 import types
 
+import jax
 import numpy as np
 import pytest
 import test_elastic_end_to_end
@@ -92,6 +93,87 @@ def test_a_slow_actor_leases_the_least_lagging_runnable_task(tmp_path):
   q.modules_updated(0, ["m/0"])  # Worker 0's phase 1 is ready: pending (0, 1), (0, 2), (1, 0).
   assert q.lease(1, True) == (1, 0)  # Slow: the path furthest ahead.
   assert q.lease(2) == (0, 1)  # Fast: the most lagging.
+
+
+def _speed_pool(walls=(10.0, 30.0, 10.0, 10.0)):
+  """A lease="speed" pacer, unpaced, whose actors' tasks took `walls` s (H steps each)."""
+  p = _pacer(H=10, pace_steps=False, lease="speed")
+  for a, wall in enumerate(walls):
+    p.observe(a, _task(10, wall), 99.0)  # The first task's wall (compilation): left out.
+    p.observe(a, _task(10, wall), wall)
+  return p
+
+
+def test_a_slow_actor_defers_when_the_others_finish_every_ready_task_sooner():
+  # 16 paths on 4 actors; actor 1 is 3x slower (task 30 s against 10 s). At t = 30 s it is
+  # idle; actors 0, 2, 3 were leased tasks at t = 30 (free at 40). With 3 ready tasks: each
+  # fast actor takes one, finishing at 50 s; actor 1 would finish at 30 + 30 = 60 > 50: defer
+  # (the phase ends at 50 s, not 60 s).
+  p = _speed_pool()
+  busy = {0: 30.0 + 10.0, 2: 40.0, 3: 40.0}
+  assert p.defer(1, busy, runnable=3, now=30.0)
+  # 7 ready tasks: dealt earliest finish first, fast actors finish at 50, 50, 50, 60, 60,
+  # 60 ... the 4th ties actor 1's 60 s: it takes one (no later than a fast actor would).
+  assert not p.defer(1, busy, runnable=7, now=30.0)
+  # At the phase's start (the fast actors leased at t = 0, free at 10; 13 more ready): rounds
+  # of 3 end at 20, 30, 40, so the 7th ready task would end at 40 > 30: the slow one takes one.
+  assert not p.defer(1, {0: 10.0, 2: 10.0, 3: 10.0}, runnable=13, now=0.0)
+  # Two fast actors idle now, 2 ready tasks: both finish at now + 10 < now + 30: defer.
+  assert p.defer(1, {0: 5.0, 2: 5.0, 3: 100.0}, runnable=2, now=5.0)
+
+
+def test_defer_never_holds_back_a_fast_actor_or_without_measured_walls():
+  p = _speed_pool()
+  assert not p.defer(0, {1: 30.0, 2: 30.0, 3: 30.0}, runnable=1, now=30.0)  # Fast: takes.
+  assert not p.defer(1, {0: None, 2: 40.0, 3: 40.0}, runnable=1, now=30.0)  # A wall unknown.
+  assert not p.defer(1, {}, runnable=1, now=30.0)  # Nobody else to take it.
+  assert not p.defer(1, {0: 40.0}, runnable=0, now=30.0)  # Nothing ready.
+  first = _pacer(H=10, pace_steps=False, lease="first")
+  for a, wall in enumerate((10.0, 30.0, 10.0, 10.0)):
+    first.observe(a, _task(10, wall), wall)
+    first.observe(a, _task(10, wall), wall)
+  assert not first.defer(1, {0: 30.0}, runnable=1, now=30.0)  # lease="first": never.
+  # An evaluation-only task (no step time) leaves the wall median alone.
+  p.observe(1, {"loss": []}, 0.5)
+  assert p.task_s(1) == 30.0
+  # One training task only: no wall yet (its first holds the compilation), so no deferral.
+  once = _pacer(H=10, pace_steps=False, lease="speed")
+  for a, wall in enumerate((10.0, 30.0)):
+    once.observe(a, _task(10, wall), wall)
+  assert once.task_s(1) is None and not once.defer(1, {0: 40.0}, runnable=1, now=30.0)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_cluster")
+def test_a_slow_actor_defers_and_the_run_trains_the_same_as_leasing_first(tmp_path):
+  # 4 paths on 2 actors, H = 4, T = 3, pacing off: every task trains H steps. Actor 1 sleeps
+  # 2 s a step (a task ~8 s), actor 0 none (a task well under a second of steps and loads).
+  # Phases 0 and 1: actor 1 takes a task (no wall measured yet: its first holds the
+  # compilation). Phase 2: actor 0 takes one, and actor 1 defers the other 3 (actor 0 ends
+  # all 4 before actor 1 would end one). The outer steps wait for every delta, so the run
+  # ends bit for bit where the same run leasing first-come with no slow actor ends.
+  base = {
+    "data.shard_dir": str(tmp_path / "shards"),
+    "dipaco.inner_steps": 4,
+    "dipaco.outer_steps": 3,
+    "eval.every_steps": 4,
+    "ckpt.every_steps": 4,
+    "elastic.num_workers": 2,
+  }
+  runs = {}
+  for name, lease, delays in (("speed", "speed", (0.0, 2.0)), ("first", "first", (0.0, 0.0))):
+    cfg = helpers.elastic_config(**{**base, "elastic.lease": lease})
+    wd = runs[name] = str(tmp_path / name)
+    out = train.train_and_evaluate(cfg, wd, faults_lib.Faults(step_delay_s=delays))
+    assert out["step"] == 12 and out["status"]["done"] == 16, out["status"]
+  events = storage.read_task_log(runs["speed"])
+  on_slow = sorted(e["phase"] for e in events if e["event"] == "done" and e["actor"] == 1)
+  assert on_slow[:2] == [0, 1] and 2 not in on_slow, on_slow
+  a, b = (test_elastic_end_to_end._final(runs[n]) for n in ("speed", "first"))
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(x, y)
 
 
 # ---- The wall deadline of an actor not measured yet (phase 0's tasks). ----
