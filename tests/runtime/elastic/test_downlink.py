@@ -74,7 +74,7 @@ def shards(tmp_path_factory):
   return str(tmp_path_factory.mktemp("shards"))
 
 
-@pytest.mark.slow  # ~40 s: two elastic runs of 4 units on one worker (compiles included).
+@pytest.mark.slow  # ~1 CPU-minute a case: two elastic runs of 4 units on one worker, compiled.
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_a_streamed_unit_reads_the_update_codes_and_trains_on_the_same_bytes(
   tmp_path, shards, case
