@@ -25,13 +25,13 @@ S = modes.MODES["capacity"]
 def test_the_plan_trains_theta_first_and_each_bigger_dense_model_after_its_own_theta():
   order = capacity.plan(S, "all", None)
   assert order[0] == "pretrain"
-  assert order[1:9] == capacity.gate_models()
+  assert order[1:13] == capacity.gate_models()  # P = 1, 2, 4, 8 x 3 outer LRs.
   for big in arms.BIG_DENSE:
     assert order.index(f"pretrain_{big}") == order.index(big) - 1
   assert set(capacity.arm_models()) <= set(order)
   assert capacity.plan(S, "gate", None) == ["pretrain", *capacity.gate_models()]
   # Every method at each of its outer LRs.
-  assert "diloco_iid_8_olr1" in order and "dipaco_2x4_iid_olr0.5" in order
+  assert "diloco_iid_8_olr1.4" in order and "dipaco_2x4_iid_olr0.5" in order
 
 
 def test_outer_lr_variants_of_every_arm_with_an_outer_step_and_none_without():
