@@ -482,18 +482,25 @@ def test_model_flops_count_swiglus_third_matrix():
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_rope_gradient_is_autodiffs_of_the_rotation(dtype):
-  """_rope's custom backward (rotate back, in the compute dtype) against autodiff of the formula."""
+@pytest.mark.parametrize("K", [6, 64])  # 64: the 150M path's head_dim.
+def test_rope_equals_the_halves_formula_and_its_gradient_autodiffs(dtype, K):
+  """_rope (a signed-permutation matmul, a custom backward) against the halves formula.
+
+  The formula is the one _rope replaced: x1 cos - x2 sin, x2 cos + x1 sin on the halves, in
+  float32. The permutation moves each element exactly, times +-1, so the values are equal
+  bit for bit, and the backward (rotate back, in the compute dtype) is autodiff's.
+  """
   rng = np.random.default_rng(0)
-  x = jnp.asarray(rng.normal(size=(2, 8, 3, 6)), dtype)
+  x = jnp.asarray(rng.normal(size=(2, 8, 3, K)), dtype)
   w = jnp.asarray(rng.normal(size=x.shape), jnp.float32)
-  pos = jnp.asarray(rng.integers(0, 50, size=(2, 8)), jnp.int32)
+  pos = jnp.asarray(rng.integers(0, 1024, size=(2, 8)), jnp.int32)
+  h = K // 2
 
   def plain(x):
-    freq = 1.0 / (10_000.0 ** (jnp.arange(3, dtype=jnp.float32) / 3))
+    freq = 1.0 / (10_000.0 ** (jnp.arange(h, dtype=jnp.float32) / h))
     angle = pos[..., None].astype(jnp.float32) * freq
     s, c = jnp.sin(angle)[:, :, None], jnp.cos(angle)[:, :, None]
-    x1, x2 = x[..., :3].astype(jnp.float32), x[..., 3:].astype(jnp.float32)
+    x1, x2 = x[..., :h].astype(jnp.float32), x[..., h:].astype(jnp.float32)
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], -1).astype(x.dtype)
 
   loss = lambda f: jax.grad(lambda x: (f(x).astype(jnp.float32) * w).sum())(x)
@@ -502,3 +509,10 @@ def test_rope_gradient_is_autodiffs_of_the_rotation(dtype):
   np.testing.assert_allclose(
     np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-6, atol=1e-6
   )
+
+
+def test_rope_swap_moves_each_element_exactly():
+  # (x1, x2) -> (-x2, x1): values with more mantissa than bfloat16 survive the matmul unchanged.
+  x = jnp.asarray([[1.0 + 2**-20, 2.0, -3.0 - 2**-18, 4.0]], jnp.float32)
+  want = [[3.0 + 2**-18, -4.0, 1.0 + 2**-20, 2.0]]
+  np.testing.assert_array_equal(model_lib._swap_halves(x), want)  # pylint: disable=protected-access
