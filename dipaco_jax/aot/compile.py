@@ -199,8 +199,8 @@ def collective_table(hlo_text: str, mesh) -> list[dict[str, Any]]:
   return sorted(rows.values(), key=lambda r: -r["bytes"])
 
 
-# The splash kernels' instruction names (splash_mha_fwd..., _dq..., _dkv...) and their kinds.
-_KERNEL_RE = re.compile(r"splash_mha_(fwd|dq|dkv)")
+# The splash kernels' instruction names (splash_mha_fwd..., _dkv...: the backward is fused).
+_KERNEL_RE = re.compile(r"splash_mha_(fwd|dkv)")
 
 
 def kernel_flops(hlo_text: str, cfg: model_lib.ModelConfig, seq_len: int) -> tuple[float, int]:

@@ -152,7 +152,14 @@ def _splash_mask(heads: int, seq_len: int):
 
 
 def splash_kernel(heads: int, seq_len: int, blocks: tuple[int, int], interpret: bool = False):
-  """Splash attention over [heads, seq_len, head_dim] (causal; segment ids at the call)."""
+  """Splash attention over [heads, seq_len, head_dim] (causal; segment ids at the call).
+
+  The backward is the fused kernel (dq with dk and dv): a separate dq kernel re-reads q, k, v,
+  the output's gradient and the log-sum-exp, and its inputs' layouts cost copies (on the
+  150M path's v6e block, 9% of the bytes, docs/results/tpu.md). Its key block is the whole
+  sequence, in compute blocks of `bkv`: dq is then summed in float32 inside the kernel, as the
+  dq kernel sums it, not as per-key-block partials in the compute dtype summed outside.
+  """
   from jax.experimental.pallas.ops.tpu import splash_attention as sa  # pylint: disable=g-import-not-at-top
 
   bq, bkv = blocks
@@ -161,10 +168,9 @@ def splash_kernel(heads: int, seq_len: int, blocks: tuple[int, int], interpret: 
     block_kv=bkv,
     block_kv_compute=bkv,
     block_q_dkv=bq,
-    block_kv_dkv=bkv,
+    block_kv_dkv=seq_len,
     block_kv_dkv_compute=bkv,
-    block_q_dq=bq,
-    block_kv_dq=bkv,
+    use_fused_bwd_kernel=True,
   )
   return sa.make_splash_mha(
     _splash_mask(heads, seq_len),
@@ -211,15 +217,19 @@ def splash_attention(
 
 
 def attention_flops(kind: str, shape_BxHxTxK, blocks: tuple[int, int] | None = None) -> float:
-  """FLOPs a splash kernel call executes: its matmuls over the causal blocks it computes.
+  """FLOPs a splash kernel call executes: its matmuls over the blocks it computes.
 
   Per (q block, kv block) pair each matmul is 2 bq bkv K flops; the forward does two (Q K^T,
-  P V), the dq kernel three (S, dP, dQ), the dkv kernel four (S, dP, dV, dK). Of the n_q x n_kv
-  block pairs a causal mask computes those on or below the diagonal.
+  P V) over the causal block pairs (those on or below the diagonal of the n_q x n_kv); the
+  fused backward kernel ("dkv") five (S, dP, dV, dK, dQ) over every pair of a q block and the
+  whole sequence (its key block is the sequence: `splash_kernel`), masked or not.
   """
   B, H, T, K = shape_BxHxTxK
-  matmuls = {"fwd": 2, "dq": 3, "dkv": 4}[kind]
   bq, bkv = blocks or (T, T)
+  if kind == "dkv":
+    matmuls, bkv = 5, T
+  else:
+    matmuls = {"fwd": 2}[kind]
   nq, nkv = T // bq, T // bkv
   pairs = sum(min(nkv, -(-((i + 1) * bq) // bkv)) for i in range(nq))
   return float(matmuls * 2 * B * H * pairs * bq * bkv * K)

@@ -16,6 +16,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from dipaco_jax.config import sections
 from dipaco_jax.core import attention as attention_lib
+from dipaco_jax.core import rope as rope_lib
 from dipaco_jax.core import sharding
 from dipaco_jax.types import PyTree
 
@@ -102,44 +103,6 @@ def dot_general_of(form: str):
   return dot_general
 
 
-def _rotate(x_BxTxHxK, sin, cos, sign: float):
-  """x's halves rotated by the angles (sign -1: back), in float32, returned in x's dtype."""
-  half = x_BxTxHxK.shape[-1] // 2
-  x1f = x_BxTxHxK[..., :half].astype(jnp.float32)
-  x2f = x_BxTxHxK[..., half:].astype(jnp.float32)
-  out = jnp.concatenate([x1f * cos - sign * x2f * sin, x2f * cos + sign * x1f * sin], -1)
-  return out.astype(x_BxTxHxK.dtype)
-
-
-@jax.custom_vjp
-def _rotary(x_BxTxHxK, sin, cos):
-  return _rotate(x_BxTxHxK, sin, cos, 1.0)
-
-
-def _rotary_fwd(x_BxTxHxK, sin, cos):
-  return _rotate(x_BxTxHxK, sin, cos, 1.0), (sin, cos)
-
-
-def _rotary_bwd(res, g_BxTxHxK):
-  # A rotation's transpose rotates back: the gradient leaves in the compute dtype, as autodiff's
-  # would, but from one fused elementwise op (no float32 gradient written to HBM).
-  sin, cos = res
-  return _rotate(g_BxTxHxK, sin, cos, -1.0), jnp.zeros_like(sin), jnp.zeros_like(cos)
-
-
-_rotary.defvjp(_rotary_fwd, _rotary_bwd)
-
-
-def _rope(x_BxTxHxK: jax.Array, positions_BxT: jax.Array) -> jax.Array:
-  """Rotary position embedding on the last axis (pairs of halves)."""
-  half = x_BxTxHxK.shape[-1] // 2
-  freq_K2 = 1.0 / (10_000.0 ** (jnp.arange(half, dtype=jnp.float32) / half))
-  angle_BxTxK2 = positions_BxT[..., None].astype(jnp.float32) * freq_K2
-  sin = jnp.sin(angle_BxTxK2)[:, :, None, :]
-  cos = jnp.cos(angle_BxTxK2)[:, :, None, :]
-  return _rotary(x_BxTxHxK, sin, cos)
-
-
 class _Kernel(nn.Module):
   """One kernel param of the given shape (lecun normal: fan in = its first dim)."""
 
@@ -197,8 +160,8 @@ class Attention(nn.Module):
     k_BxSxHxK = checkpoint_name(heads("key"), "key")
     v_BxSxHxK = checkpoint_name(heads("value"), "value")
     if cfg.positions == "rope":
-      q_BxTxHxK = _rope(q_BxTxHxK, positions_BxT)
-      k_BxSxHxK = _rope(k_BxSxHxK, positions_BxT)
+      q_BxTxHxK = rope_lib.rope(q_BxTxHxK, positions_BxT)
+      k_BxSxHxK = rope_lib.rope(k_BxSxHxK, positions_BxT)
     B = x_BxTxD.shape[0]
     T = x_BxTxD.shape[1]
     causal = True  # mask_BxTxS has no causal part yet: added below, or by is_causal.
