@@ -226,10 +226,7 @@ def attention_flops(kind: str, shape_BxHxTxK, blocks: tuple[int, int] | None = N
   """
   B, H, T, K = shape_BxHxTxK
   bq, bkv = blocks or (T, T)
-  if kind == "dkv":
-    matmuls, bkv = 5, T
-  else:
-    matmuls = {"fwd": 2}[kind]
+  matmuls, bkv = {"fwd": (2, bkv), "dkv": (5, T)}[kind]
   nq, nkv = T // bq, T // bkv
   pairs = sum(min(nkv, -(-((i + 1) * bq) // bkv)) for i in range(nq))
   return float(matmuls * 2 * B * H * pairs * bq * bkv * K)

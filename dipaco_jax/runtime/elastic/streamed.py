@@ -24,7 +24,7 @@ def params_file(workdir: str, worker: int, unit: int, group: str):
   return storage.worker_out_dir(workdir, worker, unit) / f"params_{group}.npz"
 
 
-def store(grid, workdir: str, worker: int, unit: int, groups, link) -> tuple[dict, int]:
+def store(grid, worker: int, unit: int, groups, link) -> tuple[dict, int]:
   """The worker's modules of `groups` as unit `unit` reads the store, and the bytes read.
 
   Through `link` (downlink.py): with outer.compression, rebuilt from the update's codes
@@ -54,11 +54,11 @@ def start(grid, workdir: str, worker: int, unit: int, link) -> tuple[dict, int]:
   """The worker's params at unit `unit`'s start, and the store's bytes read for them."""
   s, names = grid.sched, [g for g, _ in grid.modules_of_worker(worker)]
   fresh = s.fresh(unit)
-  params, nbytes = store(grid, workdir, worker, unit, fresh, link)
+  params, nbytes = store(grid, worker, unit, fresh, link)
   params.update(own(grid, workdir, worker, unit, [g for g in names if g not in fresh]))
   land = s.landing(unit)
   if land:  # The sync at unit − 2's end: θ_new (version unit − 1) and the θ_t it was sent from.
-    new, n = store(grid, workdir, worker, unit - 1, land, link)
+    new, n = store(grid, worker, unit - 1, land, link)
     old = own(grid, workdir, worker, unit - 1, land)
     for g in land:  # Two operations, each rounded to the params' dtype, as the spmd programs.
       jump = jax.tree.map(jnp.subtract, new[g], old[g])
@@ -82,7 +82,7 @@ def inputs(grid, workdir: str, worker: int, unit: int, link, need_ref: bool = Tr
   params, nbytes = start(grid, workdir, worker, unit, link)
   against = {}
   if unit < s.U:
-    against, n = store(grid, workdir, worker, unit, s.synced(unit), link)
+    against, n = store(grid, worker, unit, s.synced(unit), link)
     nbytes += n
   first, ref = s.first_unit(s.phase(unit)), None
   if unit == first:
