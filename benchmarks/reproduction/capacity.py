@@ -28,17 +28,33 @@ DENSE = ("dense_path", "dense_store_2x2", "dense_store_2x4", "dense_wide")
 GATE_GAIN = 0.02  # DiLoCo counts as saturated once P = 4 -> 8 gains at most this.
 
 
-def lr_arms(base: str, method: str) -> list[str]:
-  """`base` at each outer LR tried for its method."""
-  return [f"{base}_olr{lr:g}" for lr in OUTER_LRS[method]]
+# Seed 0 sweeps every LR of OUTER_LRS; a later seed runs, per arm, the KEEP_LRS LRs that were
+# best for that arm in seed 0 (the issue's "best of >= 2 outer LRs" per seed, without training
+# again the LRs seed 0 found far off: DiLoCo P = 1 and 2 at 1.4 ended 49% above their best).
+KEEP_LRS = 2
 
 
-def gate_models() -> list[str]:
-  return [m for p in DILOCO for m in lr_arms(DILOCO[p], "diloco")]
+def lr_arms(base: str, method: str, reference: dict | None = None) -> list[str]:
+  """`base` at each outer LR tried for its method.
+
+  All of them, or the KEEP_LRS best in `reference` (seed 0's records) once it holds `base` at
+  every one of them.
+  """
+  names = [f"{base}_olr{lr:g}" for lr in OUTER_LRS[method]]
+  if not reference or not all(n in reference for n in names):
+    return names
+  best = sorted(names, key=lambda n: ppl(reference[n]))[:KEEP_LRS]
+  return [n for n in names if n in best]
 
 
-def arm_models() -> list[str]:
-  grids = [m for pair in GRIDS.values() for base in pair for m in lr_arms(base, "dipaco")]
+def gate_models(reference: dict | None = None) -> list[str]:
+  return [m for p in DILOCO for m in lr_arms(DILOCO[p], "diloco", reference)]
+
+
+def arm_models(reference: dict | None = None) -> list[str]:
+  grids = [
+    m for pair in GRIDS.values() for base in pair for m in lr_arms(base, "dipaco", reference)
+  ]
   return [*DENSE, *grids]
 
 
@@ -180,10 +196,13 @@ def routed_share(config) -> float:
   return blocks / size(params)
 
 
-def plan(s, stage: str, models: list[str] | None) -> list[str]:
-  """The arms of a stage in training order (each bigger dense model after its own θ̄)."""
+def plan(s, stage: str, models: list[str] | None, reference: dict | None = None) -> list[str]:
+  """The arms of a stage in training order (each bigger dense model after its own θ̄).
+
+  `reference`: seed 0's records, for a later seed (its outer LRs: see KEEP_LRS).
+  """
   if models is None:
-    models = gate_models() + (arm_models() if stage != "gate" else [])
+    models = gate_models(reference) + (arm_models(reference) if stage != "gate" else [])
   order = ["pretrain"]
   for m in models:
     order += [p for p in (arms.pretrain_of(m, s), m) if p not in order]
@@ -197,7 +216,8 @@ def run(s, args) -> dict[str, dict]:
   from reproduction import runs
 
   models = [m for m in args.models.split(",") if m] if args.models else None
-  names = plan(s, args.stage, models)
+  reference = read_arms(args.results).get(0) if args.seed != 0 else None
+  names = plan(s, args.stage, models, reference)
   from dipaco_jax import errors
 
   # Every arm's config and mesh first: a bad size stops here, in one line, nothing written.
@@ -225,7 +245,7 @@ def run(s, args) -> dict[str, dict]:
 
   for name in names:
     arm(name)
-    if name == gate_models()[-1]:
+    if name == gate_models(reference)[-1]:
       print(describe_gate(saturation(records)), flush=True)
   if args.stage == "all" and models is None:
     for name in lever_models(records):

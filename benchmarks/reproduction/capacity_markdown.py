@@ -113,11 +113,16 @@ def arms_table(agg: dict) -> list[str]:
   return out
 
 
+def _lrs(method: str) -> str:
+  return "(" + ", ".join(f"{lr:g}" for lr in capacity.OUTER_LRS[method]) + ")"
+
+
 def status_lines(seeds: dict) -> list[str]:
   """Which arms of the full plan each seed has finished: a page of a run in progress says so."""
-  planned = capacity.plan(modes.MODES["capacity"], "all", None)
   out = []
   for seed, recs in seeds.items():
+    reference = seeds.get(0) if seed != 0 else None
+    planned = capacity.plan(modes.MODES["capacity"], "all", None, reference)
     left = [n for n in planned if n not in recs]
     tail = f"; still to run: {', '.join(f'`{n}`' for n in left)}" if left else ": complete"
     out.append(f"- seed {seed}: {len(planned) - len(left)} of {len(planned)} arms finished{tail}.")
@@ -185,6 +190,10 @@ def render(doc: dict, agg: dict, seeds: dict, png: str) -> str:
     "## Status",
     "",
     *status_lines(seeds),
+    "",
+    f"Outer LRs: seed 0 tries each of {_lrs('diloco')} (DiLoCo) and {_lrs('dipaco')} (DiPaCo); "
+    f"a later seed runs each arm at the {capacity.KEEP_LRS} of them that were best for that arm "
+    "in seed 0.",
     "",
     "## The regime",
     "",

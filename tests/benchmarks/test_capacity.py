@@ -117,6 +117,36 @@ def test_saturation_takes_each_ps_best_outer_lr_and_the_gain_of_each_doubling():
   assert not sat["met"] and "3.7% (gate <= 2%: NOT met" in capacity.describe_gate(sat)
 
 
+def test_a_later_seed_runs_each_arms_two_best_outer_lrs_of_seed_0():
+  seed0 = {
+    "diloco_iid_1_olr0.7": record(47.27),
+    "diloco_iid_1_olr1": record(48.68),
+    "diloco_iid_1_olr1.4": record(70.41),  # Far off: not trained again.
+    "diloco_iid_8_olr0.7": record(43.07),
+    "diloco_iid_8_olr1": record(41.85),
+    "diloco_iid_8_olr1.4": record(41.50),  # Best: 1.4 and 1.0 kept, 0.7 dropped.
+    "diloco_iid_olr0.7": record(43.61),  # P = 4 lacks 1.4 in seed 0: every LR still runs.
+    "diloco_iid_olr1": record(43.00),
+  }
+  gate = capacity.gate_models(seed0)
+  assert [m for m in gate if m.startswith("diloco_iid_1_")] == [
+    "diloco_iid_1_olr0.7",
+    "diloco_iid_1_olr1",
+  ]
+  assert [m for m in gate if m.startswith("diloco_iid_8_")] == [
+    "diloco_iid_8_olr1",
+    "diloco_iid_8_olr1.4",
+  ]
+  assert [m for m in gate if m.startswith("diloco_iid_olr")] == [
+    "diloco_iid_olr0.7",
+    "diloco_iid_olr1",
+    "diloco_iid_olr1.4",
+  ]
+  # DiPaCo tries two LRs: both stay; seed 0 itself (no reference) runs every LR.
+  assert capacity.arm_models(seed0) == capacity.arm_models()
+  assert len(capacity.plan(S, "all", None, seed0)) == len(capacity.plan(S, "all", None)) - 2
+
+
 def test_the_levers_go_to_the_grid_whose_routed_arm_is_lower_at_its_best_outer_lr():
   recs = {
     "dipaco_2x2_olr0.5": record(200.0),
