@@ -15,6 +15,7 @@ ROOT = helpers.ROOT
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from reproduction import arms  # pylint: disable=g-import-not-at-top,wrong-import-position
 from reproduction import capacity  # pylint: disable=g-import-not-at-top,wrong-import-position
+from reproduction import capacity_markdown  # pylint: disable=g-import-not-at-top,wrong-import-position
 from reproduction import capacity_page  # pylint: disable=g-import-not-at-top,wrong-import-position
 from reproduction import modes  # pylint: disable=g-import-not-at-top,wrong-import-position
 from reproduction import runs  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -231,6 +232,9 @@ def test_the_page_and_its_json_from_two_seeds_arm_files(tmp_path):
     "| tokens per parameter per path after the fork | 64k x 524k / 150M ≈ 224 | 1.0 | 108 |" in text
   )
   assert "P = 4 -> 8 gains 1.8% (gate <= 2%: met)" in text
+  assert capacity_markdown.GATE_NOT_MET not in text  # Said only where a seed misses the gate.
+  lines = capacity_markdown.gate_lines({0: gate_records(210.0)})
+  assert "3.7% (gate <= 2%: NOT met" in lines[0] and lines[-1] == capacity_markdown.GATE_NOT_MET
   # The status names what each seed has and what it still lacks (dense_path was never written).
   done = len(os.listdir(os.path.join(results, "seed0")))
   planned = len(capacity.plan(S, "all", None))
