@@ -42,6 +42,8 @@ def sentence(q: dict, agg: dict) -> str:
   order = "the paper's order" if q["paper_order_holds"] else "the reverse of the paper's order"
   if q["resolved"]:
     reading = f"{order}, beyond the seed range"
+  elif q["seeds"] < 2:
+    reading = f"{order}, one seed so far: no range yet, so not a result either way"
   else:
     reading = f"{order} but within the seed range: not a result either way"
   return (
@@ -206,7 +208,11 @@ def render(doc: dict, agg: dict, seeds: dict, png: str) -> str:
     "",
     f"Outer LRs: seed 0 tries each of {_lrs('diloco')} (DiLoCo) and {_lrs('dipaco')} (DiPaCo); "
     f"a later seed runs each arm at the {capacity.KEEP_LRS} of them that were best for that arm "
-    "in seed 0.",
+    "in seed 0. DiPaCo's modules take x√P_e on top, P_e the paths sharing module e "
+    "(`outer.sqrt_paths=multiply`, the paper's §3.5 rescaling; DiLoCo takes the plain mean): "
+    "on a 2x2 grid its 0.5 and 0.7 act as 0.71 and 0.99 on a routed module and as 1.0 and 1.4 "
+    "on the embedding and head all paths share; on a 2x4 grid the factor is x1.41, x2 and x2.83 "
+    "where 2, 4 and 8 paths share.",
     "",
     "## The regime",
     "",

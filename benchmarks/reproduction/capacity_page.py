@@ -79,6 +79,7 @@ def verdict(a: str, b: str, agg: dict) -> dict:
     "worse_expected": b,
     "gap": gap,
     "seed_range": noise,
+    "seeds": seeds,
     "resolved": seeds > 1 and abs(gap) > noise,
     "needs_third_seed": seeds < 3 and abs(gap) <= 2 * noise,
     "paper_order_holds": gap > 0,

@@ -174,6 +174,17 @@ def test_a_verdict_needs_the_gap_beyond_the_larger_seed_range_and_asks_a_third_s
   assert v["resolved"] and v["needs_third_seed"]
   v = capacity_page.verdict("b", "a", agg)  # -4.5: the reverse order, resolved.
   assert v["resolved"] and not v["paper_order_holds"]
+  # One seed: a range of 0 says nothing, so no gap resolves and the sentence says why.
+  one = {
+    "dipaco_2x2_olr0.5": {"ppl": [40.0], "mean": 40.0, "range": 0.0},
+    "diloco_iid_olr1": {"ppl": [43.0], "mean": 43.0, "range": 0.0},
+  }
+  v = capacity_page.verdict("dipaco_2x2_olr0.5", "diloco_iid_olr1", one)
+  assert v["seeds"] == 1 and not v["resolved"] and v["gap"] == pytest.approx(3.0)
+  text = capacity_markdown.sentence({"question": "dipaco_vs_diloco", "grid": "2x2", **v}, one)
+  assert text.endswith(
+    "the paper's order, one seed so far: no range yet, so not a result either way."
+  )
 
 
 def test_bits_per_character_by_hand():
