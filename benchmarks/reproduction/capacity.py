@@ -17,43 +17,74 @@ import numpy as np
 
 from reproduction import arms
 
-# Outer LRs tried per method (best of them per arm): DiPaCo's grid levels take x sqrt(P) on
-# top (outer.sqrt_paths), so its range sits lower than DiLoCo's. DiLoCo's 1.4: seed 0's P = 2,
-# 4 and 8 were best at 1.0, the top of (0.7, 1.0), and P = 4 -> 8 gained 2.7% there (the gate
-# asks <= 2%): the next LR up, before the arms, so that the gate is not read at a range's edge.
+# Where each method's outer-LR sweep starts (best of them per arm): DiPaCo's grid levels take
+# x sqrt(P) on top (outer.sqrt_paths), so its range sits lower than DiLoCo's. Seed 0 then walks
+# each arm's sweep one rung of LADDER past whichever edge holds its best (`swept`), so that no
+# arm is read at its sweep's edge: DiLoCo's 1.4 and DiPaCo 2x2's 1.0 came so (P = 2, 4, 8 best
+# at 1.0, the top of (0.7, 1.0); DiPaCo 2x2 best at 0.7, the top of (0.5, 0.7)).
 OUTER_LRS = {"diloco": (0.7, 1.0, 1.4), "dipaco": (0.5, 0.7)}
+LADDER = (0.25, 0.35, 0.5, 0.7, 1.0, 1.4, 2.0)  # x sqrt(2) a rung, as the arms' names round it.
 DILOCO = {1: "diloco_iid_1", 2: "diloco_iid_2", 4: "diloco_iid", 8: "diloco_iid_8"}
 GRIDS = {"2x2": ("dipaco_2x2", "dipaco_2x2_iid"), "2x4": ("dipaco_2x4", "dipaco_2x4_iid")}
 DENSE = ("dense_path", "dense_store_2x2", "dense_store_2x4", "dense_wide")
 GATE_GAIN = 0.02  # DiLoCo counts as saturated once P = 4 -> 8 gains at most this.
 
 
-# Seed 0 sweeps every LR of OUTER_LRS; a later seed runs, per arm, the KEEP_LRS LRs that were
+# Seed 0 sweeps every LR it walks to; a later seed runs, per arm, the KEEP_LRS LRs that were
 # best for that arm in seed 0 (the issue's "best of >= 2 outer LRs" per seed, without training
 # again the LRs seed 0 found far off: DiLoCo at 1.4 ended 49-60% above its best for every P).
 KEEP_LRS = 2
 
 
-def lr_arms(base: str, method: str, reference: dict | None = None) -> list[str]:
-  """`base` at each outer LR tried for its method.
+def lr_name(base: str, lr: float) -> str:
+  return f"{base}_olr{lr:g}"
 
-  All of them, or the KEEP_LRS best in `reference` (seed 0's records) once it holds `base` at
-  every one of them.
+
+def swept(base: str, method: str, records: dict) -> list[float]:
+  """The outer LRs seed 0 trains `base` at, in ascending order.
+
+  OUTER_LRS[method], and, once every one of them has finished in `records`, one rung of LADDER
+  past the edge that holds the best (above the top, below the bottom), again and again until the
+  best is inside the sweep or at the ladder's end.
   """
-  names = [f"{base}_olr{lr:g}" for lr in OUTER_LRS[method]]
-  if not reference or not all(n in reference for n in names):
+  lrs = list(OUTER_LRS[method])
+  while all(lr_name(base, lr) in records for lr in lrs):
+    best = min(lrs, key=lambda lr: _ppl_or_inf(records[lr_name(base, lr)]))
+    rung = LADDER.index(best)
+    if best == lrs[-1] and rung + 1 < len(LADDER):
+      lrs.append(LADDER[rung + 1])
+    elif best == lrs[0] and rung > 0:
+      lrs.insert(0, LADDER[rung - 1])
+    else:
+      break
+  return lrs
+
+
+def lr_arms(
+  base: str, method: str, reference: dict | None = None, own: dict | None = None
+) -> list[str]:
+  """`base` at each outer LR its seed trains it at.
+
+  Seed 0 (no `reference`): every LR of its sweep, walked on its own finished records `own`. A
+  later seed: seed 0's sweep (`reference`: seed 0's records), or its KEEP_LRS best once seed 0
+  holds `base` at every one of them.
+  """
+  if not reference:
+    return [lr_name(base, lr) for lr in swept(base, method, own or {})]
+  names = [lr_name(base, lr) for lr in swept(base, method, reference)]
+  if not all(n in reference for n in names):
     return names
-  best = sorted(names, key=lambda n: ppl(reference[n]))[:KEEP_LRS]
+  best = sorted(names, key=lambda n: _ppl_or_inf(reference[n]))[:KEEP_LRS]
   return [n for n in names if n in best]
 
 
-def gate_models(reference: dict | None = None) -> list[str]:
-  return [m for p in DILOCO for m in lr_arms(DILOCO[p], "diloco", reference)]
+def gate_models(reference: dict | None = None, own: dict | None = None) -> list[str]:
+  return [m for p in DILOCO for m in lr_arms(DILOCO[p], "diloco", reference, own)]
 
 
-def arm_models(reference: dict | None = None) -> list[str]:
+def arm_models(reference: dict | None = None, own: dict | None = None) -> list[str]:
   grids = [
-    m for pair in GRIDS.values() for base in pair for m in lr_arms(base, "dipaco", reference)
+    m for pair in GRIDS.values() for base in pair for m in lr_arms(base, "dipaco", reference, own)
   ]
   return [*DENSE, *grids]
 
@@ -69,6 +100,12 @@ def lever_models(records: dict) -> list[str]:
 def ppl(record: dict, params: str = "store") -> float | None:
   rep = record["final"].get(params)
   return None if rep is None else rep["ppl"]["once"]
+
+
+def _ppl_or_inf(record: dict) -> float:
+  """An arm's perplexity to rank it by: a diverged one (NaN) or none ranks last."""
+  x = ppl(record)
+  return math.inf if x is None or not math.isfinite(x) else x
 
 
 def variants(records: dict, base: str) -> list[str]:
@@ -196,13 +233,17 @@ def routed_share(config) -> float:
   return blocks / size(params)
 
 
-def plan(s, stage: str, models: list[str] | None, reference: dict | None = None) -> list[str]:
+def plan(
+  s, stage: str, models: list[str] | None, reference: dict | None = None, own: dict | None = None
+) -> list[str]:
   """The arms of a stage in training order (each bigger dense model after its own θ̄).
 
-  `reference`: seed 0's records, for a later seed (its outer LRs: see KEEP_LRS).
+  `reference`: seed 0's records, for a later seed (its outer LRs: see KEEP_LRS); `own`: this
+  seed's finished records (seed 0's sweeps walk on them: see `swept`).
   """
   if models is None:
-    models = gate_models(reference) + (arm_models(reference) if stage != "gate" else [])
+    models = gate_models(reference, own)
+    models += arm_models(reference, own) if stage != "gate" else []
   order = ["pretrain"]
   for m in models:
     order += [p for p in (arms.pretrain_of(m, s), m) if p not in order]
@@ -216,8 +257,10 @@ def run(s, args) -> dict[str, dict]:
   from reproduction import runs
 
   models = [m for m in args.models.split(",") if m] if args.models else None
-  reference = read_arms(args.results).get(0) if args.seed != 0 else None
-  names = plan(s, args.stage, models, reference)
+  finished = read_arms(args.results)
+  reference = finished.get(0) if args.seed != 0 else None
+  own = finished.get(args.seed, {})  # This seed's arms finished before: where its sweeps walk.
+  names = plan(s, args.stage, models, reference, own)
   from dipaco_jax import errors
 
   # Every arm's config and mesh first: a bad size stops here, in one line, nothing written.
@@ -243,9 +286,13 @@ def run(s, args) -> dict[str, dict]:
     path = write_arm(args.results, args.seed, name, r)
     print(f"   ppl {ppl(r):.2f}  (train {r['seconds']['train']:.0f}s) -> {path}", flush=True)
 
-  for name in names:
-    arm(name)
-    if name == gate_models(reference)[-1]:
+  # Planned again after each arm: a finished sweep may walk one more outer LR (`swept`).
+  while todo := [
+    n for n in plan(s, args.stage, models, reference, {**own, **records}) if n not in records
+  ]:
+    arm(todo[0])
+    gate = gate_models(reference, {**own, **records})
+    if todo[0] in gate and all(m in records for m in gate):
       print(describe_gate(saturation(records)), flush=True)
   if args.stage == "all" and models is None:
     for name in lever_models(records):

@@ -116,7 +116,8 @@ def arms_table(agg: dict) -> list[str]:
 
 
 def _lrs(method: str) -> str:
-  return "(" + ", ".join(f"{lr:g}" for lr in capacity.OUTER_LRS[method]) + ")"
+  lrs = capacity.LADDER if method == "ladder" else capacity.OUTER_LRS[method]
+  return "(" + ", ".join(f"{lr:g}" for lr in lrs) + ")"
 
 
 def status_lines(seeds: dict) -> list[str]:
@@ -124,7 +125,7 @@ def status_lines(seeds: dict) -> list[str]:
   out = []
   for seed, recs in seeds.items():
     reference = seeds.get(0) if seed != 0 else None
-    planned = capacity.plan(modes.MODES["capacity"], "all", None, reference)
+    planned = capacity.plan(modes.MODES["capacity"], "all", None, reference, recs)
     left = [n for n in planned if n not in recs]
     tail = f"; still to run: {', '.join(f'`{n}`' for n in left)}" if left else ": complete"
     out.append(f"- seed {seed}: {len(planned) - len(left)} of {len(planned)} arms finished{tail}.")
@@ -206,9 +207,11 @@ def render(doc: dict, agg: dict, seeds: dict, png: str) -> str:
     "",
     *status_lines(seeds),
     "",
-    f"Outer LRs: seed 0 tries each of {_lrs('diloco')} (DiLoCo) and {_lrs('dipaco')} (DiPaCo); "
-    f"a later seed runs each arm at the {capacity.KEEP_LRS} of them that were best for that arm "
-    "in seed 0. DiPaCo's modules take x√P_e on top, P_e the paths sharing module e "
+    f"Outer LRs: seed 0 starts each arm at {_lrs('diloco')} (DiLoCo) or {_lrs('dipaco')} "
+    "(DiPaCo), and where the best of them sits at an edge of its sweep it trains one more, a "
+    f"rung of {_lrs('ladder')} past that edge, until the best is inside (or at the ladder's "
+    f"end); a later seed runs each arm at the {capacity.KEEP_LRS} that were best for it in "
+    "seed 0. DiPaCo's modules take x√P_e on top, P_e the paths sharing module e "
     "(`outer.sqrt_paths=multiply`, the paper's §3.5 rescaling; DiLoCo takes the plain mean): "
     "on a 2x2 grid its 0.5 and 0.7 act as 0.71 and 0.99 on a routed module and as 1.0 and 1.4 "
     "on the embedding and head all paths share; on a 2x4 grid the factor is x1.41, x2 and x2.83 "

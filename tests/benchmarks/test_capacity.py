@@ -120,23 +120,33 @@ def test_saturation_takes_each_ps_best_outer_lr_and_the_gain_of_each_doubling():
 
 def test_a_later_seed_runs_each_arms_two_best_outer_lrs_of_seed_0():
   seed0 = {
+    "diloco_iid_1_olr0.5": record(47.90),  # Walked to below 0.7, the best: 0.7 and 0.5 kept.
     "diloco_iid_1_olr0.7": record(47.27),
     "diloco_iid_1_olr1": record(48.68),
     "diloco_iid_1_olr1.4": record(70.41),  # Far off: not trained again.
     "diloco_iid_8_olr0.7": record(43.07),
     "diloco_iid_8_olr1": record(41.85),
-    "diloco_iid_8_olr1.4": record(41.50),  # Best: 1.4 and 1.0 kept, 0.7 dropped.
+    "diloco_iid_8_olr1.4": record(41.50),  # Best: 1.4 and 1.0 kept, 0.7 and 2 dropped.
+    "diloco_iid_8_olr2": record(45.00),
     "diloco_iid_olr0.7": record(43.61),  # P = 4 lacks 1.4 in seed 0: every LR still runs.
     "diloco_iid_olr1": record(43.00),
   }
   gate = capacity.gate_models(seed0)
   assert [m for m in gate if m.startswith("diloco_iid_1_")] == [
+    "diloco_iid_1_olr0.5",
     "diloco_iid_1_olr0.7",
-    "diloco_iid_1_olr1",
   ]
   assert [m for m in gate if m.startswith("diloco_iid_8_")] == [
     "diloco_iid_8_olr1",
     "diloco_iid_8_olr1.4",
+  ]
+  # Seed 0's P = 2 best at the top of its sweep, 2 not run yet: seed 1 runs all four.
+  top = {**seed0, **{f"diloco_iid_2_olr{lr:g}": record(50 - lr) for lr in (0.7, 1.0, 1.4)}}
+  assert [m for m in capacity.gate_models(top) if m.startswith("diloco_iid_2_")] == [
+    "diloco_iid_2_olr0.7",
+    "diloco_iid_2_olr1",
+    "diloco_iid_2_olr1.4",
+    "diloco_iid_2_olr2",
   ]
   assert [m for m in gate if m.startswith("diloco_iid_olr")] == [
     "diloco_iid_olr0.7",
@@ -146,6 +156,28 @@ def test_a_later_seed_runs_each_arms_two_best_outer_lrs_of_seed_0():
   # DiPaCo tries two LRs: both stay; seed 0 itself (no reference) runs every LR.
   assert capacity.arm_models(seed0) == capacity.arm_models()
   assert len(capacity.plan(S, "all", None, seed0)) == len(capacity.plan(S, "all", None)) - 2
+
+
+def test_seed_0_walks_an_arms_outer_lr_sweep_past_the_edge_that_holds_its_best():
+  walk = lambda recs: capacity.swept("dipaco_2x2", "dipaco", recs)
+  at = lambda ppls: {f"dipaco_2x2_olr{lr:g}": record(v) for lr, v in ppls.items()}
+  assert walk({}) == [0.5, 0.7]  # Nothing finished: the starting LRs.
+  assert walk(at({0.5: 44.41})) == [0.5, 0.7]  # 0.7 not finished: no walk yet.
+  # 0.7 best, the top: 1.0 next; then 1.0 best, the top again: 1.4; 1.4 worse: the best is inside.
+  assert walk(at({0.5: 44.41, 0.7: 43.36})) == [0.5, 0.7, 1.0]
+  assert walk(at({0.5: 44.41, 0.7: 43.36, 1: 43.0})) == [0.5, 0.7, 1.0, 1.4]
+  assert walk(at({0.5: 44.41, 0.7: 43.36, 1: 43.0, 1.4: 60.0})) == [0.5, 0.7, 1.0, 1.4]
+  # The bottom best: one rung down (0.35); a diverged arm (NaN) ranks last.
+  assert walk(at({0.5: 44.0, 0.7: float("nan")})) == [0.35, 0.5, 0.7]
+  assert walk(at({0.35: 45.0, 0.5: 44.0, 0.7: 46.0})) == [0.35, 0.5, 0.7]
+  # At the ladder's end the sweep stops.
+  ends = {f"diloco_iid_olr{lr:g}": record(50 - lr) for lr in (0.7, 1.0, 1.4, 2.0)}
+  assert capacity.swept("diloco_iid", "diloco", ends) == [0.7, 1.0, 1.4, 2.0]
+  # The plan trains the walked LR right after the sweep it extends, before the next arm.
+  own = at({0.5: 44.41, 0.7: 43.36})
+  order = capacity.plan(S, "all", None, None, own)
+  assert order[order.index("dipaco_2x2_olr0.7") + 1] == "dipaco_2x2_olr1"
+  assert "dipaco_2x2_olr1" not in capacity.plan(S, "all", None)
 
 
 def test_the_levers_go_to_the_grid_whose_routed_arm_is_lower_at_its_best_outer_lr():
