@@ -87,8 +87,14 @@ def verdict(a: str, b: str, agg: dict) -> dict:
 
 
 def best_arm(agg: dict, base: str | None) -> str | None:
-  """`base`'s outer-LR variant with the lowest mean perplexity over the seeds."""
+  """`base`'s outer-LR variant with the lowest mean perplexity over the seeds.
+
+  Among the variants run on the most seeds: an LR that only seed 0 tried (a later seed keeps
+  seed 0's best: KEEP_LRS) is not weighed, on one seed, against means over several.
+  """
   have = capacity.variants(agg, base)
+  most = max((len(agg[n]["ppl"]) for n in have), default=0)
+  have = [n for n in have if len(agg[n]["ppl"]) == most]
   return min(have, key=lambda n: agg[n]["mean"]) if have else None
 
 

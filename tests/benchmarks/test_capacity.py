@@ -206,6 +206,15 @@ def test_a_verdict_needs_the_gap_beyond_the_larger_seed_range_and_asks_a_third_s
   assert v["resolved"] and v["needs_third_seed"]
   v = capacity_page.verdict("b", "a", agg)  # -4.5: the reverse order, resolved.
   assert v["resolved"] and not v["paper_order_holds"]
+  # The best LR variant among those run on the most seeds: 0.5 (seed 0 only, 44.0) is not
+  # weighed against 0.7's mean over two seeds (43.0 and 46.0: 44.5).
+  lrs = {
+    "dipaco_2x2_olr0.5": {"ppl": [44.0], "mean": 44.0, "range": 0.0},
+    "dipaco_2x2_olr0.7": {"ppl": [43.0, 46.0], "mean": 44.5, "range": 3.0},
+    "dipaco_2x2_olr1": {"ppl": [45.0, 46.0], "mean": 45.5, "range": 1.0},
+  }
+  assert capacity_page.best_arm(lrs, "dipaco_2x2") == "dipaco_2x2_olr0.7"
+  assert capacity_page.best_arm(lrs, "dipaco_2x4") is None
   # One seed: a range of 0 says nothing, so no gap resolves and the sentence says why.
   one = {
     "dipaco_2x2_olr0.5": {"ppl": [40.0], "mean": 40.0, "range": 0.0},
