@@ -94,7 +94,7 @@ def lever_models(records: dict) -> list[str]:
   grid, name = better_grid(records)
   if name is None:
     return []
-  return [f"{GRIDS[grid][0]}_pse_olr{arms.outer_lr_variant(name)[1]:g}"]
+  return [lr_name(f"{GRIDS[grid][0]}_pse", arms.outer_lr_variant(name)[1])]
 
 
 def ppl(record: dict, params: str = "store") -> float | None:
@@ -116,7 +116,7 @@ def variants(records: dict, base: str) -> list[str]:
 def best_of(records: dict, base: str) -> str | None:
   """`base`'s outer-LR variant with the lowest final routed perplexity (None when none ran)."""
   have = variants(records, base)
-  return min(have, key=lambda n: ppl(records[n])) if have else None
+  return min(have, key=lambda n: _ppl_or_inf(records[n])) if have else None
 
 
 def better_grid(records: dict) -> tuple[str, str | None]:
@@ -259,7 +259,7 @@ def run(s, args) -> dict[str, dict]:
   models = [m for m in args.models.split(",") if m] if args.models else None
   finished = read_arms(args.results)
   reference = finished.get(0) if args.seed != 0 else None
-  own = finished.get(args.seed, {})  # This seed's arms finished before: where its sweeps walk.
+  own = finished.get(args.seed, {})  # This seed's finished arms: where its sweeps walk.
   names = plan(s, args.stage, models, reference, own)
   from dipaco_jax import errors
 
@@ -287,11 +287,10 @@ def run(s, args) -> dict[str, dict]:
     print(f"   ppl {ppl(r):.2f}  (train {r['seconds']['train']:.0f}s) -> {path}", flush=True)
 
   # Planned again after each arm: a finished sweep may walk one more outer LR (`swept`).
-  while todo := [
-    n for n in plan(s, args.stage, models, reference, {**own, **records}) if n not in records
-  ]:
+  while todo := [n for n in plan(s, args.stage, models, reference, own) if n not in records]:
     arm(todo[0])
-    gate = gate_models(reference, {**own, **records})
+    own[todo[0]] = records[todo[0]]
+    gate = gate_models(reference, own)
     if todo[0] in gate and all(m in records for m in gate):
       print(describe_gate(saturation(records)), flush=True)
   if args.stage == "all" and models is None:
