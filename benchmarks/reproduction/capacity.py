@@ -250,8 +250,44 @@ def plan(
   return order
 
 
+def rerouted(record: dict) -> bool:
+  """Whether an arm's record holds the read re-routed every W tokens (`runs.evaluate_run`)."""
+  return any("/W=" in k for k in record["final"]["store"]["ppl"])
+
+
+def mismatch(committed: dict, fresh: dict) -> str | None:
+  """How a retrained arm differs from its committed record; None where its curve is the same.
+
+  Training is deterministic on one machine type (same code, data, seed): a θ̄ whose checkpoints
+  were lost is trained again and must land on the perplexities its JSON holds, or the arms left
+  would fork from another θ̄ than the arms already committed.
+  """
+  if [list(p) for p in committed["curve"]] == [list(p) for p in fresh["curve"]]:
+    return None
+  a, b = committed["curve"][-1], fresh["curve"][-1]
+  return f"perplexity at step {a[0]}: committed {a[1]:.4f}, trained again {b[1]:.4f}"
+
+
+def to_train(names: list[str], s, own: dict, has_checkpoint) -> list[str]:
+  """The arms of `names` this run trains, in order.
+
+  Every arm without a finished record in `own`, and a finished one only where an arm left forks
+  from it (its θ̄) and its checkpoints are gone (`has_checkpoint(name)` false): a new machine
+  keeps the committed JSONs but not the run directory.
+  """
+  left = [n for n in names if n not in own]
+  forks = {arms.pretrain_of(n, s) for n in left if n != arms.pretrain_of(n, s)}
+  return [n for n in names if n in left or (n in forks and not has_checkpoint(n))]
+
+
 def run(s, args) -> dict[str, dict]:
-  """One seed's capacity comparison, resumed arm by arm; every finished arm's JSON written."""
+  """One seed's capacity comparison, resumed arm by arm; every finished arm's JSON written.
+
+  An arm whose JSON is already under --results for this seed is not trained again, save a θ̄
+  an arm left forks from (its checkpoints lost with a machine: trained again, checked against
+  its JSON by `mismatch`) and the re-routing read's arm (trained again the same way when its
+  checkpoints are gone).
+  """
   import dataclasses
 
   from reproduction import runs
@@ -260,6 +296,7 @@ def run(s, args) -> dict[str, dict]:
   finished = read_arms(args.results)
   reference = finished.get(0) if args.seed != 0 else None
   own = finished.get(args.seed, {})  # This seed's finished arms: where its sweeps walk.
+  committed = dict(own)  # Those finished before this run: their JSONs stand.
   names = plan(s, args.stage, models, reference, own)
   from dipaco_jax import errors
 
@@ -269,7 +306,9 @@ def run(s, args) -> dict[str, dict]:
       runs.param_counts(runs.make_config(name, s, args.out, args.sqrt_paths, args.seed))
     except (errors.ConfigError, errors.UserError) as e:
       raise SystemExit(f"--capacity: arm {name}: {e}") from None
-  records: dict[str, dict] = {}
+  done: set[str] = set()  # Trained (or checked) by this run.
+  workdir = lambda name: os.path.join(args.out, "runs", name)
+  has_checkpoint = lambda name: bool(runs.checkpoint_steps(workdir(name)))
 
   def arm(name: str, rerouting: bool = False) -> None:
     print(f"== {name}", flush=True)
@@ -277,28 +316,51 @@ def run(s, args) -> dict[str, dict]:
       name, s, args.out, args.sqrt_paths, args.seed, args.sqrt_paths_cap, rerouting=rerouting
     )
     r.update(sizes=dataclasses.asdict(s), seed=args.seed)
+    done.add(name)
+    if name in committed:
+      why = mismatch(committed[name], r)
+      if why:
+        raise SystemExit(
+          f"--capacity: {name} trained again for seed {args.seed} is not its committed run "
+          f"({why}): the arms left would fork from another model. Resume with the --out that "
+          f"holds its checkpoints, or remove {os.path.join(args.results, f'seed{args.seed}')} "
+          f"to train seed {args.seed} whole; its JSON is left as it was."
+        )
+      if not (rerouting and not rerouted(committed[name])):
+        print(f"   {name}: the same curve as its committed JSON (kept)", flush=True)
+        return
+      r["seconds"] = committed[name]["seconds"]  # The training it took when it first ran.
     if name == "pretrain":
       config = runs.make_config(name, s, args.out, args.sqrt_paths, args.seed)
-      workdir = os.path.join(args.out, "runs", name)
-      r.update(chars_per_scored_token=chars_per_scored_token(config, workdir))
+      r.update(chars_per_scored_token=chars_per_scored_token(config, workdir(name)))
       r.update(routed_share=routed_share(config))
-    records[name] = r
+    own[name] = r
     path = write_arm(args.results, args.seed, name, r)
     print(f"   ppl {ppl(r):.2f}  (train {r['seconds']['train']:.0f}s) -> {path}", flush=True)
 
   # Planned again after each arm: a finished sweep may walk one more outer LR (`swept`).
-  while todo := [n for n in plan(s, args.stage, models, reference, own) if n not in records]:
+  while todo := [
+    n
+    for n in to_train(plan(s, args.stage, models, reference, own), s, own, has_checkpoint)
+    if n not in done
+  ]:
     arm(todo[0])
-    own[todo[0]] = records[todo[0]]
     gate = gate_models(reference, own)
-    if todo[0] in gate and all(m in records for m in gate):
-      print(describe_gate(saturation(records)), flush=True)
+    if todo[0] in gate and all(m in own for m in gate):
+      print(describe_gate(saturation(own)), flush=True)
+
+  def forked(name: str, rerouting: bool = False) -> None:  # Its θ̄ first where that is gone.
+    if not has_checkpoint(arms.pretrain_of(name, s)):
+      arm(arms.pretrain_of(name, s))
+    arm(name, rerouting)
+
   if args.stage == "all" and models is None:
-    for name in lever_models(records):
-      arm(name)
-    grid, best = better_grid(records)
-    if best:  # Early stopping is in every record; re-routing is measured on this one.
+    for name in lever_models(own):
+      if name not in own:
+        forked(name)
+    grid, best = better_grid(own)
+    if best and not rerouted(own[best]):  # Early stopping is in every record.
       print(f"levers on {grid}: re-routing {best}", flush=True)
-      arm(best, rerouting=True)
-  print(describe_gate(saturation(records)), flush=True)
-  return records
+      forked(best, rerouting=True)
+  print(describe_gate(saturation(own)), flush=True)
+  return own

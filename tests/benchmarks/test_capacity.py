@@ -4,6 +4,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -180,6 +181,34 @@ def test_seed_0_walks_an_arms_outer_lr_sweep_past_the_edge_that_holds_its_best()
   assert "dipaco_2x2_olr1" not in capacity.plan(S, "all", None)
 
 
+def test_a_resumed_seed_trains_only_arms_left_and_a_lost_theta_they_fork_from():
+  names = ["pretrain", "dense_path", "pretrain_dense_wide", "dense_wide", "dipaco_2x4_olr0.5"]
+  finished = {n: record(50.0) for n in names[:4]}
+  gone = lambda name: False  # A new machine: the JSONs committed, no checkpoint.
+  # dipaco_2x4 forks from θ̄ ("pretrain"): θ̄ again, not dense_path nor the wide model's θ̄.
+  assert capacity.to_train(names, S, finished, gone) == ["pretrain", "dipaco_2x4_olr0.5"]
+  assert capacity.to_train(names, S, finished, lambda name: True) == ["dipaco_2x4_olr0.5"]
+  # Nothing left: nothing trained, θ̄ included.
+  assert capacity.to_train(names[:4], S, finished, gone) == []
+  # The wide model left: its own θ̄ again, the path's θ̄ not.
+  less = {n: r for n, r in finished.items() if n != "dense_wide"}
+  assert capacity.to_train(names[:4], S, less, gone) == ["pretrain_dense_wide", "dense_wide"]
+  assert capacity.to_train(names, S, {}, gone) == names
+
+
+def test_an_arm_trained_again_must_land_on_its_committed_curve():
+  a = record(43.36)
+  assert capacity.mismatch(a, json.loads(json.dumps(a))) is None  # A JSON round trip: the same.
+  b = record(43.36)
+  b["curve"] = [(1500, 86.72), (1635, 43.37)]
+  assert (
+    capacity.mismatch(a, b) == "perplexity at step 1635: committed 43.3600, trained again 43.3700"
+  )
+  assert not capacity.rerouted(a)
+  a["final"]["store"]["ppl"]["linear/W=32"] = 44.0
+  assert capacity.rerouted(a)
+
+
 def test_the_levers_go_to_the_grid_whose_routed_arm_is_lower_at_its_best_outer_lr():
   recs = {
     "dipaco_2x2_olr0.5": record(200.0),
@@ -352,3 +381,32 @@ def test_capacity_smoke_writes_each_arms_json_and_the_page(tmp_path):
   doc = json.loads((tmp_path / "capacity.json").read_text())
   assert set(doc["arms"]) == {"diloco_iid_olr0.7", "dipaco_2x4_olr0.5"}
   assert all(math.isfinite(x) for a in doc["arms"].values() for x in a["ppl"])
+  # A new machine: the JSONs kept, the run directory lost. θ̄ is trained again (an arm left
+  # forks from it) and checked against its JSON; the finished arms are not trained again.
+  shutil.rmtree(tmp_path / "out")
+  before = {f: (results / "seed0" / f).read_text() for f in os.listdir(results / "seed0")}
+  more = "--models=diloco_iid_olr0.7,dipaco_2x4_olr0.5,dipaco_2x2_olr0.5"
+  proc = _reproduce(
+    "--capacity_smoke", f"--out={tmp_path / 'out'}", f"--results={results}", more, cwd=tmp_path
+  )
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  assert [ln for ln in proc.stdout.splitlines() if ln.startswith("== ")] == [
+    "== pretrain",
+    "== dipaco_2x2_olr0.5",
+  ]
+  assert "pretrain: the same curve as its committed JSON (kept)" in proc.stdout
+  assert all((results / "seed0" / f).read_text() == text for f, text in before.items())
+  # θ̄'s JSON not what training gives: one line, and nothing written over.
+  shutil.rmtree(tmp_path / "out")
+  pre = json.loads((results / "seed0" / "pretrain.json").read_text())
+  pre["curve"][-1][1] += 1.0
+  (results / "seed0" / "pretrain.json").write_text(json.dumps(pre))
+  kept = {f: (results / "seed0" / f).read_text() for f in os.listdir(results / "seed0")}
+  more += ",dipaco_2x2_olr0.7"
+  proc = _reproduce(
+    "--capacity_smoke", f"--out={tmp_path / 'out'}", f"--results={results}", more, cwd=tmp_path
+  )
+  assert proc.returncode == 1, proc.stderr[-4000:]
+  last = proc.stderr.strip().splitlines()[-1]
+  assert last.startswith("--capacity: pretrain trained again for seed 0 is not its committed run")
+  assert {f: (results / "seed0" / f).read_text() for f in os.listdir(results / "seed0")} == kept
