@@ -200,6 +200,10 @@ def render(doc: dict, agg: dict, seeds: dict, png: str) -> str:
     "- **Machine**: this project's shared 2-core x86 CPU VM (no accelerator), 4 fake CPU devices.",
     "- **Written by** `benchmarks/reproduce.py --capacity_page` from `benchmarks/results/capacity/"
     "seed*/*.json` (one file per finished arm); the JSON beside this page is `capacity.json`.",
+    "- **Resumed** arm by arm: an arm whose JSON is there is not trained again; on a machine "
+    "that lost the run directory, a θ̄ an arm left forks from is trained again and must land on "
+    "its JSON's curve (training is deterministic there: seed 0's came back bit for bit), or the "
+    "run stops.",
     "",
     "    " + COMMANDS.strip().replace("\n", "\n"),
     "",
