@@ -306,7 +306,6 @@ def run(s, args) -> dict[str, dict]:
       runs.param_counts(runs.make_config(name, s, args.out, args.sqrt_paths, args.seed))
     except (errors.ConfigError, errors.UserError) as e:
       raise SystemExit(f"--capacity: arm {name}: {e}") from None
-  done: set[str] = set()  # Trained (or checked) by this run.
   workdir = lambda name: os.path.join(args.out, "runs", name)
   has_checkpoint = lambda name: bool(runs.checkpoint_steps(workdir(name)))
 
@@ -316,7 +315,6 @@ def run(s, args) -> dict[str, dict]:
       name, s, args.out, args.sqrt_paths, args.seed, args.sqrt_paths_cap, rerouting=rerouting
     )
     r.update(sizes=dataclasses.asdict(s), seed=args.seed)
-    done.add(name)
     if name in committed:
       why = mismatch(committed[name], r)
       if why:
@@ -326,7 +324,7 @@ def run(s, args) -> dict[str, dict]:
           f"holds its checkpoints, or remove {os.path.join(args.results, f'seed{args.seed}')} "
           f"to train seed {args.seed} whole; its JSON is left as it was."
         )
-      if not (rerouting and not rerouted(committed[name])):
+      if not rerouting:  # Else the re-routing read, owed by the committed record.
         print(f"   {name}: the same curve as its committed JSON (kept)", flush=True)
         return
       r["seconds"] = committed[name]["seconds"]  # The training it took when it first ran.
@@ -338,12 +336,9 @@ def run(s, args) -> dict[str, dict]:
     path = write_arm(args.results, args.seed, name, r)
     print(f"   ppl {ppl(r):.2f}  (train {r['seconds']['train']:.0f}s) -> {path}", flush=True)
 
-  # Planned again after each arm: a finished sweep may walk one more outer LR (`swept`).
-  while todo := [
-    n
-    for n in to_train(plan(s, args.stage, models, reference, own), s, own, has_checkpoint)
-    if n not in done
-  ]:
+  # Planned again after each arm: a finished sweep may walk one more outer LR (`swept`). An arm
+  # trained lands in `own`, a θ̄ trained again has its checkpoints: neither is planned again.
+  while todo := to_train(plan(s, args.stage, models, reference, own), s, own, has_checkpoint):
     arm(todo[0])
     gate = gate_models(reference, own)
     if todo[0] in gate and all(m in own for m in gate):
