@@ -90,7 +90,8 @@ def best_arm(agg: dict, base: str | None) -> str | None:
   """`base`'s outer-LR variant with the lowest mean perplexity over the seeds.
 
   Among the variants run on the most seeds: an LR that only seed 0 tried (a later seed keeps
-  seed 0's best: KEEP_LRS) is not weighed, on one seed, against means over several.
+  seed 0's best and those near it: KEEP_WITHIN) is not weighed, on one seed, against means over
+  several.
   """
   have = capacity.variants(agg, base)
   most = max((len(agg[n]["ppl"]) for n in have), default=0)

@@ -119,28 +119,27 @@ def test_saturation_takes_each_ps_best_outer_lr_and_the_gain_of_each_doubling():
   assert not sat["met"] and "3.7% (gate <= 2%: NOT met" in capacity.describe_gate(sat)
 
 
-def test_a_later_seed_runs_each_arms_two_best_outer_lrs_of_seed_0():
+def test_a_later_seed_runs_seed_0s_best_outer_lr_and_those_within_2_percent_of_it():
   seed0 = {
-    "diloco_iid_1_olr0.5": record(47.90),  # Walked to below 0.7, the best: 0.7 and 0.5 kept.
+    "diloco_iid_1_olr0.5": record(47.90),  # 47.90 / 47.27 = 1.3% above the best: kept.
     "diloco_iid_1_olr0.7": record(47.27),
-    "diloco_iid_1_olr1": record(48.68),
+    "diloco_iid_1_olr1": record(48.68),  # 2.98% above: dropped.
     "diloco_iid_1_olr1.4": record(70.41),  # Far off: not trained again.
-    "diloco_iid_8_olr0.7": record(43.07),
-    "diloco_iid_8_olr1": record(41.85),
-    "diloco_iid_8_olr1.4": record(41.50),  # Best: 1.4 and 1.0 kept, 0.7 and 2 dropped.
-    "diloco_iid_8_olr2": record(45.00),
+    "diloco_iid_8_olr0.7": record(43.07),  # 3.8% above 41.50: dropped.
+    "diloco_iid_8_olr1": record(41.85),  # 0.84% above: kept.
+    "diloco_iid_8_olr1.4": record(41.50),  # Best.
+    "diloco_iid_8_olr2": record(42.33),  # 42.33 = 41.50 x 1.02 exactly: kept (<=).
     "diloco_iid_olr0.7": record(43.61),  # P = 4 lacks 1.4 in seed 0: every LR still runs.
     "diloco_iid_olr1": record(43.00),
+    "diloco_iid_2_olr0.7": record(45.11),  # 2.04% above 44.21: dropped, just.
+    "diloco_iid_2_olr1": record(44.21),
+    "diloco_iid_2_olr1.4": record(float("nan")),  # Diverged: never kept.
   }
   gate = capacity.gate_models(seed0)
-  assert [m for m in gate if m.startswith("diloco_iid_1_")] == [
-    "diloco_iid_1_olr0.5",
-    "diloco_iid_1_olr0.7",
-  ]
-  assert [m for m in gate if m.startswith("diloco_iid_8_")] == [
-    "diloco_iid_8_olr1",
-    "diloco_iid_8_olr1.4",
-  ]
+  by = lambda prefix: [m for m in gate if m.startswith(prefix)]
+  assert by("diloco_iid_1_") == ["diloco_iid_1_olr0.5", "diloco_iid_1_olr0.7"]
+  assert by("diloco_iid_8_") == ["diloco_iid_8_olr1", "diloco_iid_8_olr1.4", "diloco_iid_8_olr2"]
+  assert by("diloco_iid_2_") == ["diloco_iid_2_olr1"]
   # Seed 0's P = 2 best at the top of its sweep, 2 not run yet: seed 1 runs all four.
   top = {**seed0, **{f"diloco_iid_2_olr{lr:g}": record(50 - lr) for lr in (0.7, 1.0, 1.4)}}
   assert [m for m in capacity.gate_models(top) if m.startswith("diloco_iid_2_")] == [
@@ -149,14 +148,20 @@ def test_a_later_seed_runs_each_arms_two_best_outer_lrs_of_seed_0():
     "diloco_iid_2_olr1.4",
     "diloco_iid_2_olr2",
   ]
-  assert [m for m in gate if m.startswith("diloco_iid_olr")] == [
-    "diloco_iid_olr0.7",
-    "diloco_iid_olr1",
-    "diloco_iid_olr1.4",
-  ]
-  # DiPaCo tries two LRs: both stay; seed 0 itself (no reference) runs every LR.
+  assert by("diloco_iid_olr") == ["diloco_iid_olr0.7", "diloco_iid_olr1", "diloco_iid_olr1.4"]
+  # DiPaCo: seed 0 not done with it, every LR stays; seed 0 itself (no reference) runs every LR.
   assert capacity.arm_models(seed0) == capacity.arm_models()
-  assert len(capacity.plan(S, "all", None, seed0)) == len(capacity.plan(S, "all", None)) - 2
+  # Seed 1's gate: 2 + 1 + 3 + 3 arms, against the 3 LRs per P a fresh seed 0 starts with.
+  assert len(gate) == 9 and len(capacity.gate_models()) == 12
+  assert len(capacity.plan(S, "all", None, seed0)) == len(capacity.plan(S, "all", None)) - 3
+  # Seed 0's 2x2 routed sweep done (0.5 2.4% above 0.7, 1.0 far off): only 0.7 again.
+  grid = {
+    **seed0,
+    **{f"dipaco_2x2_olr{lr:g}": record(v) for lr, v in ((0.5, 44.41), (0.7, 43.36), (1, 61.41))},
+  }
+  assert [m for m in capacity.arm_models(grid) if m.startswith("dipaco_2x2_olr")] == [
+    "dipaco_2x2_olr0.7"
+  ]
 
 
 def test_seed_0_walks_an_arms_outer_lr_sweep_past_the_edge_that_holds_its_best():
