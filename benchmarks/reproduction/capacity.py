@@ -34,7 +34,8 @@ GATE_GAIN = 0.02  # DiLoCo counts as saturated once P = 4 -> 8 gains at most thi
 # that came within KEEP_WITHIN of it (relative perplexity): where seed 0 could not tell two LRs
 # apart, both run again and each seed's best counts; an LR seed 0 found clearly worse is not
 # trained again (DiLoCo at 1.4 ended 49-60% above its best for every P, P = 8 at 0.7 2.9%). The
-# budget (the issue's ~12 h) is past: this halves a later seed's DiPaCo and P = 8 arms, the dearest.
+# budget (the issue's ~12 h) is past: on seed 0's records this drops the second LR of P = 8 and
+# of both routed grids, the dearest arms (~1 h each).
 KEEP_WITHIN = 0.02
 
 
